@@ -1,0 +1,36 @@
+# rlfabric: the two commands a user needs are `make setup` and `make test` (see README.md).
+PY := .venv/bin/python
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup proto lint test soak bench lock clean help
+
+help:
+	@echo "make setup   create .venv with the pinned CPU stack (idempotent)"
+	@echo "make test    lint + the default test suite (what CI runs)"
+	@echo "make proto   regenerate the gRPC stubs from protos/"
+	@echo "make soak    the slow suites"
+	@echo "make bench   run the benchmarks (results in bench/RESULTS.md)"
+
+setup:
+	@bash deploy/local/setup_cpu.sh
+
+proto:
+	$(PY) -m services.common.protogen
+
+lint:
+	$(PY) -m ruff check services tests bench examples
+
+test: lint
+	$(PY) -m pytest -q tests
+
+soak:
+	$(PY) -m pytest -q -m slow tests
+
+bench:
+	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+lock:
+	$(PY) -m pip freeze | grep -vE '^-e|^rlfabric' > requirements/constraints-cpu.txt
+
+clean:
+	rm -rf .venv .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""rlfabric.v1: generated from protos/rlfabric/v1/*.proto by `make proto`."""

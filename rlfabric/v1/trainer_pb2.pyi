@@ -1,0 +1,204 @@
+from rlfabric.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SequenceBatch(_message.Message):
+    __slots__ = ("sample_ids", "token_ids", "prompt_lengths", "response_lengths", "weights_version")
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    sample_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _common_pb2.Tensor
+    prompt_lengths: _common_pb2.Tensor
+    response_lengths: _common_pb2.Tensor
+    weights_version: int
+    def __init__(self, sample_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., response_lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., weights_version: _Optional[int] = ...) -> None: ...
+
+class LogProbRequest(_message.Message):
+    __slots__ = ("batch", "temperature", "with_entropy")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    WITH_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    batch: SequenceBatch
+    temperature: float
+    with_entropy: bool
+    def __init__(self, batch: _Optional[_Union[SequenceBatch, _Mapping]] = ..., temperature: _Optional[float] = ..., with_entropy: _Optional[bool] = ...) -> None: ...
+
+class LogProbResponse(_message.Message):
+    __slots__ = ("sample_ids", "log_probs", "entropy", "weights_version")
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    sample_ids: _containers.RepeatedScalarFieldContainer[str]
+    log_probs: _common_pb2.Tensor
+    entropy: _common_pb2.Tensor
+    weights_version: int
+    def __init__(self, sample_ids: _Optional[_Iterable[str]] = ..., log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., weights_version: _Optional[int] = ...) -> None: ...
+
+class UpdateRequest(_message.Message):
+    __slots__ = ("batch", "advantages", "old_log_probs", "ref_log_probs", "temperature", "step")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    OLD_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
+    REF_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    batch: SequenceBatch
+    advantages: _common_pb2.Tensor
+    old_log_probs: _common_pb2.Tensor
+    ref_log_probs: _common_pb2.Tensor
+    temperature: float
+    step: int
+    def __init__(self, batch: _Optional[_Union[SequenceBatch, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ref_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
+
+class UpdateResponse(_message.Message):
+    __slots__ = ("metrics", "weights_version", "num_tokens")
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    metrics: _common_pb2.Metrics
+    weights_version: int
+    num_tokens: int
+    def __init__(self, metrics: _Optional[_Union[_common_pb2.Metrics, _Mapping]] = ..., weights_version: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class SaveCheckpointRequest(_message.Message):
+    __slots__ = ("dir", "iteration", "consumed_samples")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    iteration: int
+    consumed_samples: int
+    def __init__(self, dir: _Optional[str] = ..., iteration: _Optional[int] = ..., consumed_samples: _Optional[int] = ...) -> None: ...
+
+class LoadCheckpointRequest(_message.Message):
+    __slots__ = ("dir", "iteration", "finetune", "no_load_optim", "no_load_rng")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    FINETUNE_FIELD_NUMBER: _ClassVar[int]
+    NO_LOAD_OPTIM_FIELD_NUMBER: _ClassVar[int]
+    NO_LOAD_RNG_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    iteration: int
+    finetune: bool
+    no_load_optim: bool
+    no_load_rng: bool
+    def __init__(self, dir: _Optional[str] = ..., iteration: _Optional[int] = ..., finetune: _Optional[bool] = ..., no_load_optim: _Optional[bool] = ..., no_load_rng: _Optional[bool] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("path", "iteration", "consumed_samples", "duration_s")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    iteration: int
+    consumed_samples: int
+    duration_s: float
+    def __init__(self, path: _Optional[str] = ..., iteration: _Optional[int] = ..., consumed_samples: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
+
+class PushWeightsRequest(_message.Message):
+    __slots__ = ("version", "targets", "transport", "bucket_bytes", "plan")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    targets: _containers.RepeatedScalarFieldContainer[str]
+    transport: str
+    bucket_bytes: int
+    plan: bytes
+    def __init__(self, version: _Optional[int] = ..., targets: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., plan: _Optional[bytes] = ...) -> None: ...
+
+class PushWeightsProgress(_message.Message):
+    __slots__ = ("target", "bytes_sent", "bytes_total", "done", "checksum", "elapsed_s")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    bytes_sent: int
+    bytes_total: int
+    done: bool
+    checksum: int
+    elapsed_s: float
+    def __init__(self, target: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_total: _Optional[int] = ..., done: _Optional[bool] = ..., checksum: _Optional[int] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+
+class OffloadRequest(_message.Message):
+    __slots__ = ("params", "grads", "optimizer")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    params: bool
+    grads: bool
+    optimizer: bool
+    def __init__(self, params: _Optional[bool] = ..., grads: _Optional[bool] = ..., optimizer: _Optional[bool] = ...) -> None: ...
+
+class OffloadResponse(_message.Message):
+    __slots__ = ("duration_s", "bytes")
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    duration_s: float
+    bytes: int
+    def __init__(self, duration_s: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class OnloadRequest(_message.Message):
+    __slots__ = ("params", "grads", "optimizer")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    params: bool
+    grads: bool
+    optimizer: bool
+    def __init__(self, params: _Optional[bool] = ..., grads: _Optional[bool] = ..., optimizer: _Optional[bool] = ...) -> None: ...
+
+class TrainerInfoRequest(_message.Message):
+    __slots__ = ("include_parameters",)
+    INCLUDE_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    include_parameters: bool
+    def __init__(self, include_parameters: _Optional[bool] = ...) -> None: ...
+
+class ShardInfo(_message.Message):
+    __slots__ = ("name", "shape", "tp_rank", "pp_rank", "partition_dim")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_DIM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    tp_rank: int
+    pp_rank: int
+    partition_dim: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., partition_dim: _Optional[int] = ...) -> None: ...
+
+class TrainerInfo(_message.Message):
+    __slots__ = ("role", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "weights_version", "iteration", "shards", "dtype")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    weights_version: int
+    iteration: int
+    shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
+    dtype: str
+    def __init__(self, role: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., weights_version: _Optional[int] = ..., iteration: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., dtype: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,53 @@
+"""The `rlfabric` command: one entry point, one subcommand module per area.
+
+Each module in SUBCOMMAND_MODULES exposes `add_subcommands(subparsers)`; it declares its parsers and sets
+`func` on each, a callable taking the parsed args and returning an exit code. Only the chosen subcommand's
+heavy imports load (they live inside the funcs), so `rlfabric --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "services.coordinator.data_cli",
+    "services.common.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlfabric",
+        description="GRPO post-training as gRPC services, compatible with MindSpeed-RL configs and data.",
+    )
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    parser.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).add_subcommands(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    from services.common.logs import setup_logging
+
+    setup_logging(args.log_level, json_format=args.log_json)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        logging.shutdown()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Code every service shares: config, wire formats, gRPC server/client helpers, Redis layer, metrics."""

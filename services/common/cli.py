@@ -1,0 +1,31 @@
+"""Subcommands that need no service: `rlfabric tiny-model`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "tiny-model",
+        help="write a tiny random Qwen2 model with a byte-level BPE tokenizer (for tests and the demo)",
+        description="Writes a seeded, randomly initialised Qwen2 model in HF layout, loadable by transformers "
+        "and vLLM, with a real byte-level BPE tokenizer carrying the ChatML special tokens. No hub access.",
+    )
+    p.add_argument("out_dir", help="output folder (created)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer and embedding size (default 4096)")
+    p.add_argument("--hidden-size", type=int, default=128, help="hidden size (default 128)")
+    p.add_argument("--num-layers", type=int, default=2, help="transformer layers (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and tokenizer corpus (default 0)")
+    p.set_defaults(func=_tiny_model)
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    from services.common.tiny_model import write_tiny_model
+
+    if args.vocab_size < 300:
+        raise SystemExit(f"--vocab-size {args.vocab_size} is too small: a byte-level BPE needs at least 259 entries")
+    out = write_tiny_model(args.out_dir, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+                           num_layers=args.num_layers, seed=args.seed)
+    print(out)
+    return 0

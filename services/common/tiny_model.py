@@ -1,0 +1,113 @@
+"""A tiny, seeded, randomly initialised Qwen2 model with a real byte-level BPE tokenizer.
+
+Tests, the demo and the CPU benchmarks need a model that transformers, vLLM and Megatron all load, with no
+hub access. The tokenizer is trained here, deterministically, on arithmetic and math text (the W1
+workload of the benchmarks), and carries the ChatML special tokens of the Qwen family.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+PAD_TOKEN, BOS_LIKE, EOS_TOKEN = SPECIAL_TOKENS
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _corpus(seed: int, lines: int = 6000) -> list[str]:
+    rng = random.Random(seed)
+    words = ("What is the answer sum of and Let Find compute Solve value number problem step think "
+             "therefore final boxed integer real equation triangle circle area probability").split()
+    syllables = [c + v for c in "bcdfghklmnprstvwz" for v in "aeiou"] + ["th", "ing", "er", "ion", "al"]
+    out = []
+    for i in range(lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        if i % 3 == 0:
+            out.append(f"What is {a} + {b}? The answer is {a + b}.")
+        elif i % 3 == 1:
+            out.append(f"<think> {a} + {b} = {a + b} </think> <answer> \\boxed{{{a + b}}} </answer>")
+        else:
+            out.append(" ".join(rng.choice(words) for _ in range(12)) + f" $x^{a % 9} + \\frac{{{a}}}{{{b + 1}}}$")
+        # Pseudo-words give the BPE trainer enough distinct merges to fill a 4096-entry vocabulary.
+        out.append(" ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(10)))
+    return out
+
+
+def train_tokenizer(vocab_size: int = 4096, seed: int = 0):
+    """A byte-level BPE `tokenizers.Tokenizer` of exactly `vocab_size` entries (special tokens first)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    return tok
+
+
+def write_tiny_model(
+    out_dir: str | Path,
+    *,
+    vocab_size: int = 4096,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 512,
+    tie_word_embeddings: bool = True,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+) -> Path:
+    """Writes a Qwen2 HF folder (config, fp32 safetensors, tokenizer) to `out_dir` and returns it."""
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = train_tokenizer(vocab_size, seed)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+        additional_special_tokens=[BOS_LIKE], chat_template=CHATML_TEMPLATE,
+    )
+    tokenizer.save_pretrained(out)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    _pin_tokenizer_class(out)
+    return out
+
+
+def _pin_tokenizer_class(out: Path) -> None:
+    # Qwen2's own tokenizer class needs vocab.json/merges.txt; the fast generic class reads tokenizer.json
+    # alone, which is what vLLM and transformers both accept without trust_remote_code.
+    path = out / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(cfg, indent=2) + "\n")

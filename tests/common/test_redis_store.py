@@ -1,0 +1,87 @@
+"""The Redis layer against a real private redis-server: leases, heartbeats, journal."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services.common.redis_store import Registry, RunJournal, connect, start_private_redis
+
+
+def wait_until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_private_redis_starts_and_stops() -> None:
+    server = start_private_redis()
+    client = connect(server.url)
+    assert client.ping()
+    server.stop()
+    assert server.process.poll() is not None
+    assert not server.workdir.exists()
+
+
+def test_heartbeats_keep_a_registration_alive_past_its_lease(redis_url: str) -> None:
+    registry = Registry(connect(redis_url), prefix="t-alive")
+    with registry.register("reward", "w1", "127.0.0.1:1", lease_s=0.6, metadata={"slots": 4}):
+        time.sleep(1.5)  # 2.5 leases
+        members = registry.members("reward")
+        assert [(m.instance_id, m.endpoint, m.metadata) for m in members] == [("w1", "127.0.0.1:1", {"slots": 4})]
+    assert registry.members("reward") == []  # close() deregisters at once
+
+
+def test_killed_instance_leaves_the_registry_within_its_lease(redis_url: str) -> None:
+    lease_s = 1.0
+    code = (
+        "import sys, time; from services.common.redis_store import Registry, connect; "
+        f"r = Registry(connect({redis_url!r}), prefix='t-kill').register('rollout', 'victim', '127.0.0.1:9', lease_s={lease_s}); "
+        "print('up', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        registry = Registry(connect(redis_url), prefix="t-kill")
+        assert [m.instance_id for m in registry.members("rollout")] == ["victim"]
+        proc.kill()
+        proc.wait()
+        killed_at = time.monotonic()
+        assert wait_until(lambda: registry.members("rollout") == [], timeout_s=lease_s + 1.0)
+        # It was still present right after the kill only because its lease had not run out.
+        assert time.monotonic() - killed_at <= lease_s + 1.0
+    finally:
+        proc.kill()
+
+
+def test_registration_comes_back_after_redis_loses_it(redis_url: str) -> None:
+    client = connect(redis_url)
+    registry = Registry(client, prefix="t-flush")
+    with registry.register("trainer", "t0", "127.0.0.1:2", lease_s=0.6):
+        for key in client.scan_iter("t-flush:*"):
+            client.delete(key)
+        assert registry.members("trainer") == []
+        assert wait_until(lambda: len(registry.members("trainer")) == 1, timeout_s=1.0)
+
+
+def test_invalid_lease_is_refused(redis_url: str) -> None:
+    with pytest.raises(ValueError, match="lease_s must be > 0"):
+        Registry(connect(redis_url)).register("x", "y", "z", lease_s=0)
+
+
+def test_run_journal_round_trip_and_idempotent_replay(redis_url: str) -> None:
+    journal = RunJournal(connect(redis_url), "run-a")
+    assert not journal.exists()
+    journal.write(phase="rollout", cursor={"consumed_batches": 3}, weights_version=2)
+    journal.record_iteration(3, {"timing/all": 1.5}, phase="done", weights_version=3)
+    journal.record_iteration(3, {"timing/all": 1.5}, phase="done", weights_version=3)  # a replayed write
+    assert journal.read() == {"phase": "done", "cursor": {"consumed_batches": 3}, "weights_version": 3, "iteration": 3}
+    assert journal.iterations() == {3: {"timing/all": 1.5}}
+    journal.delete()
+    assert not journal.exists()
