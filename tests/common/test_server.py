@@ -85,3 +85,53 @@ def test_stop_turns_health_not_serving() -> None:
     assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.NOT_SERVING
     srv.stop(0)
     channel.close()
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:  # noqa: ANN001
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+def test_tls_with_token_call_credentials(tmp_path) -> None:  # noqa: ANN001
+    from services.common.server import TlsConfig
+
+    cert, key = _self_signed(tmp_path)
+    srv = create_server(
+        [ServiceSpec(reward_pb2_grpc.add_RewardServicer_to_server, EchoReward(), "rlfabric.v1.Reward")],
+        "localhost:0", component="tls", metrics_port=None, auth_token=TOKEN, tls=TlsConfig(cert, key),
+    ).start()
+    try:
+        target = f"localhost:{srv.port}"
+        with make_channel(target, tls_ca=cert, token=TOKEN) as channel:
+            reply = reward_pb2_grpc.RewardStub(channel).ListVerifiers(reward_pb2.ListVerifiersRequest(), timeout=5)
+            assert reply.verifiers[0].name == "echo"
+        with make_channel(target, tls_ca=cert) as channel:  # TLS but no token: every method is guarded here
+            with pytest.raises(grpc.RpcError) as err:
+                reward_pb2_grpc.RewardStub(channel).ListVerifiers(reward_pb2.ListVerifiersRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with make_channel(target) as channel:  # plaintext against a TLS server never connects
+            with pytest.raises(grpc.RpcError) as err:
+                reward_pb2_grpc.RewardStub(channel).ListVerifiers(reward_pb2.ListVerifiersRequest(), timeout=2)
+            assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    finally:
+        srv.stop(0)
