@@ -1,0 +1,109 @@
+"""The seed's per-iteration metric table, computed from phase spans and the batch (pure functions).
+
+Timing semantics follow MindSpeed-RL (see the design notes on parity):
+- each `timing/{phase}` is the wall span from the earliest start to the latest end over every record of
+  that phase (ranks, micro-batches, replicas);
+- resharding timings are the longest single duration;
+- `timing/non_overlap_reference_model = ref_end - max(old_log_p_end, ref_start)`, clipped at 0: the part of
+  the reference pass that was not hidden behind the actor's old-log-prob pass (the rollout end stands in
+  for `old_log_p_end` when old log-probs are skipped); the same shape for `rule_reward` and `reward_model`;
+  `timing/non_overlap_adv = adv_end - old_log_p_end`;
+- throughput: (response_length/mean + prompt_length/mean) x global_batch_size x n_samples_per_prompt /
+  world_size / timing/{all|update|rollout} for `e2e_tps`, `update_tps` and `vllm_tps`.
+
+With rule rewards only, `grpo/score/*` and `grpo/rewards/*` both describe the final per-sample reward;
+they differ once a reward model (whose scores are normalised) joins.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SPAN_PHASES = ("rollout", "old_log_p", "reference_model", "rule_reward", "reward_model", "adv", "update",
+               "ref_onload", "ref_offload")
+DURATION_PHASES = ("resharding_to_train", "resharding_to_infer")
+
+
+@dataclass
+class PhaseClock:
+    """Collects (start, end) records per phase, from any thread, in one clock (time.perf_counter)."""
+
+    spans: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
+
+    def record(self, phase: str, start: float, end: float) -> None:
+        if end < start:
+            raise ValueError(f"phase {phase!r} ends ({end}) before it starts ({start})")
+        self.spans[phase].append((start, end))
+
+    def start(self, phase: str) -> float | None:
+        records = self.spans.get(phase)
+        return min(s for s, _ in records) if records else None
+
+    def end(self, phase: str) -> float | None:
+        records = self.spans.get(phase)
+        return max(e for _, e in records) if records else None
+
+    def span(self, phase: str) -> float:
+        start, end = self.start(phase), self.end(phase)
+        return 0.0 if start is None or end is None else end - start
+
+    def longest(self, phase: str) -> float:
+        return max((e - s for s, e in self.spans.get(phase, ())), default=0.0)
+
+
+def timing_metrics(clock: PhaseClock, iteration_start: float, iteration_end: float) -> dict[str, float]:
+    """`timing/*` for one iteration; `iteration_end` excludes logging and checkpointing."""
+    out = {f"timing/{p}": clock.span(p) for p in SPAN_PHASES}
+    out.update({f"timing/{p}": clock.longest(p) for p in DURATION_PHASES})
+    out["timing/all"] = iteration_end - iteration_start
+    old_end = clock.end("old_log_p")
+    if old_end is None:
+        old_end = clock.end("rollout") or iteration_start
+    for phase in ("reference_model", "rule_reward", "reward_model"):
+        start, end = clock.start(phase), clock.end(phase)
+        out[f"timing/non_overlap_{phase}"] = 0.0 if start is None else max(0.0, end - max(old_end, start))
+    adv_end = clock.end("adv")
+    out["timing/non_overlap_adv"] = 0.0 if adv_end is None else max(0.0, adv_end - old_end)
+    return out
+
+
+def _stats(prefix: str, values: Sequence[float] | np.ndarray) -> dict[str, float]:
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.size == 0:
+        return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
+    return {f"{prefix}/mean": float(arr.mean()), f"{prefix}/max": float(arr.max()), f"{prefix}/min": float(arr.min())}
+
+
+def batch_metrics(
+    *,
+    rewards: Sequence[float],
+    verifier_scores: Mapping[str, Sequence[float]],
+    prompt_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    global_batch_size: int,
+    n_samples_per_prompt: int,
+    world_size: int,
+    timings: Mapping[str, float],
+    log_max_throughput: bool = False,
+) -> dict[str, float]:
+    """Reward, length, size and throughput metrics of one iteration (names as in the seed)."""
+    out: dict[str, float] = {}
+    out.update(_stats("grpo/score", rewards))
+    out.update(_stats("grpo/rewards", rewards))
+    for name, scores in verifier_scores.items():
+        out[f"{name}_rewards/mean"] = float(np.mean(scores)) if len(scores) else 0.0
+    out.update(_stats("response_length", response_lengths))
+    out.update(_stats("prompt_length", prompt_lengths))
+    out["global_batch_size"] = float(global_batch_size)
+    out["n_samples_per_prompt"] = float(n_samples_per_prompt)
+    out["world_size"] = float(world_size)
+    key = "max" if log_max_throughput else "mean"
+    tokens = (out[f"response_length/{key}"] + out[f"prompt_length/{key}"]) * global_batch_size * n_samples_per_prompt
+    for metric, phase in (("e2e_tps", "timing/all"), ("update_tps", "timing/update"), ("vllm_tps", "timing/rollout")):
+        seconds = timings.get(phase, 0.0)
+        out[metric] = tokens / world_size / seconds if seconds > 0 else 0.0
+    return out

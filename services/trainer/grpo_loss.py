@@ -1,0 +1,345 @@
+"""The GRPO / DAPO actor loss: pure tensor functions, no model, no I/O, no parallel state.
+
+This module owns the math of one actor update step on one micro-batch. The trainer's update loop
+calls it; everything about batching, Megatron and gradients lives there.
+
+Formulas (per response token t of sample i; `A_i` is the group-normalised advantage from
+`services/coordinator/advantages.py`, broadcast over the sample's response tokens)::
+
+    log p_t   = log_softmax(logits_t / temperature)[token_t]        compute_log_probs
+    ratio_t   = exp(log p_t - log p_old_t)
+    pg_t      = max(-A_i * ratio_t, -A_i * clip(ratio_t, 1 - eps_low, 1 + eps_high))   policy_loss
+    d_t       = log p_ref_t - log p_t
+    kl_t      = clamp(exp(clamp(d_t, -20, 20)) - clamp(d_t, -20, 20) - 1, -10, 10)     low_var_kl (k3)
+              | log p_t - log p_ref_t                                                   kl  (k1)
+              | |log p_t - log p_ref_t|                                                 abs
+              | 0.5 * (log p_t - log p_ref_t)^2                                         mse (k2)
+    loss      = agg(pg) + kl_coef * token_mean(kl) - entropy_coeff * token_mean(entropy)
+
+`agg` is "token-mean" (mean over every response token of the micro-batch; YAML
+`rl_config.token_level_loss: true`, the default) or "seq-mean-token-mean" (mean over each sample's
+tokens, then over samples; `token_level_loss: false`). As in MindSpeed-RL, the aggregation mode
+applies to the policy-gradient term only; the KL and entropy terms are always token means.
+
+Papers: GRPO, DeepSeekMath https://arxiv.org/abs/2402.03300 (group advantages, KL in the loss with
+the k3 estimator); DAPO https://arxiv.org/abs/2503.14476 (clip-higher, token-level loss, no KL,
+dynamic sampling, overlong shaping); k1/k2/k3 from J. Schulman, "Approximating KL Divergence",
+http://joschu.net/blog/kl-approx.html.
+
+Which YAML key selects which variant (MindSpeed-RL `rl_config`):
+    clip_ratio                                  eps_low = eps_high = clip_ratio
+    clip_higher_enable, clip_ratio_low/_high    eps_low, eps_high (DAPO clip-higher)
+    kl_penalty                                  low_var_kl | kl | abs | mse  (see KL_PENALTIES)
+    init_kl_coef (through the KL controller)    kl_coef; DAPO runs pass use_kl=False
+    entropy_coeff                               entropy bonus weight (entropy only needed if != 0)
+    token_level_loss                            token-mean vs seq-mean-token-mean (LOSS_AGG_MODES)
+
+Contract with the caller (the trainer's update loop):
+- All per-token tensors are `[batch, seq]` over the response tokens only, aligned so that
+  `log_probs[:, t]` is the log-probability of the t-th response token; `response_mask[:, t]` is 1
+  on real response tokens and 0 on padding. `advantages` is `[batch, seq]` or `[batch]`.
+- `grpo_loss` returns the loss of ONE micro-batch (a mean over that micro-batch). The caller
+  averages micro-batch losses over the mini-batch, e.g. backward on `loss / num_micro_batches`,
+  and averages the metrics the same way; that reproduces MindSpeed-RL's "token mean per
+  micro-batch, averaged over the mini-batch".
+- Old log-probs may be None when the update is fully on-policy (`can_skip_old_log_probs`): the
+  ratio is then exp(log p - detach(log p)) == 1 with the correct gradient.
+- With tensor parallelism the logits are vocab-sharded; `compute_log_probs` expects full-vocab
+  logits, so a TP trainer gathers them first or applies the same formula with all-reduces.
+
+Metrics are floats (detached): `actor/pg_loss` (the aggregated clipped surrogate, signed),
+`actor/pg_clipfrac`, `actor/ppo_kl` (token mean of old - new), `actor/kl_loss` (token mean of
+the KL penalty, before kl_coef), `actor/entropy`, and `actor/loss` (the total). Note that
+MindSpeed-RL logs `abs(total loss)` under `actor/pg_loss`; `abs(actor/loss)` gives that number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+# Clamps of the k3 estimator: exp(20) is finite in bf16/fp32, and bounding k3 keeps one
+# off-support token from dominating the loss.
+_K3_LOG_RATIO_CLAMP = 20.0
+_K3_VALUE_CLAMP = 10.0
+
+
+def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of `values` over positions where `mask` is 1.
+
+    Args:
+        values: `[batch, seq]`.
+        mask: `[batch, seq]`, bool or 0/1 numbers.
+        dim: None for the mean over all masked tokens, -1 for one mean per row.
+
+    Returns:
+        A 0-dim tensor (dim None) or `[batch]`. A row or batch without any masked token gives 0
+        rather than NaN (its count is clamped to 1).
+    """
+    mask = mask.to(values.dtype)
+    total = (values * mask).sum() if dim is None else (values * mask).sum(dim=dim)
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    return total / count.clamp(min=1.0)
+
+
+def compute_log_probs(
+    logits: Tensor, token_ids: Tensor, temperature: float = 1.0, *, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probabilities of `token_ids` (and optionally the entropy) under `logits / temperature`.
+
+    Dividing by the sampling temperature makes these the log-probs of the distribution vLLM
+    actually sampled from, which is what the importance ratio needs.
+
+    Args:
+        logits: `[batch, seq, vocab]`, full vocabulary, already shifted so that `logits[:, t]`
+            predicts `token_ids[:, t]`. Half-precision logits are upcast to float32.
+        token_ids: `[batch, seq]` int64.
+        temperature: the rollout's `sampling_config.temperature`; must be > 0.
+        with_entropy: also return the entropy of each position's distribution.
+
+    Returns:
+        `(log_probs [batch, seq], entropy [batch, seq] or None)`.
+    """
+    if temperature <= 0:
+        raise ValueError(
+            f"temperature must be > 0 to compute log-probs, got {temperature}; "
+            "set generate_config.sampling_config.temperature to a positive value"
+        )
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    scaled = logits / temperature
+    log_norm = torch.logsumexp(scaled, dim=-1)  # [batch, seq]
+    picked = scaled.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)  # [batch, seq]
+    log_probs = picked - log_norm
+    entropy = None
+    if with_entropy:
+        # H = log Z - sum_v p_v * z_v, with p = softmax(z): one pass, no log of small p_v.
+        probs = torch.softmax(scaled, dim=-1)
+        entropy = log_norm - (probs * scaled).sum(dim=-1)
+    return log_probs, entropy
+
+
+def policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor | None,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+) -> tuple[Tensor, dict[str, float]]:
+    """Per-token clipped surrogate loss of PPO/GRPO with asymmetric clipping (DAPO clip-higher).
+
+    Args:
+        log_probs: `[batch, seq]` current policy, with gradient.
+        old_log_probs: `[batch, seq]` policy that generated the samples; None when on-policy.
+        advantages: `[batch, seq]` or `[batch]` (broadcast over tokens).
+        response_mask: `[batch, seq]`.
+        clip_ratio_low: the ratio is clipped below at 1 - clip_ratio_low.
+        clip_ratio_high: the ratio is clipped above at 1 + clip_ratio_high.
+
+    Returns:
+        `(per_token_loss [batch, seq], metrics)`; padding positions hold values that the caller
+        masks out in `aggregate_loss`. Metrics: `actor/pg_clipfrac` (share of response tokens
+        where the clipped term is the larger one) and `actor/ppo_kl` (token mean of old - new).
+    """
+    if old_log_probs is None:
+        old_log_probs = log_probs.detach()
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    log_ratio = log_probs - old_log_probs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    per_token = torch.maximum(unclipped, clipped)
+    with torch.no_grad():
+        metrics = {
+            "actor/pg_clipfrac": masked_mean((clipped > unclipped).to(log_probs.dtype), response_mask).item(),
+            "actor/ppo_kl": masked_mean(-log_ratio, response_mask).item(),
+        }
+    return per_token, metrics
+
+
+def _kl_k3(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    d = torch.clamp(ref_log_probs - log_probs, -_K3_LOG_RATIO_CLAMP, _K3_LOG_RATIO_CLAMP)
+    return torch.clamp(torch.exp(d) - d - 1.0, -_K3_VALUE_CLAMP, _K3_VALUE_CLAMP)
+
+
+def _kl_k1(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    return log_probs - ref_log_probs
+
+
+def _kl_abs(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    return (log_probs - ref_log_probs).abs()
+
+
+def _kl_k2(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    return 0.5 * (log_probs - ref_log_probs).square()
+
+
+# YAML `rl_config.kl_penalty` -> per-token estimator of KL(pi || pi_ref), `[batch, seq]`.
+KL_PENALTIES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "low_var_kl": _kl_k3,
+    "kl": _kl_k1,
+    "abs": _kl_abs,
+    "mse": _kl_k2,
+}
+
+
+def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl") -> Tensor:
+    """Per-token KL penalty between the current policy and the reference.
+
+    Args:
+        log_probs: `[batch, seq]` current policy, with gradient.
+        ref_log_probs: `[batch, seq]` reference policy (no gradient needed).
+        kind: one of `KL_PENALTIES` (YAML `rl_config.kl_penalty`).
+
+    Returns:
+        `[batch, seq]`; the caller masks and aggregates it.
+    """
+    return _kl_estimator(kind)(log_probs, ref_log_probs)
+
+
+def _kl_estimator(kind: str) -> Callable[[Tensor, Tensor], Tensor]:
+    try:
+        return KL_PENALTIES[kind]
+    except KeyError:
+        raise ValueError(
+            f"unsupported kl_penalty {kind!r} (rl_config.kl_penalty); supported: {sorted(KL_PENALTIES)}"
+        ) from None
+
+
+def _token_mean(per_token: Tensor, mask: Tensor) -> Tensor:
+    return masked_mean(per_token, mask)
+
+
+def _seq_mean_token_mean(per_token: Tensor, mask: Tensor) -> Tensor:
+    return masked_mean(per_token, mask, dim=-1).mean()
+
+
+# Aggregation of a `[batch, seq]` per-token loss into the micro-batch loss.
+LOSS_AGG_MODES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "token-mean": _token_mean,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+}
+
+
+def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
+    """Reduce a `[batch, seq]` per-token loss to a scalar over the masked tokens.
+
+    "token-mean": sum over all masked tokens / their count (every token weighs the same, DAPO).
+    "seq-mean-token-mean": mean over each row's masked tokens, then the mean over rows (every
+    sample weighs the same, the original GRPO).
+    """
+    try:
+        fn = LOSS_AGG_MODES[mode]
+    except KeyError:
+        raise ValueError(
+            f"unsupported loss aggregation mode {mode!r}; supported: {sorted(LOSS_AGG_MODES)}"
+        ) from None
+    return fn(per_token, mask)
+
+
+def can_skip_old_log_probs(global_batch_size: int, mini_batch_size: int, epochs: int) -> bool:
+    """Whether the update is fully on-policy, so the old log-probs equal the current ones.
+
+    True when one iteration makes exactly one optimizer step over its batch: a single mini-batch
+    (`rl_config.mini_batch_size` == `megatron_training.global_batch_size`, both in prompts) and
+    `rl_config.epochs` == 1. The trainer may then skip `ComputeLogProbs` for the actor and pass
+    `old_log_probs=None`.
+    """
+    return mini_batch_size == global_batch_size and epochs == 1
+
+
+def grpo_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor | None,
+    ref_log_probs: Tensor | None,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    clip_ratio: float,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    kl_penalty: str = "low_var_kl",  # spelled as the YAML key, so it shadows the function here
+    kl_coef: float = 0.001,
+    use_kl: bool = True,
+    entropy_coeff: float = 0.0,
+    entropy: Tensor | None = None,
+    token_level_loss: bool = True,
+) -> tuple[Tensor, dict[str, float]]:
+    """The GRPO (or DAPO) actor loss of one micro-batch.
+
+    Args:
+        log_probs: `[batch, seq]` current policy, with gradient (`compute_log_probs`).
+        old_log_probs: `[batch, seq]` behaviour policy, or None when on-policy (ratio == 1).
+        ref_log_probs: `[batch, seq]` reference policy; required when `use_kl`.
+        advantages: `[batch, seq]` or `[batch]`.
+        response_mask: `[batch, seq]`, 1 on response tokens.
+        clip_ratio: symmetric clip range; used for a side whose own ratio is None.
+        clip_ratio_low, clip_ratio_high: DAPO clip-higher bounds (YAML keys of the same names,
+            active with `clip_higher_enable`).
+        kl_penalty: KL estimator, a key of `KL_PENALTIES`.
+        kl_coef: weight of the KL term (the KL controller's current value).
+        use_kl: False for DAPO (no reference model, no KL term).
+        entropy_coeff: weight of the entropy bonus (subtracted from the loss).
+        entropy: `[batch, seq]` per-token entropy with gradient (`compute_log_probs(...,
+            with_entropy=True)`); required when `entropy_coeff != 0`, optional otherwise (then it
+            only feeds the `actor/entropy` metric, which is 0.0 when it is absent).
+        token_level_loss: True for "token-mean", False for "seq-mean-token-mean" on the pg term.
+
+    Returns:
+        `(loss, metrics)`: a 0-dim tensor to backpropagate (one micro-batch's mean; see the
+        module docstring for the mini-batch contract) and detached float metrics.
+    """
+    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    if low < 0 or high < 0:
+        raise ValueError(
+            f"clip ratios must be >= 0, got clip_ratio_low={low}, clip_ratio_high={high} "
+            "(rl_config.clip_ratio / clip_ratio_low / clip_ratio_high)"
+        )
+    if entropy_coeff != 0 and entropy is None:
+        raise ValueError(
+            f"entropy_coeff={entropy_coeff} needs the per-token entropy: "
+            "call compute_log_probs(..., with_entropy=True) and pass entropy="
+        )
+
+    per_token_pg, metrics = policy_loss(
+        log_probs, old_log_probs, advantages, response_mask, clip_ratio_low=low, clip_ratio_high=high
+    )
+    pg = aggregate_loss(
+        per_token_pg, response_mask, "token-mean" if token_level_loss else "seq-mean-token-mean"
+    )
+    loss = pg
+
+    if use_kl:
+        if ref_log_probs is None:
+            raise ValueError(
+                "use_kl=True needs ref_log_probs (the reference model's log-probs); "
+                "pass them, or set use_kl=False for a run without KL (DAPO)"
+            )
+        kl = masked_mean(_kl_estimator(kl_penalty)(log_probs, ref_log_probs), response_mask)
+        loss = loss + kl_coef * kl
+        kl_value = kl.item()
+    else:
+        kl_value = 0.0
+
+    entropy_value = 0.0
+    if entropy is not None:
+        mean_entropy = masked_mean(entropy, response_mask)
+        if entropy_coeff != 0:
+            loss = loss - entropy_coeff * mean_entropy
+        entropy_value = mean_entropy.item()
+
+    metrics.update(
+        {
+            "actor/pg_loss": pg.item(),
+            "actor/kl_loss": kl_value,
+            "actor/entropy": entropy_value,
+            "actor/loss": loss.item(),
+        }
+    )
+    return loss, metrics

@@ -1,0 +1,73 @@
+"""The seed's metric semantics, worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.coordinator.iteration_metrics import PhaseClock, batch_metrics, timing_metrics
+
+
+def test_spans_run_from_earliest_start_to_latest_end() -> None:
+    clock = PhaseClock()
+    clock.record("rollout", 1.0, 4.0)  # replica 0
+    clock.record("rollout", 2.0, 6.0)  # replica 1
+    clock.record("resharding_to_infer", 10.0, 10.5)
+    clock.record("resharding_to_infer", 10.0, 11.25)
+    t = timing_metrics(clock, iteration_start=0.0, iteration_end=12.0)
+    assert t["timing/rollout"] == 5.0  # 6 - 1, not 3 + 4
+    assert t["timing/resharding_to_infer"] == 1.25  # the longest single duration
+    assert t["timing/all"] == 12.0
+    assert t["timing/update"] == 0.0  # phases that did not run report 0
+
+
+def test_non_overlap_is_what_old_log_p_did_not_hide() -> None:
+    clock = PhaseClock()
+    clock.record("rollout", 0.0, 5.0)
+    clock.record("old_log_p", 5.0, 7.0)
+    clock.record("reference_model", 3.0, 8.5)  # overlaps rollout and old_log_p; 1.5 s sticks out
+    clock.record("rule_reward", 1.0, 6.0)  # fully hidden
+    clock.record("adv", 8.5, 8.75)
+    t = timing_metrics(clock, 0.0, 9.0)
+    assert t["timing/non_overlap_reference_model"] == 1.5  # 8.5 - max(7.0, 3.0)
+    assert t["timing/non_overlap_rule_reward"] == 0.0  # 6 - 7 clipped at 0
+    assert t["timing/non_overlap_adv"] == 1.75  # 8.75 - 7.0
+    assert t["timing/non_overlap_reward_model"] == 0.0
+
+
+def test_non_overlap_without_old_log_p_measures_from_rollout_end() -> None:
+    clock = PhaseClock()
+    clock.record("rollout", 0.0, 5.0)
+    clock.record("reference_model", 4.0, 6.0)
+    assert timing_metrics(clock, 0.0, 7.0)["timing/non_overlap_reference_model"] == 1.0
+
+
+def test_a_phase_that_ends_before_it_starts_is_refused() -> None:
+    with pytest.raises(ValueError, match="ends"):
+        PhaseClock().record("update", 2.0, 1.0)
+
+
+def test_batch_metrics_and_throughput() -> None:
+    m = batch_metrics(
+        rewards=[1.0, 0.0, 1.0, 0.0],
+        verifier_scores={"math_17k_acc": [1.0, 0.0, 1.0, 0.0]},
+        prompt_lengths=[10, 10, 14, 14],
+        response_lengths=[20, 30, 40, 10],
+        global_batch_size=2,
+        n_samples_per_prompt=2,
+        world_size=2,
+        timings={"timing/all": 4.0, "timing/update": 1.0, "timing/rollout": 2.0},
+    )
+    assert m["grpo/score/mean"] == 0.5 and m["grpo/rewards/max"] == 1.0 and m["grpo/rewards/min"] == 0.0
+    assert m["math_17k_acc_rewards/mean"] == 0.5
+    assert (m["response_length/mean"], m["response_length/min"], m["response_length/max"]) == (25.0, 10.0, 40.0)
+    assert m["prompt_length/mean"] == 12.0
+    # (25 + 12) * 2 * 2 / 2 = 74 tokens per device
+    assert m["e2e_tps"] == 74 / 4.0 and m["update_tps"] == 74.0 and m["vllm_tps"] == 37.0
+    assert (m["global_batch_size"], m["n_samples_per_prompt"], m["world_size"]) == (2.0, 2.0, 2.0)
+
+
+def test_log_max_throughput_uses_max_lengths() -> None:
+    m = batch_metrics(rewards=[0.0, 0.0], verifier_scores={}, prompt_lengths=[10, 20], response_lengths=[5, 15],
+                      global_batch_size=1, n_samples_per_prompt=2, world_size=1, timings={"timing/all": 2.0},
+                      log_max_throughput=True)
+    assert m["e2e_tps"] == (15 + 20) * 2 / 2.0
