@@ -1,0 +1,40 @@
+"""decode(encode(x)) == x for flat sequence batches, and inconsistent batches are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlfabric.v1 import trainer_pb2
+from services.common.sequences import Sequences, split_response_values
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 12)), min_size=0, max_size=6), st.integers(0, 2**40))
+def test_round_trip(lengths: list[tuple[int, int]], version: int) -> None:
+    rng = np.random.default_rng(len(lengths))
+    prompts = [rng.integers(0, 5000, p, dtype=np.int32) for p, _ in lengths]
+    responses = [rng.integers(0, 5000, r, dtype=np.int32) for _, r in lengths]
+    ids = [f"g{i // 2}/{i % 2}" for i in range(len(lengths))]
+    seqs = Sequences.from_lists(ids, prompts, responses, version)
+    back = Sequences.from_proto(trainer_pb2.SequenceBatch.FromString(seqs.to_proto().SerializeToString()))
+    assert back.sample_ids == ids and back.weights_version == version
+    for (p, r), p0, r0 in zip(back.split(), prompts, responses, strict=True):
+        np.testing.assert_array_equal(p, p0)
+        np.testing.assert_array_equal(r, r0)
+
+
+def test_inconsistent_lengths_are_refused() -> None:
+    with pytest.raises(ValueError, match="add up to 5 tokens"):
+        Sequences(["a"], np.zeros(4, np.int32), np.array([2], np.int32), np.array([3], np.int32))
+    with pytest.raises(ValueError, match="prompt of >= 1 token"):
+        Sequences(["a"], np.zeros(3, np.int32), np.array([0], np.int32), np.array([3], np.int32))
+
+
+def test_split_response_values() -> None:
+    parts = split_response_values(np.arange(5, dtype=np.float32), [2, 0, 3])
+    assert [p.tolist() for p in parts] == [[0.0, 1.0], [], [2.0, 3.0, 4.0]]
+    with pytest.raises(ValueError, match="expected 5"):
+        split_response_values(np.arange(4, dtype=np.float32), [2, 0, 3])
