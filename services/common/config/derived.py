@@ -1,0 +1,165 @@
+"""Values computed from a loaded configuration: parallel sizes, batch arithmetic, dispatch sizes.
+
+Pure arithmetic over the section dataclasses, no I/O. Every value is None when its inputs are
+missing or not divisible (validation.py reports why), so derivation never raises.
+
+Units: `*_batch_size` and `*_dispatch_size` values here are in SAMPLES (one prompt x one response)
+unless the name says prompts; `global_batch_size` and `rl_config.mini_batch_size` are in prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from services.common.config.megatron import MegatronConfig
+from services.common.config.sections import GenerateConfig, RLConfig
+
+
+def _div(a: int | None, b: int | None) -> int | None:
+    """a / b when both are set, b > 0 and b divides a; otherwise None."""
+    if a is None or b is None or b <= 0 or a % b != 0:
+        return None
+    return a // b
+
+
+def _mul(*values: int | None) -> int | None:
+    out = 1
+    for v in values:
+        if v is None:
+            return None
+        out *= v
+    return out
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Values every service derives the same way from the YAML (see module docstring for units)."""
+
+    actor_world_size: int | None
+    actor_model_parallel_size: int | None
+    actor_data_parallel_size: int | None
+    ref_world_size: int | None
+    ref_model_parallel_size: int | None
+    ref_data_parallel_size: int | None
+    rollout_engine_size: int | None
+    rollout_data_parallel_size: int | None
+    prompts_per_iteration: int | None
+    samples_per_iteration: int | None
+    samples_per_actor_dp_rank: int | None
+    mini_batch_size_samples: int | None
+    mini_batches_per_iteration: int | None
+    optimizer_steps_per_iteration: int | None
+    mini_batch_samples_per_dp_rank: int | None
+    micro_batches_per_mini_batch: int | None
+    actor_forward_micro_batch_size: int | None
+    ref_forward_micro_batch_size: int | None
+    actor_rollout_dispatch_size: int | None
+    actor_logprob_dispatch_size: int | None
+    ref_dispatch_size: int | None
+    reward_dispatch_size: int | None
+    adv_dispatch_size: int | None
+    actor_update_dispatch_size: int | None
+    skip_old_log_probs: bool
+    params_dtype: str
+    rollout_dtype: str
+    max_response_length: int
+    max_sequence_length: int
+    num_key_value_heads: int | None
+    head_dim: int | None
+    total_prompts: int | None
+    rollout_tokenizer_name_or_path: str | None
+    prompt_type_path: str | None
+    ref_model_load_path: str | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _world(resource_npus: int | None) -> int | None:
+    return resource_npus if resource_npus is not None and resource_npus > 0 else None
+
+
+def compute_derived(
+    actor: MegatronConfig,
+    ref: MegatronConfig,
+    rl: RLConfig,
+    gen: GenerateConfig,
+    *,
+    config_dir: Path | None,
+) -> Derived:
+    """Compute the derived values (None where inputs are missing or do not divide)."""
+    n = rl.n_samples_per_prompt
+    gbs = actor.global_batch_size
+    actor_world = _world(rl.actor_resource.num_npus)
+    actor_mp = _mul(actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size,
+                    actor.context_parallel_size)
+    actor_dp = _div(actor_world, actor_mp)
+    ref_resource = rl.reference_resource if rl.reference_resource is not None else rl.actor_resource
+    ref_world = _world(ref_resource.num_npus)
+    ref_mp = _mul(ref.tensor_model_parallel_size, ref.pipeline_model_parallel_size, ref.context_parallel_size)
+    ref_dp = _div(ref_world, ref_mp)
+    engine = _mul(gen.infer_tensor_parallel_size, gen.infer_pipeline_parallel_size)
+    rollout_dp = _div(actor_world, engine)
+
+    samples = _mul(gbs, n)
+    mini_samples = _mul(rl.mini_batch_size, n)
+    mini_batches = _div(gbs, rl.mini_batch_size)
+    mini_per_rank = _div(mini_samples, actor_dp)
+    # DAPO dynamic sampling trains on filter_groups_train_batch_size prompts instead of gbs.
+    train_samples = _mul(rl.filter_groups_train_batch_size, n) if rl.filter_groups_enable else samples
+
+    actor_micro = actor.micro_batch_size
+    kv_heads = None
+    if actor.num_attention_heads is not None:
+        kv_heads = actor.num_query_groups if actor.group_query_attention else actor.num_attention_heads
+    head_dim = actor.kv_channels
+    if head_dim is None:
+        head_dim = _div(actor.hidden_size, actor.num_attention_heads)
+
+    prompt_type_path = actor.prompt_type_path
+    if prompt_type_path is None and config_dir is not None:
+        prompt_type_path = str(config_dir / "model" / "templates.json")
+    integrated = rl.integrated_mode_config
+    ref_load = integrated.ref_model_load_path if integrated is not None else None
+    if ref_load is None:
+        ref_load = ref.load
+    max_tokens = gen.sampling_config.max_tokens
+    return Derived(
+        actor_world_size=actor_world,
+        actor_model_parallel_size=actor_mp,
+        actor_data_parallel_size=actor_dp,
+        ref_world_size=ref_world,
+        ref_model_parallel_size=ref_mp,
+        ref_data_parallel_size=ref_dp,
+        rollout_engine_size=engine,
+        rollout_data_parallel_size=rollout_dp,
+        prompts_per_iteration=gbs,
+        samples_per_iteration=samples,
+        samples_per_actor_dp_rank=_div(samples, actor_dp),
+        mini_batch_size_samples=mini_samples,
+        mini_batches_per_iteration=mini_batches,
+        optimizer_steps_per_iteration=_mul(mini_batches, rl.epochs),
+        mini_batch_samples_per_dp_rank=mini_per_rank,
+        micro_batches_per_mini_batch=_div(mini_per_rank, actor_micro),
+        actor_forward_micro_batch_size=rl.actor_forward_micro_batch_size or actor_micro,
+        ref_forward_micro_batch_size=rl.ref_forward_micro_batch_size or ref.micro_batch_size,
+        actor_rollout_dispatch_size=rl.actor_rollout_dispatch_size or _div(samples, rollout_dp),
+        actor_logprob_dispatch_size=rl.actor_logprob_dispatch_size or _div(train_samples, actor_dp),
+        ref_dispatch_size=rl.ref_dispatch_size or _div(samples, ref_dp),
+        reward_dispatch_size=rl.reward_dispatch_size or samples,
+        adv_dispatch_size=rl.adv_dispatch_size or train_samples,
+        actor_update_dispatch_size=rl.actor_update_dispatch_size or _div(train_samples, actor_dp),
+        # Fully on-policy: one optimizer step per iteration, so old log-probs equal current ones.
+        skip_old_log_probs=rl.mini_batch_size == gbs and rl.epochs == 1,
+        params_dtype="bfloat16" if actor.bf16 else "float32",
+        rollout_dtype=gen.dtype,
+        max_response_length=max_tokens,
+        max_sequence_length=rl.max_prompt_length + max_tokens,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        total_prompts=_mul(actor.train_iters, gbs),
+        rollout_tokenizer_name_or_path=gen.tokenizer_name_or_path or actor.tokenizer_name_or_path,
+        prompt_type_path=prompt_type_path,
+        ref_model_load_path=ref_load,
+    )

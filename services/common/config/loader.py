@@ -1,0 +1,397 @@
+"""Load a MindSpeed-RL YAML into an `RLFabricConfig`: includes, overrides, merging, strict checks.
+
+Steps, each collecting problems instead of stopping at the first:
+1. read the YAML (file:line kept for every key; duplicate keys refused);
+2. apply dotted overrides (`rl_config.clip_ratio=0.3`, value parsed as a YAML scalar);
+3. resolve `defaults: - model: [name, ...]`: each `<config dir>/model/<name>.yaml` holds model blocks
+   keyed by name; an inline top-level `model:` mapping may add or override blocks;
+4. parse every section strictly (unknown keys name the section and the closest valid key);
+5. merge the Megatron views: model block < `megatron_training` < `actor_config` (and `ref_config`);
+6. derive sizes (derived.py) and run the cross-field rules (validation.py).
+All problems are raised together as one `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from services.common.config.derived import compute_derived
+from services.common.config.errors import ConfigError, ConfigIssue
+from services.common.config.megatron import MegatronConfig, ModelConfig
+from services.common.config.resolved import Provenance, RLFabricConfig
+from services.common.config.schema import (
+    closest_key,
+    field_types,
+    normalize_key,
+    parse_section,
+)
+from services.common.config.sections import (
+    GenerateConfig,
+    MsprobeConfig,
+    ProfilerConfig,
+    RLConfig,
+    SamplingConfig,
+)
+from services.common.config.validation import RULES, WARNINGS, Problem, run_rules
+from services.common.config.yaml_io import SourcedDict, parse_yaml, read_yaml
+
+logger = logging.getLogger(__name__)
+
+MEGATRON_SECTIONS = ("megatron_training", "actor_config", "ref_config")
+TOP_LEVEL_KEYS = ("defaults", "model", *MEGATRON_SECTIONS, "reward_config", "rl_config", "generate_config",
+                  "profiler_config", "msprobe_config")
+
+# Keys of each section, to tell a user that a key belongs in another section.
+_SECTION_KEYS: dict[str, Iterable[str]] = {
+    "megatron_training": field_types(MegatronConfig),
+    "rl_config": field_types(RLConfig),
+    "generate_config": field_types(GenerateConfig),
+    "generate_config.sampling_config": field_types(SamplingConfig),
+}
+
+
+def _elsewhere(own: str) -> dict[str, Iterable[str]]:
+    own_family = "megatron_training" if own in MEGATRON_SECTIONS or own.startswith("model.") else own
+    return {name: keys for name, keys in _SECTION_KEYS.items() if name != own_family}
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RLFabricConfig:
+    """Load, merge and validate a MindSpeed-RL YAML file.
+
+    Args:
+        path: the config file; `defaults: model:` includes are read from `<its dir>/model/`.
+        overrides: dotted `section.key=value` strings applied after reading (value parsed as YAML),
+            e.g. ["rl_config.clip_ratio=0.3", "generate_config.sampling_config.temperature=0.7"].
+
+    Returns:
+        The resolved configuration, with `.derived` values and `.warnings`.
+
+    Raises:
+        ConfigError: listing every problem found (unknown keys, type errors, broken rules).
+    """
+    path = Path(path)
+    raw = read_yaml(path)
+    return load_config_dict(raw, base_dir=path.parent, overrides=overrides, label=str(path), path=path)
+
+
+def load_config_dict(
+    data: Any,
+    *,
+    base_dir: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    label: str = "<config>",
+    path: Path | None = None,
+) -> RLFabricConfig:
+    """Like `load_config` for an already-parsed mapping (model includes resolved from `base_dir`)."""
+    issues: list[ConfigIssue] = []
+    bad: set[str] = set()
+    if data is None:
+        data = SourcedDict()
+    if not isinstance(data, Mapping):
+        raise ConfigError([ConfigIssue(label, f"a config must be a mapping of sections, got {type(data).__name__}")],
+                          label)
+    raw = _copy_tree(data)
+    _apply_overrides(raw, overrides, issues)
+    top = _check_top_level(raw, issues)
+    config_dir = Path(base_dir) if base_dir is not None else None
+    blocks = _model_blocks(top.get("defaults"), top.get("model"), config_dir, raw, issues)
+
+    def sourcer(mapping: Any, fallback: str | None = None):
+        sources = getattr(mapping, "key_sources", {})
+        return lambda key: sources.get(key, fallback)
+
+    sections: dict[str, dict[str, Any]] = {}
+    for name in (*MEGATRON_SECTIONS, "reward_config"):
+        if name in top:
+            sections[name] = parse_section(MegatronConfig, top[name], section=name, issues=issues,
+                                           source=sourcer(top[name], _src(raw, name)), elsewhere=_elsewhere(name),
+                                           bad=bad)
+    mt = sections.get("megatron_training", {})
+    actor_kw = {**mt, **sections.get("actor_config", {})}
+    model_name = actor_kw.get("model")
+    parsed_blocks: dict[str, dict[str, Any]] = {}
+
+    def block(name: str | None, owner: str) -> dict[str, Any]:
+        if name is None:
+            return {}
+        if name not in blocks:
+            if name not in parsed_blocks:
+                available = ", ".join(sorted(blocks)) or "none"
+                issues.append(ConfigIssue(f"{owner}.model", f"model block `{name}` is not loaded (loaded: {available}); "
+                                                            f"add it to `defaults: - model: [{name}]` with a file "
+                                                            f"model/{name}.yaml next to the config",
+                                          _src(raw, owner, "model")))
+                parsed_blocks[name] = {}
+            return parsed_blocks[name]
+        if name not in parsed_blocks:
+            mapping, fallback = blocks[name]
+            parsed_blocks[name] = parse_section(MegatronConfig, mapping, section=f"model.{name}", issues=issues,
+                                                source=sourcer(mapping, fallback),
+                                                elsewhere=_elsewhere(f"model.{name}"), bad=bad)
+        return parsed_blocks[name]
+
+    mt_owner = "actor_config" if "model" in sections.get("actor_config", {}) else "megatron_training"
+    megatron_training = MegatronConfig(**{**block(mt.get("model"), "megatron_training"), **mt})
+    actor = MegatronConfig(**{**block(model_name, mt_owner), **actor_kw})
+    ref = actor
+    if "ref_config" in sections:
+        ref_kw = {**mt, **sections["ref_config"]}
+        ref = MegatronConfig(**{**block(ref_kw.get("model"), "ref_config"), **ref_kw})
+    rl = RLConfig(**parse_section(RLConfig, top.get("rl_config"), section="rl_config", issues=issues,
+                                  source=sourcer(top.get("rl_config"), _src(raw, "rl_config")),
+                                  elsewhere=_elsewhere("rl_config"), bad=bad))
+    gen = GenerateConfig(**parse_section(GenerateConfig, top.get("generate_config"), section="generate_config",
+                                         issues=issues,
+                                         source=sourcer(top.get("generate_config"), _src(raw, "generate_config")),
+                                         elsewhere=_elsewhere("generate_config"), bad=bad))
+    profilers = _profilers(top.get("profiler_config"), raw, issues, bad)
+    msprobe = MsprobeConfig(**parse_section(MsprobeConfig, top.get("msprobe_config"), section="msprobe_config",
+                                            issues=issues, source=sourcer(top.get("msprobe_config")), bad=bad))
+    _check_worker_sections(sections, rl, raw, issues)
+
+    provenance = Provenance(
+        megatron_origin=_megatron_origin(sections, model_name, parsed_blocks),
+        sources=_collect_sources(raw, blocks),
+    )
+    cfg = RLFabricConfig(
+        model_name=model_name,
+        model=ModelConfig(**{f.name: getattr(actor, f.name) for f in dataclasses.fields(ModelConfig)}),
+        megatron_training=megatron_training,
+        actor_config=actor,
+        ref_config=ref,
+        rl_config=rl,
+        generate_config=gen,
+        profiler_config=profilers,
+        msprobe_config=msprobe,
+        derived=compute_derived(actor, ref, rl, gen, config_dir=config_dir),
+        path=path,
+        provenance=provenance,
+    )
+    suppressed = {_canonical(key) for key in bad}
+    # With a misspelled or misplaced section, rule results would only repeat "not set" for its keys.
+    structure_ok = set(map(normalize_key, raw)) <= set(TOP_LEVEL_KEYS)
+    for problem in run_rules(cfg, RULES if structure_ok else ()):
+        if not _touches(problem, suppressed):
+            issues.append(ConfigIssue(cfg.where(problem.keys[0]), problem.message, cfg.source(problem.keys[0])))
+    if issues:
+        raise ConfigError(issues, label)
+    cfg.warnings = [f"{cfg.where(p.keys[0])}: {p.message}" for p in run_rules(cfg, WARNINGS)]
+    for warning in cfg.warnings:
+        logger.warning("%s: %s", label, warning)
+    return cfg
+
+
+def _copy_tree(value: Any) -> Any:
+    """Deep copy of parsed YAML that keeps each mapping's key sources."""
+    if isinstance(value, Mapping):
+        out = SourcedDict((k, _copy_tree(v)) for k, v in value.items())
+        out.key_sources = dict(getattr(value, "key_sources", {}))
+        return out
+    if isinstance(value, list):
+        return [_copy_tree(v) for v in value]
+    return value
+
+
+def _src(raw: Mapping, *path: str) -> str | None:
+    """file:line of a key path in the raw tree (keys matched after dash normalization)."""
+    node: Any = raw
+    source = None
+    for part in path:
+        if not isinstance(node, Mapping):
+            return source
+        key = next((k for k in node if normalize_key(k) == part), None)
+        if key is None:
+            return source
+        source = getattr(node, "key_sources", {}).get(key, source)
+        node = node[key]
+    return source
+
+
+def _apply_overrides(raw: SourcedDict, overrides: Sequence[str], issues: list[ConfigIssue]) -> None:
+    """Set `a.b.c=value` entries in the raw tree; unknown keys are caught later by the strict parse."""
+    for text in overrides:
+        origin = f"--override {text}"
+        dotted, sep, value_text = text.partition("=")
+        parts = [normalize_key(p.strip()) for p in dotted.split(".")]
+        if not sep or not all(parts):
+            issues.append(ConfigIssue(dotted or text, "an override must look like `section.key=value`, e.g. "
+                                                      "`rl_config.clip_ratio=0.3`", origin))
+            continue
+        if parts[0] == "defaults":
+            issues.append(ConfigIssue("defaults", "`defaults` cannot be overridden; edit the file", origin))
+            continue
+        try:
+            value = parse_yaml(value_text, origin) if value_text.strip() else None
+        except ConfigError as exc:
+            issues.extend(exc.issues)
+            continue
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            key = next((k for k in node if normalize_key(k) == part), None)
+            if key is None:
+                node[part] = SourcedDict()
+                node.key_sources[part] = origin
+                key = part
+            if not isinstance(node[key], Mapping):
+                issues.append(ConfigIssue(".".join(parts[: i + 1]), f"`{'.'.join(parts[: i + 1])}` is a value, not "
+                                                                    f"a section, so `{dotted}` cannot be set", origin))
+                break
+            node = node[key]
+        else:
+            existing = next((k for k in node if normalize_key(k) == parts[-1]), parts[-1])
+            node[existing] = _copy_tree(value)
+            node.key_sources[existing] = origin
+
+
+def _check_top_level(raw: SourcedDict, issues: list[ConfigIssue]) -> dict[str, Any]:
+    """Map normalized top-level names to their raw values; report unknown sections."""
+    top: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = normalize_key(key)
+        if name in TOP_LEVEL_KEYS:
+            top[name] = value
+            continue
+        guess = closest_key(name, TOP_LEVEL_KEYS)
+        hint = f"did you mean `{guess}`?" if guess else f"valid sections are: {', '.join(TOP_LEVEL_KEYS)}"
+        issues.append(ConfigIssue(name, f"unknown top-level section `{name}`; {hint}", raw.key_sources.get(key)))
+    if "reward_config" in top:
+        issues.append(ConfigIssue("reward_config", "reward models are not supported: rlfabric scores with rule "
+                                                   "verifiers; remove `reward_config` and list verifiers in "
+                                                   "`rl_config.verifier_function`", _src(raw, "reward_config")))
+    return top
+
+
+def _model_blocks(defaults: Any, inline: Any, config_dir: Path | None, raw: Mapping,
+                  issues: list[ConfigIssue]) -> dict[str, tuple[Any, str | None]]:
+    """Model blocks by name -> (raw mapping, file:line of its name), from includes then inline."""
+    names: list[str] = []
+    entries = defaults if isinstance(defaults, list) else ([] if defaults is None else [defaults])
+    for entry in entries:
+        if entry == "_self_":
+            continue
+        if isinstance(entry, Mapping) and set(map(normalize_key, entry)) <= {"model"}:
+            for value in entry.values():
+                listed = value if isinstance(value, list) else [value]
+                if all(isinstance(v, str) for v in listed):
+                    names.extend(listed)
+                    continue
+                issues.append(ConfigIssue("defaults.model", f"model names must be strings, got {value!r}",
+                                          _src(raw, "defaults")))
+            continue
+        issues.append(ConfigIssue("defaults", f"unsupported defaults entry {entry!r}; only "
+                                              f"`- model: [name, ...]` (and `_self_`) is supported",
+                                  _src(raw, "defaults")))
+    blocks: dict[str, tuple[Any, str | None]] = {}
+    for name in names:
+        if config_dir is None:
+            issues.append(ConfigIssue("defaults.model", f"cannot include model `{name}`: no config directory "
+                                                        f"(load from a file, or pass base_dir)"))
+            continue
+        file = config_dir / "model" / f"{name}.yaml"
+        try:
+            content = read_yaml(file, what=f"model file for `defaults: model: {name}`")
+        except ConfigError as exc:
+            issues.extend(exc.issues)
+            continue
+        if not isinstance(content, Mapping) or not content:
+            issues.append(ConfigIssue(str(file), "a model file must map block names to architecture keys, "
+                                                 f"e.g. `{name}: {{num_layers: 28, ...}}`"))
+            continue
+        for block_name, block in content.items():
+            blocks[str(block_name)] = (block, content.key_sources.get(block_name))
+    if inline is not None:
+        if not isinstance(inline, Mapping):
+            issues.append(ConfigIssue("model", "the top-level `model` section must map block names to "
+                                               "architecture keys", _src(raw, "model")))
+        else:
+            for block_name, block in inline.items():
+                base = blocks.get(str(block_name), (SourcedDict(), None))[0]
+                merged = _copy_tree(base) if isinstance(base, Mapping) else SourcedDict()
+                if isinstance(block, Mapping):
+                    for k, v in block.items():
+                        merged[k] = v
+                        merged.key_sources[k] = getattr(block, "key_sources", {}).get(k)
+                    blocks[str(block_name)] = (merged, inline.key_sources.get(block_name))
+                else:
+                    blocks[str(block_name)] = (block, inline.key_sources.get(block_name))
+    return blocks
+
+
+def _profilers(raw_section: Any, raw: Mapping, issues: list[ConfigIssue], bad: set[str]) -> dict[str, ProfilerConfig]:
+    if raw_section is None:
+        return {}
+    if not isinstance(raw_section, Mapping):
+        issues.append(ConfigIssue("profiler_config", "profiler_config must map roles (e.g. `integrated`) to "
+                                                     "profiler options", _src(raw, "profiler_config")))
+        return {}
+    out = {}
+    for role, options in raw_section.items():
+        role = normalize_key(role)
+        sources = getattr(options, "key_sources", {})
+        out[role] = ProfilerConfig(**parse_section(
+            ProfilerConfig, options, section=f"profiler_config.{role}", issues=issues,
+            source=lambda key, s=sources: s.get(key), bad=bad))
+    return out
+
+
+def _check_worker_sections(sections: Mapping[str, Any], rl: RLConfig, raw: Mapping,
+                           issues: list[ConfigIssue]) -> None:
+    if rl.use_integrated_worker and "ref_config" in sections:
+        issues.append(ConfigIssue("ref_config", "ref_config is set while rl_config.use_integrated_worker is true; "
+                                                "in integrated mode the reference uses actor_config: remove "
+                                                "ref_config, or set use_integrated_worker: false",
+                                  _src(raw, "ref_config")))
+
+
+def _megatron_origin(sections: Mapping[str, dict], model_name: str | None,
+                     blocks: Mapping[str, dict]) -> dict[str, str]:
+    origin = {}
+    block = blocks.get(model_name or "", {})
+    for name in field_types(MegatronConfig):
+        if name in sections.get("actor_config", {}):
+            origin[name] = "actor_config"
+        elif name in sections.get("megatron_training", {}):
+            origin[name] = "megatron_training"
+        elif name in block:
+            origin[name] = f"model.{model_name}"
+    return origin
+
+
+def _collect_sources(raw: Mapping, blocks: Mapping[str, tuple[Any, str | None]]) -> dict[str, str]:
+    out: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if not isinstance(node, Mapping):
+            return
+        sources = getattr(node, "key_sources", {})
+        for key, value in node.items():
+            dotted = f"{prefix}{normalize_key(key)}"
+            if sources.get(key):
+                out[dotted] = sources[key]
+            walk(value, dotted + ".")
+
+    walk(raw, "")
+    for name, (block, _) in blocks.items():
+        walk(block, f"model.{name}.")
+    return out
+
+
+def _canonical(key: str) -> str:
+    """Parse-issue key -> rule key: Megatron section keys become bare field names."""
+    for prefix in (*(f"{s}." for s in MEGATRON_SECTIONS), "model."):
+        if key.startswith(prefix):
+            rest = key[len(prefix):]
+            return rest.split(".", 1)[1] if prefix == "model." and "." in rest else rest
+    return key
+
+
+def _touches(problem: Problem, suppressed: set[str]) -> bool:
+    for key in problem.keys:
+        for bad in suppressed:
+            if key == bad or key.startswith(bad + ".") or bad.startswith(key + "."):
+                return True
+    return False

@@ -1,0 +1,417 @@
+"""Cross-field validation rules of a loaded configuration.
+
+Each rule is a small function `(cfg) -> Iterable[Problem]`; `RULES` lists them in the order their
+messages are shown. A `Problem` names the keys it is about (a bare name is a Megatron field of the
+actor view, others are dotted, e.g. `rl_config.n_samples_per_prompt`) so the loader can drop
+problems about keys that already failed to parse, and can point at the file:line that set them.
+
+Messages follow TRL's style: say what was set, why it cannot work, and what to change, with the
+numbers involved. MindSpeed-RL's rules are kept (see parity.md), plus checks that catch upstream
+failures early (head counts vs TP, vLLM limits) and features rlfabric does not implement, which are
+refused rather than silently ignored. `WARNINGS` lists rules whose findings are only warnings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.common.config.sections import ADV_ESTIMATORS, KL_CTRL_TYPES, KL_PENALTIES
+
+if TYPE_CHECKING:
+    from services.common.config.resolved import RLFabricConfig
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+DISTRIBUTED_BACKENDS = ("nccl", "hccl", "gloo")
+ROLLOUT_DTYPES = ("bfloat16", "float16", "float32", "auto")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A broken rule: the keys involved (first = the one to point at) and the message."""
+
+    keys: tuple[str, ...]
+    message: str
+
+
+Rule = Callable[["RLFabricConfig"], Iterable[Problem]]
+
+
+def _q(cfg: RLFabricConfig, key: str) -> str:
+    """`section.key` in backticks, for messages."""
+    return f"`{cfg.where(key)}`"
+
+
+def required_training_keys(cfg: RLFabricConfig) -> Iterable[Problem]:
+    for key, example in (("global_batch_size", 32), ("micro_batch_size", 4), ("seq_length", 2048),
+                         ("train_iters", 500), ("lr", "1e-6")):
+        if getattr(cfg.actor_config, key) is None:
+            yield Problem((key,), f"`{key}` is not set; set it in `megatron_training` or `actor_config` "
+                                  f"(e.g. `{key}: {example}`)")
+    if cfg.rl_config.actor_resource.num_npus is None:
+        yield Problem(("rl_config.actor_resource",),
+                      "`rl_config.actor_resource.num_npus` is not set; set the number of devices for the actor, "
+                      "e.g. `actor_resource: {num_npus: 16}` (1 on a CPU machine)")
+
+
+def model_architecture(cfg: RLFabricConfig) -> Iterable[Problem]:
+    actor = cfg.actor_config
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if getattr(actor, k) is None]
+    if missing:
+        hint = (f"the model block `{cfg.model_name}` does not set them" if cfg.model_name
+                else "no model block is selected: set `megatron_training.model` to a block listed under "
+                     "`defaults: - model:`")
+        yield Problem(("megatron_training.model",),
+                      f"model architecture incomplete: {', '.join(missing)} not set; {hint}")
+        return
+    heads, groups = actor.num_attention_heads, actor.num_query_groups
+    if actor.group_query_attention and groups >= 1 and heads % groups != 0:
+        yield Problem(("num_query_groups", "num_attention_heads"),
+                      f"num_attention_heads ({heads}) must be divisible by num_query_groups ({groups})")
+    tp = actor.tensor_model_parallel_size
+    if tp >= 1:
+        if heads % tp != 0:
+            yield Problem(("tensor_model_parallel_size", "num_attention_heads"),
+                          f"num_attention_heads ({heads}) must be divisible by tensor_model_parallel_size ({tp}); "
+                          f"choose a TP that divides {heads}")
+        if actor.group_query_attention and groups >= 1 and groups % tp != 0:
+            yield Problem(("tensor_model_parallel_size", "num_query_groups"),
+                          f"num_query_groups ({groups}) must be divisible by tensor_model_parallel_size ({tp}); "
+                          f"choose a TP that divides {groups}")
+    pp = actor.pipeline_model_parallel_size
+    if pp >= 1 and actor.num_layer_list is None and actor.num_layers % pp != 0:
+        yield Problem(("pipeline_model_parallel_size", "num_layers"),
+                      f"num_layers ({actor.num_layers}) must be divisible by pipeline_model_parallel_size ({pp}), "
+                      f"or set `num_layer_list` to the layers of each stage")
+    itp = cfg.generate_config.infer_tensor_parallel_size
+    if itp >= 1 and heads % itp != 0:
+        yield Problem(("generate_config.infer_tensor_parallel_size", "num_attention_heads"),
+                      f"num_attention_heads ({heads}) must be divisible by "
+                      f"generate_config.infer_tensor_parallel_size ({itp}) for vLLM")
+
+
+def positive_sizes(cfg: RLFabricConfig) -> Iterable[Problem]:
+    a, rl, gen = cfg.actor_config, cfg.rl_config, cfg.generate_config
+    values = {
+        "global_batch_size": a.global_batch_size, "micro_batch_size": a.micro_batch_size,
+        "seq_length": a.seq_length, "train_iters": a.train_iters,
+        "tensor_model_parallel_size": a.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": a.pipeline_model_parallel_size,
+        "context_parallel_size": a.context_parallel_size,
+        "expert_model_parallel_size": a.expert_model_parallel_size,
+        "rl_config.n_samples_per_prompt": rl.n_samples_per_prompt,
+        "rl_config.mini_batch_size": rl.mini_batch_size, "rl_config.epochs": rl.epochs,
+        "rl_config.max_prompt_length": rl.max_prompt_length,
+        "rl_config.actor_resource.num_npus": rl.actor_resource.num_npus,
+        "generate_config.infer_tensor_parallel_size": gen.infer_tensor_parallel_size,
+        "generate_config.infer_pipeline_parallel_size": gen.infer_pipeline_parallel_size,
+        "generate_config.infer_expert_parallel_size": gen.infer_expert_parallel_size,
+        "generate_config.max_num_seqs": gen.max_num_seqs, "generate_config.max_model_len": gen.max_model_len,
+        "generate_config.max_num_batched_tokens": gen.max_num_batched_tokens,
+        "generate_config.sampling_config.max_tokens": gen.sampling_config.max_tokens,
+    }
+    for name in ("actor_forward_micro_batch_size", "ref_forward_micro_batch_size"):
+        values[f"rl_config.{name}"] = getattr(rl, name)
+    if a.save_interval is not None:
+        values["save_interval"] = a.save_interval
+    for key, value in values.items():
+        if value is not None and value < 1:
+            yield Problem((key,), f"{_q(cfg, key)} must be at least 1, got {value}")
+
+
+def sequence_lengths(cfg: RLFabricConfig) -> Iterable[Problem]:
+    a, rl, gen = cfg.actor_config, cfg.rl_config, cfg.generate_config
+    if a.seq_length is not None and gen.max_model_len < a.seq_length:
+        yield Problem(("generate_config.max_model_len", "seq_length"),
+                      f"generate_config.max_model_len ({gen.max_model_len}) is smaller than seq_length "
+                      f"({a.seq_length}); raise max_model_len to at least {a.seq_length} or lower seq_length")
+    max_tokens = gen.sampling_config.max_tokens
+    # Prompts of max_prompt_length tokens or more are dropped, so the longest kept is one shorter.
+    longest = rl.max_prompt_length - 1 + max_tokens
+    if longest > gen.max_model_len:
+        yield Problem(("generate_config.max_model_len", "rl_config.max_prompt_length",
+                       "generate_config.sampling_config.max_tokens"),
+                      f"the longest prompt kept (max_prompt_length - 1 = {rl.max_prompt_length - 1}) plus "
+                      f"max_tokens ({max_tokens}) is {longest} tokens, more than generate_config.max_model_len "
+                      f"({gen.max_model_len}); raise max_model_len to {longest} or lower max_prompt_length/max_tokens")
+
+
+def device_layout(cfg: RLFabricConfig) -> Iterable[Problem]:
+    a, r, rl, gen, d = cfg.actor_config, cfg.ref_config, cfg.rl_config, cfg.generate_config, cfg.derived
+    npus = rl.actor_resource.num_npus
+    if npus is not None and npus >= 1 and d.actor_model_parallel_size and d.actor_data_parallel_size is None:
+        tp, pp, cp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size
+        yield Problem(("rl_config.actor_resource.num_npus", "tensor_model_parallel_size"),
+                      f"rl_config.actor_resource.num_npus ({npus}) must be divisible by tensor x pipeline x "
+                      f"context parallel size ({tp} x {pp} x {cp} = {tp * pp * cp}); use a multiple of "
+                      f"{tp * pp * cp} devices or smaller parallel sizes")
+    ref_npus = d.ref_world_size
+    if (r is not a and ref_npus is not None and d.ref_model_parallel_size
+            and d.ref_data_parallel_size is None):
+        yield Problem(("rl_config.reference_resource", "ref_config.tensor_model_parallel_size"),
+                      f"the reference's {ref_npus} devices must be divisible by its tensor x pipeline x context "
+                      f"parallel size ({d.ref_model_parallel_size})")
+    if gen.infer_pipeline_parallel_size != 1:
+        yield Problem(("generate_config.infer_pipeline_parallel_size",),
+                      f"generate_config.infer_pipeline_parallel_size is {gen.infer_pipeline_parallel_size}, but "
+                      f"rollout supports no pipeline parallelism; set it to 1 (use infer_tensor_parallel_size)")
+    elif npus is not None and npus >= 1 and d.rollout_engine_size and d.rollout_data_parallel_size is None:
+        yield Problem(("generate_config.infer_tensor_parallel_size",),
+                      f"rl_config.actor_resource.num_npus ({npus}) must be divisible by "
+                      f"generate_config.infer_tensor_parallel_size ({gen.infer_tensor_parallel_size}): "
+                      f"each rollout engine takes that many devices")
+    if gen.data_parallel_size is not None and d.rollout_data_parallel_size is not None \
+            and gen.data_parallel_size != d.rollout_data_parallel_size:
+        yield Problem(("generate_config.data_parallel_size",),
+                      f"generate_config.data_parallel_size ({gen.data_parallel_size}) disagrees with devices / "
+                      f"infer TP = {d.rollout_data_parallel_size}; remove it (it is computed)")
+
+
+def batch_divisibility(cfg: RLFabricConfig) -> Iterable[Problem]:
+    a, rl, d = cfg.actor_config, cfg.rl_config, cfg.derived
+    gbs, micro, n, mini = a.global_batch_size, a.micro_batch_size, rl.n_samples_per_prompt, rl.mini_batch_size
+    if None in (gbs, micro) or min(gbs, micro, n, mini) < 1:
+        return
+    samples = gbs * n
+    if samples % micro != 0:
+        yield Problem(("micro_batch_size", "global_batch_size", "rl_config.n_samples_per_prompt"),
+                      f"global_batch_size x n_samples_per_prompt = {gbs} x {n} = {samples} samples must be "
+                      f"divisible by micro_batch_size ({micro}); choose a micro_batch_size that divides {samples}")
+    dp = d.actor_data_parallel_size
+    if dp is not None:
+        if gbs % dp != 0:
+            yield Problem(("global_batch_size", "rl_config.actor_resource.num_npus"),
+                          f"global_batch_size ({gbs}) must be divisible by the actor data-parallel size {dp} "
+                          f"(= {d.actor_world_size} devices / {d.actor_model_parallel_size} model-parallel); "
+                          f"use a multiple of {dp} prompts")
+        elif (gbs // dp * n) % micro != 0:
+            yield Problem(("micro_batch_size", "global_batch_size"),
+                          f"each actor data-parallel rank gets global_batch_size / DP x n = {gbs} / {dp} x {n} = "
+                          f"{gbs // dp * n} samples, which micro_batch_size ({micro}) does not divide")
+    rdp = d.rollout_data_parallel_size
+    if rdp is not None and gbs % rdp != 0:
+        yield Problem(("global_batch_size", "generate_config.infer_tensor_parallel_size"),
+                      f"global_batch_size ({gbs}) must be divisible by the rollout data-parallel size {rdp} "
+                      f"(= {d.actor_world_size} devices / infer TP {cfg.generate_config.infer_tensor_parallel_size})")
+    if gbs % mini != 0:
+        yield Problem(("rl_config.mini_batch_size", "global_batch_size"),
+                      f"global_batch_size ({gbs}) must be divisible by rl_config.mini_batch_size ({mini}), both "
+                      f"in prompts; set mini_batch_size to a divisor of {gbs} (equal means one optimizer step)")
+    elif dp is not None:
+        mini_samples = mini * n
+        if mini_samples % dp != 0:
+            yield Problem(("rl_config.mini_batch_size", "rl_config.actor_resource.num_npus"),
+                          f"a mini-batch of mini_batch_size x n = {mini} x {n} = {mini_samples} samples must be "
+                          f"divisible by the actor data-parallel size {dp}")
+        elif (mini_samples // dp) % micro != 0:
+            yield Problem(("micro_batch_size", "rl_config.mini_batch_size"),
+                          f"each rank's share of a mini-batch, mini_batch_size x n / DP = {mini} x {n} / {dp} = "
+                          f"{mini_samples // dp} samples, must be divisible by micro_batch_size ({micro})")
+
+
+def dispatch_sizes(cfg: RLFabricConfig) -> Iterable[Problem]:
+    a, rl, d = cfg.actor_config, cfg.rl_config, cfg.derived
+    if a.global_batch_size is None or d.samples_per_iteration is None:
+        return
+    samples = d.samples_per_iteration
+    for name in ("actor_rollout_dispatch_size", "actor_logprob_dispatch_size", "ref_dispatch_size",
+                 "reward_dispatch_size", "adv_dispatch_size", "actor_update_dispatch_size"):
+        size = getattr(rl, name)
+        if size is None:
+            continue
+        if size < 1 or samples % size != 0:
+            yield Problem((f"rl_config.{name}",),
+                          f"rl_config.{name} ({size}) must divide the samples per iteration, global_batch_size x n "
+                          f"= {samples}; remove it to use the computed value")
+    upd, dp = rl.actor_update_dispatch_size, d.actor_data_parallel_size
+    if upd is not None and dp is not None and d.mini_batch_size_samples is not None \
+            and upd * dp < d.mini_batch_size_samples:
+        yield Problem(("rl_config.actor_update_dispatch_size",),
+                      f"rl_config.actor_update_dispatch_size ({upd}) must be at least mini_batch_size x n / DP = "
+                      f"{d.mini_batch_size_samples} / {dp} = {d.mini_batch_size_samples // dp}")
+
+
+def algorithm_choices(cfg: RLFabricConfig) -> Iterable[Problem]:
+    rl = cfg.rl_config
+    if rl.kl_penalty not in KL_PENALTIES:
+        yield Problem(("rl_config.kl_penalty",),
+                      f"unsupported rl_config.kl_penalty `{rl.kl_penalty}`; supported: {', '.join(KL_PENALTIES)}")
+    if rl.kl_ctrl_type not in KL_CTRL_TYPES:
+        yield Problem(("rl_config.kl_ctrl_type",),
+                      f"unsupported rl_config.kl_ctrl_type `{rl.kl_ctrl_type}`; supported: {', '.join(KL_CTRL_TYPES)}")
+    if rl.adv_estimator not in ADV_ESTIMATORS:
+        yield Problem(("rl_config.adv_estimator",),
+                      f"unsupported rl_config.adv_estimator `{rl.adv_estimator}`; rlfabric trains GRPO/DAPO and "
+                      f"supports: {', '.join(ADV_ESTIMATORS)} (`gae` needs a critic, which rlfabric does not run)")
+    if rl.clip_ratio <= 0:
+        yield Problem(("rl_config.clip_ratio",), f"rl_config.clip_ratio must be positive, got {rl.clip_ratio}")
+    if rl.init_kl_coef < 0:
+        yield Problem(("rl_config.init_kl_coef",), f"rl_config.init_kl_coef must be >= 0, got {rl.init_kl_coef}")
+    if rl.clip_higher_enable and rl.clip_ratio_low > rl.clip_ratio_high:
+        yield Problem(("rl_config.clip_ratio_low", "rl_config.clip_ratio_high"),
+                      f"you enabled clip_higher_enable with clip_ratio_low ({rl.clip_ratio_low}) greater than "
+                      f"clip_ratio_high ({rl.clip_ratio_high}); clip-higher needs clip_ratio_low <= clip_ratio_high")
+    style = cfg.actor_config.lr_decay_style
+    if style not in LR_DECAY_STYLES:
+        yield Problem(("lr_decay_style",),
+                      f"unsupported lr_decay_style `{style}`; supported: {', '.join(LR_DECAY_STYLES)}")
+    lr = cfg.actor_config.lr
+    if lr is not None and lr < 0:
+        yield Problem(("lr",), f"lr must be >= 0, got {lr}")
+    backend = cfg.actor_config.distributed_backend
+    if backend not in DISTRIBUTED_BACKENDS:
+        yield Problem(("distributed_backend",),
+                      f"unsupported distributed_backend `{backend}`; supported: {', '.join(DISTRIBUTED_BACKENDS)}")
+
+
+def rewards(cfg: RLFabricConfig) -> Iterable[Problem]:
+    rl = cfg.rl_config
+    if not rl.rule_reward or rl.reward_resource is not None:
+        yield Problem(("rl_config.rule_reward",),
+                      "reward models are not supported: rlfabric scores with rule verifiers; set "
+                      "`rl_config.rule_reward: true`, remove `reward_resource`, and list verifiers in "
+                      "`verifier_function`")
+    if len(rl.verifier_function) != len(rl.verifier_weight):
+        yield Problem(("rl_config.verifier_weight", "rl_config.verifier_function"),
+                      f"rl_config.verifier_function has {len(rl.verifier_function)} entries "
+                      f"({rl.verifier_function}) but verifier_weight has {len(rl.verifier_weight)} "
+                      f"({rl.verifier_weight}); give one weight per verifier")
+    if rl.rule_reward and not rl.verifier_function:
+        yield Problem(("rl_config.verifier_function",),
+                      "rl_config.verifier_function is empty; list at least one verifier, e.g. [math_17k_acc]")
+    if rl.overlong_buffer_enable:
+        max_tokens = cfg.generate_config.sampling_config.max_tokens
+        if rl.overlong_buffer < 1 or rl.overlong_buffer >= max_tokens:
+            yield Problem(("rl_config.overlong_buffer",),
+                          f"rl_config.overlong_buffer ({rl.overlong_buffer}) must be between 1 and "
+                          f"sampling_config.max_tokens - 1 ({max_tokens - 1}) when overlong_buffer_enable is true")
+        if rl.rollout_max_tokens != max_tokens:
+            yield Problem(("rl_config.rollout_max_tokens",),
+                          f"rl_config.rollout_max_tokens ({rl.rollout_max_tokens}) must equal "
+                          f"generate_config.sampling_config.max_tokens ({max_tokens}) when overlong_buffer_enable "
+                          f"is true; set both to the same length")
+    if rl.filter_groups_enable:
+        metric = rl.filter_groups_metric
+        # Upstream YAMLs spell the metric either `acc` or as its logged key `grpo/acc_rewards/mean`.
+        name = metric.removeprefix("grpo/").removesuffix("_rewards/mean")
+        if name not in rl.verifier_function:
+            yield Problem(("rl_config.filter_groups_metric",),
+                          f"rl_config.filter_groups_metric `{metric}` is not one of verifier_function "
+                          f"{rl.verifier_function}; dynamic sampling filters on a verifier's scores")
+        fg, dp = rl.filter_groups_train_batch_size, cfg.derived.actor_data_parallel_size
+        if fg < 1:
+            yield Problem(("rl_config.filter_groups_train_batch_size",),
+                          f"rl_config.filter_groups_train_batch_size must be at least 1, got {fg}")
+        elif dp is not None and fg % dp != 0:
+            yield Problem(("rl_config.filter_groups_train_batch_size",),
+                          f"rl_config.filter_groups_train_batch_size ({fg}) must be divisible by the actor "
+                          f"data-parallel size {dp}")
+        if rl.filter_groups_max_batches == 0 or rl.filter_groups_max_batches < -1:
+            yield Problem(("rl_config.filter_groups_max_batches",),
+                          f"rl_config.filter_groups_max_batches must be -1 (no limit) or at least 1, "
+                          f"got {rl.filter_groups_max_batches}")
+
+
+def sampling(cfg: RLFabricConfig) -> Iterable[Problem]:
+    gen = cfg.generate_config
+    s = gen.sampling_config
+    if s.temperature <= 0:
+        yield Problem(("generate_config.sampling_config.temperature",),
+                      f"sampling_config.temperature must be positive for training (log-probs divide logits by it), "
+                      f"got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        yield Problem(("generate_config.sampling_config.top_p",), f"sampling_config.top_p must be in (0, 1], got {s.top_p}")
+    if not 0 <= s.min_p <= 1:
+        yield Problem(("generate_config.sampling_config.min_p",), f"sampling_config.min_p must be in [0, 1], got {s.min_p}")
+    if s.top_k < -1:
+        yield Problem(("generate_config.sampling_config.top_k",),
+                      f"sampling_config.top_k must be -1 (disabled) or positive, got {s.top_k}")
+    if s.logprobs < 0:
+        yield Problem(("generate_config.sampling_config.logprobs",),
+                      f"sampling_config.logprobs must be >= 0, got {s.logprobs}")
+    if gen.dtype not in ROLLOUT_DTYPES:
+        yield Problem(("generate_config.dtype",),
+                      f"unsupported generate_config.dtype `{gen.dtype}`; supported: {', '.join(ROLLOUT_DTYPES)}")
+    if not 0 < gen.gpu_memory_utilization <= 1:
+        yield Problem(("generate_config.gpu_memory_utilization",),
+                      f"generate_config.gpu_memory_utilization must be in (0, 1], got {gen.gpu_memory_utilization}")
+    if gen.max_num_batched_tokens < gen.max_num_seqs:
+        yield Problem(("generate_config.max_num_batched_tokens",),
+                      f"generate_config.max_num_batched_tokens ({gen.max_num_batched_tokens}) must be at least "
+                      f"max_num_seqs ({gen.max_num_seqs}), as vLLM requires")
+
+
+def placement(cfg: RLFabricConfig) -> Iterable[Problem]:
+    rl = cfg.rl_config
+    if rl.use_integrated_worker:
+        if rl.reference_resource is not None:
+            yield Problem(("rl_config.reference_resource",),
+                          "rl_config.reference_resource is set while use_integrated_worker is true; in integrated "
+                          "mode the reference shares the actor's devices: remove reference_resource")
+    elif rl.integrated_mode_config is not None:
+        yield Problem(("rl_config.integrated_mode_config",),
+                      "rl_config.integrated_mode_config is set while use_integrated_worker is false; remove it, "
+                      "or set use_integrated_worker: true")
+    if rl.partial_rollout_max_split > 1 and rl.guarantee_order:
+        yield Problem(("rl_config.guarantee_order",),
+                      "guarantee_order must be false when partial_rollout_max_split > 1")
+    if rl.use_wandb and not rl.wandb_project:
+        yield Problem(("rl_config.wandb_project",),
+                      "rl_config.use_wandb is true but wandb_project is empty; set wandb_project (and wandb_exp_name)")
+
+
+def resume(cfg: RLFabricConfig) -> Iterable[Problem]:
+    """Resuming must not load the trained actor as the reference (a MindSpeed-RL defect, parity.md)."""
+    a, d = cfg.actor_config, cfg.derived
+    if a.finetune or a.load is None:
+        return
+    if d.ref_model_load_path is None or d.ref_model_load_path == a.load:
+        where = ("`rl_config.integrated_mode_config.ref_model_load_path`" if cfg.rl_config.use_integrated_worker
+                 else "`ref_config.load` (or `rl_config.integrated_mode_config.ref_model_load_path`)")
+        yield Problem(("finetune", "load"),
+                      f"you resume (finetune: false) from load `{a.load}` but no separate reference weights are "
+                      f"given, so the reference would load the trained actor; set {where} to the original model's "
+                      f"checkpoint, or set finetune: true to start a new run")
+
+
+def unsupported_features(cfg: RLFabricConfig) -> Iterable[Problem]:
+    """Features that change results and that rlfabric does not implement: refuse them loudly."""
+    rl, a = cfg.rl_config, cfg.actor_config
+    checks = [
+        (a.lora_target_modules is not None, "lora_target_modules", "LoRA training is not supported; remove it"),
+        (rl.multi_turn_enable, "rl_config.multi_turn_enable", "multi-turn tool use is not supported; set it false"),
+        (rl.is_multimodal, "rl_config.is_multimodal", "multimodal models are not supported; set it false"),
+        (a.mm_model is not None, "mm_model", "multimodal models are not supported; remove it"),
+        (rl.use_kl_in_reward, "rl_config.use_kl_in_reward",
+         "KL in the reward is not supported (rlfabric applies KL in the loss); set it false"),
+        (rl.partial_rollout_max_split > 1, "rl_config.partial_rollout_max_split",
+         "partial rollout is not supported; set it to 1"),
+        (rl.critic_resource is not None, "rl_config.critic_resource", "critics (PPO) are not supported; remove it"),
+        (a.ai_framework not in (None, "mindspore"), "ai_framework",
+         f"ai_framework must be unset or mindspore, got `{a.ai_framework}`"),
+    ]
+    for broken, key, message in checks:
+        if broken:
+            yield Problem((key,), f"{_q(cfg, key)}: {message}")
+
+
+def precision_warnings(cfg: RLFabricConfig) -> Iterable[Problem]:
+    train, roll = cfg.derived.params_dtype, cfg.generate_config.dtype
+    if roll != "auto" and roll != train:
+        yield Problem(("generate_config.dtype", "bf16"),
+                      f"rollout runs in {roll} but training in {train} (bf16: {cfg.actor_config.bf16}); "
+                      f"log-probs of the two will differ. Use bf16: true with dtype bfloat16 on accelerators, "
+                      f"bf16: false with dtype float32 on CPU")
+
+
+RULES: tuple[Rule, ...] = (
+    required_training_keys, model_architecture, positive_sizes, sequence_lengths, device_layout,
+    batch_divisibility, dispatch_sizes, algorithm_choices, rewards, sampling, placement, resume,
+    unsupported_features,
+)
+WARNINGS: tuple[Rule, ...] = (precision_warnings,)
+
+
+def run_rules(cfg: RLFabricConfig, rules: Iterable[Rule]) -> list[Problem]:
+    return [problem for rule in rules for problem in rule(cfg)]
