@@ -1,0 +1,217 @@
+"""Megatron-layout checkpoints of a trainer group: save, load, resume semantics, the reference path.
+
+Owns what goes into `iter_XXXXXXX/mp_rank_*/model_optim_rng.pt` and how it is read back:
+    model                 this rank's GPTModel state dict (Megatron names, local layer numbers)
+    optimizer             torch AdamW state dict (see update.py for why this is Megatron's Adam)
+    opt_param_scheduler   Megatron OptimizerParamScheduler state
+    rng_state             [{random_rng_state, np_rng_state, torch_rng_state, cuda_rng_state?,
+                            rng_tracker_states}] as Megatron names them
+    args                  argparse.Namespace with consumed_train_samples, iteration, TP/PP sizes
+    iteration, checkpoint_version (3.0), rlfabric {hf_config, tp, pp}
+
+Semantics as Megatron's `load_checkpoint`: `finetune` loads weights only and restarts at iteration 0
+with fresh optimizer and RNG; a `release` checkpoint (converted weights) also starts at 0; otherwise
+the iteration and consumed samples come from the checkpoint, the optimizer/scheduler unless
+`no_load_optim`, the RNG unless `no_load_rng`. Saving is atomic (see ckpt_layout.py). Only
+data-parallel rank 0 of each (TP, PP) position writes; its replicas hold the same state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from services.trainer import ckpt_layout
+from services.trainer.model import canonical_name, canonical_state_dict
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadResult:
+    path: Path
+    iteration: int
+    consumed_samples: int
+    loaded_optimizer: bool
+    loaded_rng: bool
+
+
+def rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state.get("rng_tracker_states", {}))
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save_checkpoint(
+    root: str | Path,
+    iteration: int,
+    *,
+    model,
+    optimizer=None,
+    scheduler=None,
+    consumed_samples: int = 0,
+    hf_config: dict | None = None,
+    hf_assets_dir: str | Path | None = None,
+) -> Path:
+    """Collective: every rank calls it. Returns the committed `iter_XXXXXXX` directory."""
+    from megatron.core import parallel_state as ps
+
+    t0 = time.monotonic()
+    root = Path(root)
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    tmp = ckpt_layout.tmp_iter_dir(root, iteration)
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        tmp.mkdir()
+        if hf_assets_dir is not None and not (root / ckpt_layout.HF_ASSETS).is_dir():
+            ckpt_layout.copy_hf_assets(Path(hf_assets_dir), root / ckpt_layout.HF_ASSETS)
+    _barrier()
+    if ps.get_data_parallel_rank() == 0:
+        payload = {
+            "model": canonical_state_dict(model),
+            "iteration": iteration,
+            "checkpoint_version": 3.0,
+            "args": argparse.Namespace(
+                consumed_train_samples=consumed_samples,
+                iteration=iteration,
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+            ),
+            "rng_state": [rng_state()],
+            "rlfabric": {"hf_config": hf_config, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+        }
+        if optimizer is not None:
+            payload["optimizer"] = optimizer.state_dict()
+        if scheduler is not None:
+            payload["opt_param_scheduler"] = scheduler.state_dict()
+        path = ckpt_layout.shard_path(tmp, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(payload, path)
+    _barrier()
+    final = root / ckpt_layout.iter_dirname(iteration)
+    if dist.get_rank() == 0:
+        ckpt_layout.commit_iter_dir(root, iteration)
+        logger.info("saved %s in %.2fs", final, time.monotonic() - t0)
+    _barrier()
+    return final
+
+
+def load_checkpoint(
+    root: str | Path,
+    *,
+    model,
+    optimizer=None,
+    scheduler=None,
+    iteration: int | None = None,
+    finetune: bool = False,
+    no_load_optim: bool = False,
+    no_load_rng: bool = False,
+) -> LoadResult:
+    """Load this rank's shard with Megatron's finetune / no_load_optim / no_load_rng semantics."""
+    from megatron.core import parallel_state as ps
+
+    iter_dir, it = ckpt_layout.resolve_iter_dir(root, iteration)
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    ck_tp, ck_pp = ckpt_layout.detect_tp_pp(iter_dir)
+    if (ck_tp, ck_pp) != (tp, pp):
+        raise ValueError(
+            f"{iter_dir} was saved with tensor_model_parallel_size={ck_tp}, pipeline_model_parallel_size={ck_pp}, "
+            f"but this trainer runs TP={tp}, PP={pp}; convert it first "
+            f"(`rlfabric convert mcore2hf` then `rlfabric convert hf2mcore --tp {tp} --pp {pp}`)"
+        )
+    path = ckpt_layout.shard_path(iter_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp)
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    _load_model_state(model, payload["model"], path)
+    release = it == ckpt_layout.RELEASE
+    if finetune or release:
+        return LoadResult(iter_dir, 0, 0, False, False)
+    loaded_optim = loaded_rng = False
+    if not no_load_optim:
+        if "optimizer" not in payload:
+            raise ValueError(f"{path} has no optimizer state; set no_load_optim: true (or finetune: true) to load it")
+        if optimizer is not None:
+            optimizer.load_state_dict(payload["optimizer"])
+        if scheduler is not None and "opt_param_scheduler" in payload:
+            scheduler.load_state_dict(payload["opt_param_scheduler"])
+        loaded_optim = True
+    if not no_load_rng:
+        if not payload.get("rng_state"):
+            raise ValueError(f"{path} has no RNG state; set no_load_rng: true to load it")
+        set_rng_state(payload["rng_state"][0])
+        loaded_rng = True
+    args = payload.get("args")
+    consumed = int(getattr(args, "consumed_train_samples", 0)) if args is not None else 0
+    return LoadResult(iter_dir, int(payload.get("iteration", it)), consumed, loaded_optim, loaded_rng)
+
+
+def _load_model_state(model, state: dict, path: Path) -> None:
+    """Copy a canonical (local-spec names) state dict into `model`, checking names and shapes."""
+    own = {canonical_name(k): v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    have = {k for k in state if not k.endswith("_extra_state")}
+    if set(own) != have:
+        missing, extra = sorted(set(own) - have), sorted(have - set(own))
+        raise ValueError(f"{path}: model keys do not match this model: missing {missing[:5]}, unexpected {extra[:5]}")
+    for k, t in own.items():
+        if t.shape != state[k].shape:
+            raise ValueError(f"{path}: {k} has shape {tuple(state[k].shape)}, the model expects {tuple(t.shape)}")
+    with torch.no_grad():
+        for k, t in own.items():
+            t.copy_(state[k])
+
+
+def reference_load_path(*, load: str | None, finetune: bool, ref_model_load_path: str | None) -> str:
+    """Where the reference model loads from (MindSpeed-RL's `integrated_mode_config.ref_model_load_path`).
+
+    A fresh run (no checkpoint beyond converted `release` weights, or `finetune: true`) may take the
+    reference from `load`: both are the initial policy. A resumed run may not: `load` then holds the
+    trained actor, and MindSpeed-RL silently uses it as the reference, which changes the KL term.
+    """
+    if ref_model_load_path:
+        return ref_model_load_path
+    if not load:
+        raise ValueError("no weights for the reference model: set megatron_training.load (or ref_model_load_path)")
+    resuming = False
+    if not finetune and (Path(load) / ckpt_layout.TRACKER).is_file():
+        resuming = ckpt_layout.read_tracker(load) != ckpt_layout.RELEASE
+    if resuming:
+        raise ValueError(
+            f"resuming from {load} (finetune: false, tracker at iteration {ckpt_layout.read_tracker(load)}) "
+            "without rl_config.integrated_mode_config.ref_model_load_path: `load` now holds the trained actor, "
+            "so the reference would drift from the initial policy; set ref_model_load_path to the initial "
+            "(converted) weights"
+        )
+    return load

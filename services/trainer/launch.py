@@ -1,0 +1,201 @@
+"""Start a trainer group: one process per rank (torchrun-style), rank 0 serving gRPC.
+
+`rlfabric trainer serve` (serve_group) spawns `python -m services.trainer rank ...` once per rank on
+this host with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, and watches them: when any rank
+exits, the others get SIGTERM after a grace period (rank 0 has by then failed in-flight calls with
+UNAVAILABLE), so a supervisor sees the group exit and can restart it. Under torchrun or Kubernetes
+the same `rank` entry point runs with the environment those set.
+
+This module imports only the standard library at top level (the CLI builds its parser from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="MindSpeed-RL YAML (actor_config / rl_config are read)")
+    p.add_argument("--override", action="append", default=[], help="dotted config override, repeatable")
+    p.add_argument("--role", default="actor", choices=("actor", "reference"), help="model role (default: actor)")
+    p.add_argument("--hf-dir", default=None, help="HF model folder (architecture, tokenizer, initial weights)")
+    p.add_argument("--load", default=None, help="Megatron checkpoint dir to load (overrides the config)")
+    p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: config or 1)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline parallel size (default: config or 1)")
+    p.add_argument("--world-size", type=int, default=None, help="processes to start (default: tp * pp)")
+    p.add_argument("--address", default="127.0.0.1:0", help="gRPC bind address of rank 0 (default: 127.0.0.1:0)")
+    p.add_argument("--port-file", default=None, help="write rank 0's bound port here once serving")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port of rank 0 (0 = any free)")
+    p.add_argument("--auth-token", default=os.environ.get("RLFABRIC_AUTH_TOKEN"), help="bearer token for calls")
+    p.add_argument("--master-port", type=int, default=None, help="torch.distributed port (default: a free one)")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="update micro-batch rows (without --config)")
+    p.add_argument("--forward-micro-batch-size", type=int, default=None, help="log-prob micro-batch rows")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (without --config)")
+    p.add_argument("--kl-coef", type=float, default=None, help="KL coefficient (default: config init_kl_coef)")
+    p.add_argument("--grace-s", type=float, default=5.0, help="seconds before survivors of a dead rank are stopped")
+
+
+def rank_argv(args: argparse.Namespace) -> list[str]:
+    """The command line of one rank (same for all ranks; the rank comes from the environment)."""
+    argv = [sys.executable, "-m", "services.trainer", "rank"]
+    for key, value in vars(args).items():
+        if key in ("func", "command", "trainer_command", "log_level", "log_json", "world_size", "grace_s",
+                   "auth_token"):
+            continue
+        if value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, list):
+            for v in value:
+                argv += [flag, str(v)]
+        elif value is True:
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def serve_group(args: argparse.Namespace) -> int:
+    """Spawn every rank and supervise them; returns the group's exit code."""
+    from services.trainer.parallel import free_port
+
+    tp, pp = args.tp, args.pp
+    if args.config and not (tp and pp):
+        from services.common.config import load_config  # no torch: cheap
+
+        cfg = load_config(args.config, overrides=args.override)
+        mt = cfg.actor_config if args.role == "actor" else cfg.ref_config
+        tp, pp = tp or mt.tensor_model_parallel_size, pp or mt.pipeline_model_parallel_size
+    tp, pp = tp or 1, pp or 1
+    world = args.world_size or tp * pp
+    master_port = args.master_port or free_port()
+    argv = rank_argv(argparse.Namespace(**{**vars(args), "tp": tp, "pp": pp}))
+    procs: list[subprocess.Popen] = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if args.auth_token:
+            env["RLFABRIC_AUTH_TOKEN"] = args.auth_token  # not on the command line, where ps shows it
+        procs.append(subprocess.Popen(argv, env=env))
+    stopping = False
+
+    def stop(signum, _frame):
+        nonlocal stopping
+        stopping = True
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    code = supervise(procs, grace_s=args.grace_s)
+    return 0 if stopping else code
+
+
+def supervise(procs: list[subprocess.Popen], *, grace_s: float) -> int:
+    """Wait for the ranks; once one exits, give the rest `grace_s`, then SIGTERM (then SIGKILL)."""
+    while all(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    first = next(p for p in procs if p.poll() is not None)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return first.returncode or max((p.returncode or 0) for p in procs)
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    """One rank: join the group, build the worker; rank 0 serves gRPC, the others follow the bus."""
+    import torch
+
+    from services.trainer import parallel
+    from services.trainer.group import CommandBus, GroupExecutor, Liveness
+    from services.trainer.server import create_trainer_server, worker_handlers
+    from services.trainer.worker import TrainerWorker
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    opts, kl_coef, tp, pp = _worker_options(args)
+    parallel.init_distributed()
+    parallel.init_model_parallel(tp, pp, seed=opts.update.seed)
+    worker = TrainerWorker(opts)
+    liveness = Liveness()
+    liveness.start()
+    bus = CommandBus(worker_handlers(worker))
+    if torch.distributed.get_rank() != 0:
+        try:
+            bus.serve_forever()
+        finally:
+            liveness.close()
+            parallel.shutdown()
+        return 0
+    executor = GroupExecutor(bus, liveness)
+    server, _ = create_trainer_server(
+        executor, worker, address=args.address, kl_coef=kl_coef, metrics_port=args.metrics_port,
+        auth_token=args.auth_token,
+    )
+    server.start()
+    if args.port_file:
+        tmp = Path(args.port_file + ".tmp")
+        tmp.write_text(str(server.port))
+        os.replace(tmp, args.port_file)
+    logger.info("trainer (%s, TP=%d PP=%d DP=%d) serving on %s", opts.role, tp, pp, worker.layout.dp, server.address)
+    from services.common.server import serve_until_signal
+
+    try:
+        serve_until_signal(server)
+    finally:
+        executor.shutdown()
+        liveness.close()
+        if executor.broken is None:
+            parallel.shutdown()
+    return 0 if executor.broken is None else 1
+
+
+def _worker_options(args: argparse.Namespace):
+    import dataclasses
+
+    from services.trainer.worker import WorkerOptions
+
+    kl_coef = 0.0
+    if args.config:
+        from services.common.config import load_config
+        from services.trainer.options import worker_options_from_config
+
+        cfg = load_config(args.config, overrides=args.override)
+        opts, kl_coef = worker_options_from_config(cfg, args.role, hf_dir=args.hf_dir)
+        mt = cfg.actor_config if args.role == "actor" else cfg.ref_config
+        tp, pp = mt.tensor_model_parallel_size, mt.pipeline_model_parallel_size
+    else:
+        opts = WorkerOptions(role=args.role, hf_dir=args.hf_dir, finetune=True)
+        tp, pp = 1, 1
+    changes = {}
+    if args.load:
+        changes["load"] = args.load
+    if args.forward_micro_batch_size:
+        changes["forward_micro_batch_size"] = args.forward_micro_batch_size
+    if args.micro_batch_size:
+        changes["update"] = dataclasses.replace(opts.update, micro_batch_size=args.micro_batch_size)
+    if args.lr is not None:
+        changes["optimizer"] = dataclasses.replace(opts.optimizer, lr=args.lr)
+    opts = dataclasses.replace(opts, **changes)
+    if args.kl_coef is not None:
+        kl_coef = args.kl_coef
+    return opts, kl_coef, args.tp or tp, args.pp or pp

@@ -1,0 +1,82 @@
+"""Log-probs of response tokens (actor "old" log-probs and the reference's), micro-batched.
+
+Owns `compute_log_probs_rows`: every rank of the group calls it with the same rows; each
+data-parallel rank runs its share through Megatron's forward-only schedule in micro-batches of
+`actor_forward_micro_batch_size` / `ref_forward_micro_batch_size` rows; logits are divided by the
+sampling temperature (`grpo_loss.compute_log_probs`); only the response slice is kept. The packed
+float32 result (`[sum(response_lengths)]`, rows in order) is assembled on global rank 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from services.trainer import grpo_loss
+from services.trainer.step import (
+    SequenceRows,
+    dp_share,
+    gather_response_logits,
+    make_micro_batch,
+    run_micro_batches,
+)
+
+
+def compute_log_probs_rows(
+    model,
+    rows: SequenceRows,
+    *,
+    temperature: float,
+    micro_batch_size: int,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Response log-probs (and entropy) of `rows`; returns packed float32 tensors on rank 0, else None."""
+    from megatron.core import parallel_state as ps
+
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if micro_batch_size < 1:
+        raise ValueError(f"forward micro batch size must be >= 1, got {micro_batch_size}")
+    share = list(dp_share(len(rows), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()))
+    pp = ps.get_pipeline_model_parallel_world_size()
+    chunks = [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
+    seq_len = rows.max_len() if pp > 1 else 0
+    mbs = [
+        make_micro_batch(rows, c, pad_rows_to=micro_batch_size if pp > 1 else 0, seq_len=seq_len) for c in chunks
+    ]
+
+    def loss_fn(logits: torch.Tensor, mb: dict):
+        logits = gather_response_logits(logits, mb)
+        logp, ent = grpo_loss.compute_log_probs(
+            logits, mb["resp_tokens"].to(logits.device), temperature, with_entropy=with_entropy
+        )
+        info = {"rows": mb["rows"], "log_probs": logp.float().cpu(), "entropy": None if ent is None else ent.float().cpu()}
+        return torch.zeros((), device=logits.device), info
+
+    model.eval()
+    with torch.no_grad():
+        outputs = run_micro_batches(model, mbs, loss_fn, forward_only=True)
+    # The last pipeline stage of TP rank 0 in each DP replica holds results; collect them on rank 0.
+    mine = outputs if (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0) else []
+    gathered = _gather_to_rank0(mine)
+    if dist.get_rank() != 0:
+        return None, None
+    logp_flat = torch.zeros(rows.num_response_tokens, dtype=torch.float32)
+    ent_flat = torch.zeros(rows.num_response_tokens, dtype=torch.float32) if with_entropy else None
+    for info in gathered:
+        for j, i in enumerate(info["rows"]):
+            if i < 0:
+                continue
+            a, b = int(rows.resp_offsets[i]), int(rows.resp_offsets[i + 1])
+            logp_flat[a:b] = info["log_probs"][j, : b - a]
+            if ent_flat is not None:
+                ent_flat[a:b] = info["entropy"][j, : b - a]
+    return logp_flat, ent_flat
+
+
+def _gather_to_rank0(items: list) -> list:
+    if dist.get_world_size() == 1:
+        return list(items)
+    out: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(items, out, dst=0)
+    return [x for part in (out or []) for x in part]

@@ -1,0 +1,272 @@
+"""The `rlfabric.v1.Trainer` servicer (rank 0 of a trainer group): proto <-> worker operations.
+
+Each RPC is validated here, then run on every rank through `GroupExecutor` (group.py), awaited
+with the call's deadline. Status codes: INVALID_ARGUMENT for malformed input, FAILED_PRECONDITION
+for a batch from another weights version, ALREADY_EXISTS for a repeated Update step, UNAVAILABLE
+when a rank died (the group is broken and the server reports NOT_SERVING), DEADLINE_EXCEEDED when
+an operation outlives the call, INTERNAL when an operation failed on some rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+import numpy as np
+
+from rlfabric.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from services.common.sequences import Sequences
+from services.common.server import ServiceServer, ServiceSpec, create_server
+from services.common.tensors import to_numpy, to_proto
+from services.trainer.group import GroupBroken, GroupExecutor, OperationFailed
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "rlfabric.v1.Trainer"
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    """Serves one trainer group; `executor.run(op, ...)` runs an op on every rank."""
+
+    def __init__(self, executor: GroupExecutor, worker, *, kl_coef: float = 0.0) -> None:
+        self.executor = executor
+        self.worker = worker  # rank 0's worker: read-only state (versions, layout)
+        self.kl_coef = kl_coef
+        self.server: ServiceServer | None = None
+        self._update_lock = threading.Lock()
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    @contextmanager
+    def _errors(self, context: grpc.ServicerContext, what: str):
+        try:
+            yield
+        except GroupBroken as e:
+            if self.server is not None:
+                self.server.set_serving(False)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{what}: {e}")
+        except TimeoutError as e:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{what}: {e}")
+        except OperationFailed as e:
+            if e.kinds <= {"ValueError"}:  # the input was refused on every rank that failed
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {e}")
+            if e.kinds <= {"FileNotFoundError"}:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"{what}: {e}")
+            context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {e}")
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {e}")
+
+    def _run(self, context: grpc.ServicerContext, op: str, **kwargs):
+        remaining = context.time_remaining()
+        return self.executor.run(op, remaining, **kwargs)
+
+    @staticmethod
+    def _rows(batch: trainer_pb2.SequenceBatch) -> Sequences:
+        seqs = Sequences.from_proto(batch)
+        if (seqs.response_lengths < 1).any():
+            raise ValueError("every sequence needs at least one response token")
+        return seqs
+
+    # ---- RPCs -------------------------------------------------------------------------------
+    def ComputeLogProbs(self, request_iterator, context) -> Iterator[trainer_pb2.LogProbResponse]:
+        for req in request_iterator:
+            with self._errors(context, "ComputeLogProbs"):
+                if req.temperature <= 0:
+                    raise ValueError(f"temperature must be > 0, got {req.temperature}")
+                seqs = self._rows(req.batch)
+                logp, ent = self._run(
+                    context, "log_probs",
+                    token_ids=np.array(seqs.token_ids), prompt_lengths=np.array(seqs.prompt_lengths),
+                    response_lengths=np.array(seqs.response_lengths), temperature=float(req.temperature),
+                    with_entropy=req.with_entropy,
+                )
+            resp = trainer_pb2.LogProbResponse(
+                sample_ids=seqs.sample_ids, log_probs=to_proto(logp.numpy()),
+                weights_version=self.worker.weights_version,
+            )
+            if ent is not None:
+                resp.entropy.CopyFrom(to_proto(ent.numpy()))
+            yield resp
+
+    def Update(self, request_iterator, context) -> trainer_pb2.UpdateResponse:
+        with self._errors(context, "Update"):
+            parts = list(request_iterator)
+            if not parts:
+                raise ValueError("Update needs at least one UpdateRequest")
+            step, temperature = parts[0].step, parts[0].temperature
+            kl_coef = parts[0].kl_coef if parts[0].HasField("kl_coef") else self.kl_coef
+            if any(p.step != step or p.temperature != temperature
+                   or (p.kl_coef if p.HasField("kl_coef") else self.kl_coef) != kl_coef for p in parts):
+                raise ValueError("all UpdateRequests of one call must carry the same step, temperature and kl_coef")
+            if temperature <= 0:
+                raise ValueError(f"temperature must be > 0, got {temperature}")
+            seqs = [self._rows(p.batch) for p in parts]
+            with self._update_lock:
+                last = self.worker.last_update_step
+                if last is not None and step <= last:
+                    context.abort(grpc.StatusCode.ALREADY_EXISTS, f"step {step} already applied (last step {last})")
+                version = self.worker.weights_version
+                stale = {s.weights_version for s in seqs} - {version}
+                if stale:
+                    context.abort(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"batch generated with weights version(s) {sorted(stale)}, trainer holds version {version}",
+                    )
+                arrays = _experience_arrays(parts, seqs)
+                t0 = time.monotonic()
+                metrics = self._run(context, "update", step=int(step), temperature=float(temperature),
+                                    kl_coef=float(kl_coef), **arrays)
+                metrics["timing/update"] = time.monotonic() - t0
+        return trainer_pb2.UpdateResponse(
+            metrics=common_pb2.Metrics(values=metrics),
+            weights_version=self.worker.weights_version,
+            num_tokens=int(arrays["response_lengths"].sum()),
+        )
+
+    def SaveCheckpoint(self, request, context) -> trainer_pb2.CheckpointResponse:
+        with self._errors(context, "SaveCheckpoint"):
+            if not request.dir:
+                raise ValueError("dir is required (megatron_training.save)")
+            t0 = time.monotonic()
+            path = self._run(context, "save", root=request.dir, iteration=int(request.iteration),
+                             consumed_samples=int(request.consumed_samples))
+        return trainer_pb2.CheckpointResponse(
+            path=str(path), iteration=self.worker.iteration, consumed_samples=self.worker.consumed_samples,
+            duration_s=time.monotonic() - t0,
+        )
+
+    def LoadCheckpoint(self, request, context) -> trainer_pb2.CheckpointResponse:
+        with self._errors(context, "LoadCheckpoint"):
+            if not request.dir:
+                raise ValueError("dir is required (megatron_training.load)")
+            t0 = time.monotonic()
+            res = self._run(context, "load", root=request.dir, iteration=int(request.iteration) or None,
+                            finetune=request.finetune, no_load_optim=request.no_load_optim,
+                            no_load_rng=request.no_load_rng)
+        return trainer_pb2.CheckpointResponse(
+            path=str(res.path), iteration=res.iteration, consumed_samples=res.consumed_samples,
+            duration_s=time.monotonic() - t0,
+        )
+
+    def PushWeights(self, request, context):
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "PushWeights is provided by the weight-sync transport")
+
+    def Offload(self, request, context) -> trainer_pb2.OffloadResponse:
+        with self._errors(context, "Offload"):
+            t0 = time.monotonic()
+            moved = self._run(context, "offload", params=request.params, grads=request.grads,
+                              optimizer=request.optimizer)
+        return trainer_pb2.OffloadResponse(duration_s=time.monotonic() - t0, bytes=int(moved))
+
+    def Onload(self, request, context) -> trainer_pb2.OffloadResponse:
+        with self._errors(context, "Onload"):
+            t0 = time.monotonic()
+            moved = self._run(context, "onload", params=request.params, grads=request.grads,
+                              optimizer=request.optimizer)
+        return trainer_pb2.OffloadResponse(duration_s=time.monotonic() - t0, bytes=int(moved))
+
+    def Info(self, request, context) -> trainer_pb2.TrainerInfo:
+        w = self.worker
+        info = trainer_pb2.TrainerInfo(
+            role=w.opts.role, tensor_parallel_size=w.layout.tp, pipeline_parallel_size=w.layout.pp,
+            data_parallel_size=w.layout.dp, weights_version=w.weights_version, iteration=w.iteration,
+            dtype=w.opts.params_dtype,
+        )
+        if request.include_parameters:
+            with self._errors(context, "Info"):
+                shards = self._run(context, "shards")
+            for s in shards:
+                info.shards.add(name=s["name"], shape=list(s["shape"]), tp_rank=s["tp_rank"], pp_rank=s["pp_rank"],
+                                partition_dim=s["partition_dim"])
+        return info
+
+
+def _experience_arrays(parts, seqs: list[Sequences]) -> dict[str, np.ndarray | None]:
+    """Concatenate the request slices into one global batch (numpy arrays, validated lengths)."""
+    tokens = np.concatenate([s.token_ids for s in seqs]).astype(np.int64)
+    prompt = np.concatenate([s.prompt_lengths for s in seqs]).astype(np.int64)
+    resp = np.concatenate([s.response_lengths for s in seqs]).astype(np.int64)
+    adv = []
+    for p, s in zip(parts, seqs, strict=True):
+        a = to_numpy(p.advantages).astype(np.float32).reshape(-1)
+        if a.shape[0] != len(s):
+            raise ValueError(f"advantages has {a.shape[0]} values for {len(s)} sequences")
+        adv.append(a)
+
+    def per_token(field: str) -> np.ndarray | None:
+        present = [p.HasField(field) and to_numpy(getattr(p, field)).size > 0 for p in parts]
+        if not any(present):
+            return None
+        if not all(present):
+            raise ValueError(f"{field} is set on some UpdateRequests of the call but not on others")
+        out = []
+        for p, s in zip(parts, seqs, strict=True):
+            v = to_numpy(getattr(p, field)).astype(np.float32).reshape(-1)
+            if v.shape[0] != int(s.response_lengths.sum()):
+                raise ValueError(f"{field} has {v.shape[0]} values for {int(s.response_lengths.sum())} response tokens")
+            out.append(v)
+        return np.concatenate(out)
+
+    return {
+        "token_ids": tokens, "prompt_lengths": prompt, "response_lengths": resp,
+        "advantages": np.concatenate(adv), "old_log_probs": per_token("old_log_probs"),
+        "ref_log_probs": per_token("ref_log_probs"),
+    }
+
+
+def worker_handlers(worker) -> dict:
+    """Operation name -> callable on this rank's worker (same table on every rank)."""
+    import torch
+
+    from services.trainer.step import SequenceRows
+    from services.trainer.update import Experience
+
+    def rows(token_ids, prompt_lengths, response_lengths) -> SequenceRows:
+        return SequenceRows(torch.from_numpy(np.asarray(token_ids, dtype=np.int64)),
+                            torch.from_numpy(np.asarray(prompt_lengths, dtype=np.int64)),
+                            torch.from_numpy(np.asarray(response_lengths, dtype=np.int64)))
+
+    def log_probs(token_ids, prompt_lengths, response_lengths, temperature, with_entropy):
+        return worker.compute_log_probs(rows(token_ids, prompt_lengths, response_lengths), temperature, with_entropy)
+
+    def update(step, temperature, kl_coef, token_ids, prompt_lengths, response_lengths, advantages,
+               old_log_probs, ref_log_probs):
+        def t(x):
+            return None if x is None else torch.from_numpy(np.asarray(x, dtype=np.float32))
+
+        exp = Experience(rows(token_ids, prompt_lengths, response_lengths), t(advantages), t(old_log_probs),
+                         t(ref_log_probs))
+        return worker.update(exp, temperature=temperature, kl_coef=kl_coef, step=step)
+
+    def shards():
+        from services.trainer.worker import gather_objects
+
+        parts = gather_objects(worker.shard_infos())
+        return [s for part in (parts or []) for s in part]
+
+    return {
+        "log_probs": log_probs,
+        "update": update,
+        "save": lambda root, iteration, consumed_samples: worker.save(root, iteration, consumed_samples),
+        "load": lambda root, iteration, finetune, no_load_optim, no_load_rng: worker.load(
+            root, iteration=iteration, finetune=finetune, no_load_optim=no_load_optim, no_load_rng=no_load_rng),
+        "offload": lambda params, grads, optimizer: worker.offload(params=params, grads=grads, optimizer=optimizer),
+        "onload": lambda params, grads, optimizer: worker.onload(params=params, grads=grads, optimizer=optimizer),
+        "shards": shards,
+    }
+
+
+def create_trainer_server(
+    executor: GroupExecutor, worker, *, address: str = "127.0.0.1:0", kl_coef: float = 0.0,
+    metrics_port: int | None = 0, auth_token: str | None = None,
+) -> tuple[ServiceServer, TrainerServicer]:
+    servicer = TrainerServicer(executor, worker, kl_coef=kl_coef)
+    server = create_server(
+        [ServiceSpec(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer, SERVICE_NAME)],
+        address, component="trainer", metrics_port=metrics_port, auth_token=auth_token,
+    )
+    servicer.server = server
+    return server, servicer

@@ -1,0 +1,165 @@
+"""Megatron forward/backward over a list of micro-batches, plus the rows <-> tensors plumbing.
+
+Owns: turning packed sequences (prompt + response tokens, no padding) into right-padded model
+inputs with response-aligned indices, and running Megatron's own schedule
+(`get_forward_backward_func`: no-pipelining at PP 1, 1F1B at PP > 1) over them. Math on the logits
+lives in `grpo_loss.py`; the callers (`logprobs.py`, `update.py`) give the per-micro-batch loss.
+
+Every rank of the group holds the same rows; each data-parallel rank takes its contiguous share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from services.trainer import megatron_compat
+from services.trainer.model import causal_mask
+
+
+@dataclasses.dataclass
+class SequenceRows:
+    """B packed sequences: prompt then response tokens each, concatenated without padding."""
+
+    token_ids: torch.Tensor  # int64 [sum(prompt_lengths + response_lengths)]
+    prompt_lengths: torch.Tensor  # int64 [B]
+    response_lengths: torch.Tensor  # int64 [B]
+
+    def __post_init__(self) -> None:
+        self.token_ids = torch.as_tensor(self.token_ids).long().reshape(-1)
+        self.prompt_lengths = torch.as_tensor(self.prompt_lengths).long().reshape(-1)
+        self.response_lengths = torch.as_tensor(self.response_lengths).long().reshape(-1)
+        if self.prompt_lengths.shape != self.response_lengths.shape:
+            raise ValueError(
+                f"prompt_lengths has {self.prompt_lengths.numel()} entries but response_lengths has "
+                f"{self.response_lengths.numel()}"
+            )
+        total = int((self.prompt_lengths + self.response_lengths).sum())
+        if total != self.token_ids.numel():
+            raise ValueError(f"token_ids has {self.token_ids.numel()} tokens; the lengths add up to {total}")
+        if bool((self.prompt_lengths < 1).any()):
+            raise ValueError("every sequence needs at least one prompt token (prompt_lengths >= 1)")
+        seq = self.prompt_lengths + self.response_lengths
+        self.seq_offsets = torch.cat([torch.zeros(1, dtype=torch.long), seq.cumsum(0)])
+        self.resp_offsets = torch.cat([torch.zeros(1, dtype=torch.long), self.response_lengths.cumsum(0)])
+
+    def __len__(self) -> int:
+        return int(self.prompt_lengths.numel())
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_lengths.sum())
+
+    def max_len(self) -> int:
+        return int((self.prompt_lengths + self.response_lengths).max()) if len(self) else 0
+
+
+def response_slices(flat: torch.Tensor, rows: SequenceRows, idx: Sequence[int], width: int) -> torch.Tensor:
+    """Per-response-token values (packed, [sum(r)]) of rows `idx` as a right-padded [b, width]."""
+    out = torch.zeros((len(idx), width), dtype=flat.dtype)
+    for j, i in enumerate(idx):
+        a, b = int(rows.resp_offsets[i]), int(rows.resp_offsets[i + 1])
+        out[j, : b - a] = flat[a:b]
+    return out
+
+
+def make_micro_batch(rows: SequenceRows, idx: Sequence[int], *, pad_rows_to: int = 0, seq_len: int = 0) -> dict:
+    """Model inputs of rows `idx`, right-padded to `seq_len` (0 = the longest row).
+
+    Returns input_ids/position_ids [b, S], attention_mask, and response-aligned tensors [b, R]:
+    `resp_pos` (position of the logit that predicts each response token), `resp_tokens`,
+    `response_mask`, plus `rows` (the row indices; padding rows, added up to `pad_rows_to`, are -1).
+    """
+    idx = list(idx)
+    b = max(len(idx), pad_rows_to)
+    s = max(seq_len, max(int(rows.prompt_lengths[i] + rows.response_lengths[i]) for i in idx))
+    r = max(1, max(int(rows.response_lengths[i]) for i in idx))
+    input_ids = torch.zeros((b, s), dtype=torch.long)
+    resp_pos = torch.zeros((b, r), dtype=torch.long)
+    resp_tokens = torch.zeros((b, r), dtype=torch.long)
+    mask = torch.zeros((b, r), dtype=torch.float32)
+    for j, i in enumerate(idx):
+        p, n = int(rows.prompt_lengths[i]), int(rows.response_lengths[i])
+        seq = rows.token_ids[rows.seq_offsets[i] : rows.seq_offsets[i + 1]]
+        input_ids[j, : p + n] = seq
+        resp_pos[j, :n] = torch.arange(p - 1, p - 1 + n)
+        resp_tokens[j, :n] = seq[p:]
+        mask[j, :n] = 1.0
+    return {
+        "input_ids": input_ids,
+        "position_ids": torch.arange(s).unsqueeze(0).expand(b, s).contiguous(),
+        "attention_mask": causal_mask(s),
+        "resp_pos": resp_pos,
+        "resp_tokens": resp_tokens,
+        "response_mask": mask,
+        "rows": idx + [-1] * (b - len(idx)),
+    }
+
+
+def gather_response_logits(logits: torch.Tensor, mb: dict) -> torch.Tensor:
+    """[b, S, V] logits -> [b, R, V] at the positions that predict the response tokens."""
+    pos = mb["resp_pos"].to(logits.device)
+    return logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+
+
+def dp_share(n: int, dp: int, dp_rank: int) -> range:
+    """Contiguous share of n items for one data-parallel rank (sizes differ by at most one)."""
+    base, extra = divmod(n, dp)
+    start = dp_rank * base + min(dp_rank, extra)
+    return range(start, start + base + (1 if dp_rank < extra else 0))
+
+
+def _to_device(mb: dict, device: torch.device) -> dict:
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
+
+
+def run_micro_batches(
+    model,
+    micro_batches: list[dict],
+    loss_fn: Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, Any]]],
+    *,
+    forward_only: bool,
+) -> list[dict[str, Any]]:
+    """Megatron's forward(/backward) over `micro_batches`; returns loss_fn's dicts (last PP stage).
+
+    `loss_fn(logits [b, S, V], micro_batch) -> (loss, info)`; Megatron divides the loss by the number
+    of micro-batches before backward, so gradients are the mean over micro-batches.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        return []
+    device = next(model.parameters()).device
+    seq_len = max(mb["input_ids"].shape[1] for mb in micro_batches)
+    mbs = max(mb["input_ids"].shape[0] for mb in micro_batches)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        # 1F1B exchanges fixed-shape activations between stages.
+        for mb in micro_batches:
+            if tuple(mb["input_ids"].shape) != (mbs, seq_len):
+                raise ValueError("pipeline parallel micro-batches must share one shape; pad them first")
+
+    def forward_step(data_iterator, m):
+        mb = _to_device(next(data_iterator), device)
+        out = m(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=mb["attention_mask"])
+        return out, partial(_call_loss, loss_fn, mb)
+
+    # Megatron's schedules allocate a token counter on "cuda" by name (see megatron_compat).
+    with megatron_compat.cpu_device_mode():
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[model],
+            num_microbatches=len(micro_batches),
+            seq_length=seq_len,
+            micro_batch_size=mbs,
+            forward_only=forward_only,
+        )
+
+
+def _call_loss(loss_fn, mb: dict, output_tensor: torch.Tensor):
+    return loss_fn(output_tensor, mb)

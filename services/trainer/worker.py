@@ -1,0 +1,236 @@
+"""One rank's trainer state and the operations every rank runs in lockstep (no gRPC here).
+
+Owns a `TrainerWorker`: this rank's GPTModel, optimizer, scheduler, iteration, consumed samples and
+weights version, and the collective operations the server fans out (log-probs, update, checkpoint
+save/load, offload/onload, info). Every method must be called on every rank of the group with the
+same arguments; results that only rank 0 needs are returned there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from services.trainer import checkpoint, convert, megatron_compat
+from services.trainer.model import ModelSpec, build_gpt_model, read_hf_config, spec_from_hf_config
+from services.trainer.parallel import Layout, current_layout
+from services.trainer.step import SequenceRows
+from services.trainer.update import Experience, OptimizerOptions, UpdateOptions, build_optimizer, grpo_update
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerOptions:
+    """What a trainer rank is (role, weights) and how it trains."""
+
+    role: str = "actor"  # "actor" or "reference"
+    hf_dir: str | None = None  # HF folder: architecture, tokenizer assets, and initial weights if no load
+    load: str | None = None  # Megatron checkpoint dir (`megatron_training.load`)
+    finetune: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    forward_micro_batch_size: int = 1  # actor_/ref_forward_micro_batch_size
+    update: UpdateOptions = UpdateOptions()
+    optimizer: OptimizerOptions = OptimizerOptions()
+    params_dtype: str = "float32"
+
+
+class TrainerWorker:
+    """This rank's model (and optimizer, for the actor)."""
+
+    def __init__(self, opts: WorkerOptions) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.opts = opts
+        self.layout: Layout = current_layout()
+        self.spec, self.hf_config = self._read_spec()
+        dtype = getattr(torch, opts.params_dtype)
+        self.model = build_gpt_model(self.spec, tp=self.layout.tp, pp=self.layout.pp, params_dtype=dtype)
+        self.optimizer = self.scheduler = None
+        if opts.role == "actor":
+            self.optimizer, self.scheduler = build_optimizer(self.model, opts.optimizer)
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.weights_version = 0
+        self.last_update_step: int | None = None
+        self._offloaded: dict[str, int] = {}
+        self._tp_rank, self._pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self._load_initial()
+
+    # ---- set-up -----------------------------------------------------------------------------
+    def _read_spec(self) -> tuple[ModelSpec, dict]:
+        if self.opts.hf_dir:
+            return read_hf_config(self.opts.hf_dir)
+        if self.opts.load and (Path(self.opts.load) / "config.json").is_file():
+            return read_hf_config(self.opts.load)
+        if self.opts.load:
+            iter_dir, _ = convert.ckpt_layout.resolve_iter_dir(self.opts.load)
+            shards_dir = next(iter_dir.glob("mp_rank_*"))
+            payload = torch.load(shards_dir / convert.ckpt_layout.FILENAME, map_location="cpu", weights_only=False)
+            raw = payload.get("rlfabric", {}).get("hf_config")
+            if raw:
+                return spec_from_hf_config(raw, source=str(shards_dir)), raw
+        raise ValueError("the trainer needs hf_dir (an HF model folder) or a load dir written by rlfabric")
+
+    def _load_initial(self) -> None:
+        load_is_hf = bool(self.opts.load) and not (Path(self.opts.load) / convert.ckpt_layout.TRACKER).is_file() \
+            and (Path(self.opts.load) / "config.json").is_file()
+        if load_is_hf:
+            # MindSpeed-RL configs sometimes point `load` at the HF folder to start from: take its weights.
+            logger.info("load=%s is a Hugging Face folder: converting its weights in memory", self.opts.load)
+            self.load_hf_weights(self.opts.load)
+        elif self.opts.load:
+            res = checkpoint.load_checkpoint(
+                self.opts.load,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                finetune=self.opts.finetune,
+                no_load_optim=self.opts.no_load_optim or self.optimizer is None,
+                no_load_rng=self.opts.no_load_rng,
+            )
+            self.iteration, self.consumed_samples = res.iteration, res.consumed_samples
+            logger.info("rank %d loaded %s (iteration %d)", self.layout.rank, res.path, res.iteration)
+        elif self.opts.hf_dir:
+            self.load_hf_weights(self.opts.hf_dir)
+        else:
+            raise ValueError("no initial weights: set hf_dir or load")
+
+    def load_hf_weights(self, hf_dir: str | Path) -> None:
+        """Load this rank's shard of an HF folder's weights (converted in memory)."""
+        key = (self._tp_rank, self._pp_rank)
+        shards = convert.hf_to_mcore(convert.load_hf_state(hf_dir), self.spec, self.layout.tp, self.layout.pp, only=key)
+        checkpoint._load_model_state(self.model, shards[key], Path(hf_dir))
+
+    # ---- operations -------------------------------------------------------------------------
+    def compute_log_probs(self, rows: SequenceRows, temperature: float, with_entropy: bool = False):
+        from services.trainer.logprobs import compute_log_probs_rows
+
+        self._require_onloaded()
+        return compute_log_probs_rows(
+            self.model,
+            rows,
+            temperature=temperature,
+            micro_batch_size=self.opts.forward_micro_batch_size,
+            with_entropy=with_entropy,
+        )
+
+    def update(self, exp: Experience, *, temperature: float, kl_coef: float, step: int) -> dict[str, float]:
+        if self.optimizer is None:
+            raise ValueError(f"the {self.opts.role} trainer has no optimizer; Update is for the actor")
+        self._require_onloaded()
+        t0 = time.monotonic()
+        metrics = grpo_update(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            exp,
+            self.opts.update,
+            temperature=temperature,
+            kl_coef=kl_coef,
+            clip_grad=self.opts.optimizer.clip_grad,
+            step=step,
+        )
+        self.iteration = step
+        self.last_update_step = step
+        self.weights_version += 1
+        self.consumed_samples += len(exp.rows)
+        metrics["timing/update"] = time.monotonic() - t0
+        return metrics
+
+    def save(self, root: str | Path, iteration: int | None = None, consumed_samples: int | None = None) -> Path:
+        if iteration is not None and iteration > 0:
+            self.iteration = iteration
+        if consumed_samples is not None and consumed_samples > 0:
+            self.consumed_samples = consumed_samples
+        self._require_onloaded()
+        return checkpoint.save_checkpoint(
+            root,
+            self.iteration,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            consumed_samples=self.consumed_samples,
+            hf_config=self.hf_config,
+            hf_assets_dir=self.opts.hf_dir,
+        )
+
+    def load(
+        self, root: str | Path, *, iteration: int | None = None, finetune: bool = False,
+        no_load_optim: bool = False, no_load_rng: bool = False,
+    ) -> checkpoint.LoadResult:
+        self._require_onloaded()
+        res = checkpoint.load_checkpoint(
+            root,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            iteration=iteration,
+            finetune=finetune,
+            no_load_optim=no_load_optim or self.optimizer is None,
+            no_load_rng=no_load_rng,
+        )
+        self.iteration, self.consumed_samples = res.iteration, res.consumed_samples
+        self.weights_version += 1
+        return res
+
+    # ---- offload / onload -------------------------------------------------------------------
+    def offload(self, *, params: bool, grads: bool, optimizer: bool) -> int:
+        """Move the chosen state to host memory; returns bytes moved (0 on a CPU-only host)."""
+        return self._move("cpu", params=params, grads=grads, optimizer=optimizer)
+
+    def onload(self, *, params: bool, grads: bool, optimizer: bool) -> int:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        if device is None and megatron_compat.accelerator_present():
+            device = torch.device("npu")
+        return self._move(device or "cpu", params=params, grads=grads, optimizer=optimizer, onload=True)
+
+    def _move(self, device, *, params: bool, grads: bool, optimizer: bool, onload: bool = False) -> int:
+        moved = 0
+        kinds = [k for k, on in (("params", params), ("grads", grads), ("optimizer", optimizer)) if on]
+        for kind in kinds:
+            if onload:
+                self._offloaded.pop(kind, None)
+            else:
+                self._offloaded[kind] = 1
+        if params or grads:
+            for p in self.model.parameters():
+                if params and p.data.device != torch.device(device):
+                    moved += p.data.numel() * p.data.element_size()
+                    p.data = p.data.to(device)
+                if grads and p.grad is not None and p.grad.device != torch.device(device):
+                    moved += p.grad.numel() * p.grad.element_size()
+                    p.grad = p.grad.to(device)
+        if optimizer and self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and k != "step" and v.device != torch.device(device):
+                        moved += v.numel() * v.element_size()
+                        state[k] = v.to(device)
+        return moved
+
+    def _require_onloaded(self) -> None:
+        # On CPU offload is a no-op move, so only an accelerator run can be caught offloaded.
+        if "params" in self._offloaded and megatron_compat.accelerator_present():
+            raise RuntimeError("parameters are offloaded; call Onload first")
+
+    # ---- description ------------------------------------------------------------------------
+    def shard_infos(self) -> list[dict]:
+        from services.trainer.weights_export import iter_shards
+
+        return [dataclasses.asdict(s.meta) for s in iter_shards(self.model, self.spec)]
+
+
+def gather_objects(obj) -> list | None:
+    """All ranks' `obj` on rank 0 (None elsewhere)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out

@@ -1,0 +1,71 @@
+"""Both sides of the Megatron CPU shim: active without an accelerator, a no-op with one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.trainer import megatron_compat
+
+
+@pytest.fixture
+def clean_cuda(monkeypatch: pytest.MonkeyPatch):
+    # The shim patches torch.cuda process-wide; register the originals so they come back after the test.
+    monkeypatch.setattr(torch.cuda, "current_device", torch.cuda.current_device)
+    monkeypatch.setattr(torch.cuda, "synchronize", torch.cuda.synchronize)
+    monkeypatch.setattr(megatron_compat, "_PATCHED", False)
+    return monkeypatch
+
+
+def test_gate_reports_no_accelerator_on_this_machine():
+    assert torch.cuda.is_available() is False
+    assert megatron_compat.accelerator_present() is False
+
+
+def test_patches_apply_on_cpu(clean_cuda):
+    assert megatron_compat.apply_cpu_patches() is True
+    assert megatron_compat.patches_applied()
+    # RoPE / GlobalMemoryBuffer allocate on torch.cuda.current_device(): now the CPU.
+    assert torch.arange(3, device=torch.cuda.current_device()).device.type == "cpu"
+    torch.cuda.synchronize()  # p2p_communication calls it; a no-op on CPU
+    assert megatron_compat.apply_cpu_patches() is True  # idempotent
+
+
+def test_patches_are_skipped_with_an_accelerator(clean_cuda):
+    clean_cuda.setattr(torch.cuda, "is_available", lambda: True)
+    before = torch.cuda.current_device
+    assert megatron_compat.accelerator_present() is True
+    assert megatron_compat.apply_cpu_patches() is False
+    assert torch.cuda.current_device is before
+    assert not megatron_compat.patches_applied()
+
+
+def test_cuda_device_mode_redirects_allocations_on_cpu():
+    with megatron_compat.cpu_device_mode():
+        z = torch.zeros(2, dtype=torch.int, device="cuda")
+        t = torch.tensor([1.0], device=torch.device("cuda"))
+        moved = torch.ones(2).cuda()
+        to = torch.ones(1).to("cuda")
+    assert z.device.type == t.device.type == moved.device.type == to.device.type == "cpu"
+    assert z.tolist() == [0, 0] and t.item() == 1.0
+
+
+def test_cuda_device_mode_is_a_noop_with_an_accelerator(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # Without the mode a "cuda" allocation reaches torch, which has no CUDA here and raises:
+    # proof that nothing was redirected.
+    with megatron_compat.cpu_device_mode(), pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(1, device="cuda")
+
+
+def test_seeding_uses_the_upstream_cuda_path_with_an_accelerator(monkeypatch: pytest.MonkeyPatch):
+    from megatron.core import tensor_parallel
+
+    calls = []
+    monkeypatch.setattr(tensor_parallel, "model_parallel_cuda_manual_seed", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(megatron_compat, "accelerator_present", lambda: True)
+    megatron_compat.seed_model_parallel_rng(7)
+    assert calls == [((7,), {})]
+    monkeypatch.setattr(megatron_compat, "accelerator_present", lambda: False)
+    megatron_compat.seed_model_parallel_rng(7)
+    assert calls[1] == ((7,), {"inference_rng_tracker": True, "force_reset_rng": True})

@@ -1,0 +1,44 @@
+"""Trainer options from a MindSpeed-RL YAML (configs/grpo_tiny_cpu.yaml)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.common.config import load_config
+from services.trainer import ckpt_layout
+from services.trainer.options import worker_options_from_config
+
+
+def test_actor_options_follow_the_yaml_keys(repo_root: Path, tiny_model_dir: Path):
+    cfg = load_config(repo_root / "configs/grpo_tiny_cpu.yaml", overrides=[
+        f"actor_config.load={tiny_model_dir}", "rl_config.clip_higher_enable=true", "rl_config.clip_ratio_high=0.28",
+        "rl_config.shuffle_mini_batch=true", "rl_config.mini_batch_size=4"])
+    opts, kl_coef = worker_options_from_config(cfg, "actor")
+    assert kl_coef == cfg.rl_config.init_kl_coef
+    assert opts.update.mini_batch_rows == 4 * cfg.rl_config.n_samples_per_prompt
+    assert opts.update.micro_batch_size == cfg.actor_config.micro_batch_size
+    assert opts.update.shuffle_mini_batch is True
+    assert (opts.update.clip_ratio_low, opts.update.clip_ratio_high) == (cfg.rl_config.clip_ratio_low, 0.28)
+    assert opts.optimizer.lr == cfg.actor_config.lr and opts.optimizer.adam_beta2 == cfg.actor_config.adam_beta2
+    assert opts.params_dtype == "float32"
+    assert opts.forward_micro_batch_size == cfg.rl_config.actor_forward_micro_batch_size
+
+
+def test_reference_refuses_a_resumed_actor_checkpoint(repo_root: Path, tmp_path: Path):
+    from services.common.config import ConfigError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    ckpt_layout.write_tracker(run, 12)
+    # The config loader refuses first; the trainer's own check (test_checkpoint_layout.py) covers
+    # options built without it.
+    with pytest.raises(ConfigError, match="ref_model_load_path"):
+        load_config(repo_root / "configs/grpo_tiny_cpu.yaml",
+                    overrides=[f"actor_config.load={run}", "actor_config.finetune=false"])
+    cfg = load_config(repo_root / "configs/grpo_tiny_cpu.yaml", overrides=[
+        f"actor_config.load={run}", "actor_config.finetune=false",
+        f"ref_config.load={tmp_path / 'initial'}"])
+    opts, _ = worker_options_from_config(cfg, "reference")
+    assert opts.load == str(tmp_path / "initial") and opts.finetune is True and opts.role == "reference"

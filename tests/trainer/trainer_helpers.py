@@ -1,0 +1,50 @@
+"""Launching trainer rank processes from tests (real processes, gloo, loopback)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
+
+
+def run_rank_checks(world: int, tp: int, pp: int, hf: Path, work: Path, *, load: Path | None = None,
+                    timeout_s: float = 300) -> Path:
+    """Run tests/trainer/rank_checks.py on `world` ranks; return rank 0's results file."""
+    port = free_port()
+    extra = ["--load", str(load)] if load else []
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(REPO / "tests/trainer/rank_checks.py"), "--rank", str(r), "--world", str(world),
+             "--port", str(port), "--tp", str(tp), "--pp", str(pp), "--hf", str(hf), "--work", str(work), *extra],
+            env=rank_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(world)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout_s)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise AssertionError(f"rank processes exited {codes}:\n" + "\n".join(o[-3000:] for o in outputs))
+    return work / f"results_w{world}_tp{tp}_pp{pp}.pt"
