@@ -15,6 +15,10 @@ import sys
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "services.coordinator.data_cli",
     "services.common.cli",
+    "services.common.config_cli",
+    "services.reward.cli",
+    "services.trainer.cli",
+    "services.rollout.cli",
 )
 
 

@@ -1,0 +1,393 @@
+"""Preprocessing: raw rows -> templated prompt token ids and answer labels -> Megatron indexed datasets.
+
+For each kept row, in input order, one sequence (and one document) is written to every field:
+`input_ids` (the templated prompt, ending with the assistant header), `attention_mask` (ones of the same
+length) and each of `dataset_additional_keys` (`labels` = the ground-truth answer tokenised without special
+tokens). Files are `{output_prefix}_packed_{field}_document.{bin,idx}`, int32, written by megatron-core's
+own `IndexedDatasetBuilder`, so `IndexedDataset` reads them.
+
+Choices:
+- Tokenisation runs in `workers` processes (fork on Linux, each loads the tokenizer once); the parent reads
+  and maps rows and writes, keeping a bounded window of batches in flight so memory stays flat.
+- Atomic output: everything is written inside a hidden temporary folder beside the prefix and renamed into
+  place only after every field is finalised. A failed, interrupted or killed run leaves no `.bin`/`.idx` at
+  the prefix (and an earlier complete output stays untouched); leftover temporary folders of dead runs are
+  removed by the next run.
+- Rows are dropped, counted by reason, for an empty prompt or answer (see `handlers`) and, when
+  `seq_length` is set, for any field of `seq_length` tokens or more (upstream's rule).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.coordinator.data.dataset_config import DatasetConfig
+from services.coordinator.data.errors import DataError
+from services.coordinator.data.handlers import (
+    DROP_REASONS,
+    DROP_TOO_LONG,
+    LABELS_KEY,
+    Dropped,
+    RowTexts,
+    get_handler,
+)
+from services.coordinator.data.readers import open_rows
+from services.coordinator.data.templates import Template, get_template
+
+logger = logging.getLogger(__name__)
+
+_BATCH_ROWS = 64
+_LISTED_DROPS = 20  # dropped row indices kept per reason for the summary
+_TMP_MARK = ".rlfabric-tmp-"
+
+
+def output_path(output_prefix: str | Path, field_name: str, suffix: str) -> Path:
+    """`{output_prefix}_packed_{field}_document{suffix}`, the file name MindSpeed-RL's loader expects."""
+    return Path(f"{output_prefix}_packed_{field_name}_document{suffix}")
+
+
+def output_fields(config: DatasetConfig) -> list[str]:
+    return ["input_ids", "attention_mask", *config.dataset_additional_keys]
+
+
+@dataclass
+class PreprocessSummary:
+    """What a run did: counts, drops by reason, speed and the files it wrote."""
+
+    input: str
+    input_kind: str
+    rows_read: int = 0
+    rows_written: int = 0
+    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+    dropped_rows: dict[str, list[int]] = field(default_factory=dict)  # the first few row indices per reason
+    seconds: float = 0.0  # the whole run, tokenizer loading and imports included
+    process_seconds: float = 0.0  # from the first row read to the files renamed into place
+    workers: int = 1
+    outputs: dict[str, int] = field(default_factory=dict)
+
+    def drop(self, reason: str, row_index: int) -> None:
+        self.dropped[reason] += 1
+        listed = self.dropped_rows.setdefault(reason, [])
+        if len(listed) < _LISTED_DROPS:
+            listed.append(row_index)
+
+    @property
+    def rows_dropped(self) -> int:
+        return sum(self.dropped.values())
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows_read / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def process_rows_per_s(self) -> float:
+        return self.rows_read / self.process_seconds if self.process_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"input": self.input, "input_kind": self.input_kind, "rows_read": self.rows_read,
+                "rows_written": self.rows_written, "rows_dropped": self.rows_dropped,
+                "dropped": dict(self.dropped), "dropped_rows": dict(self.dropped_rows),
+                "seconds": self.seconds, "rows_per_s": self.rows_per_s,
+                "process_seconds": self.process_seconds, "process_rows_per_s": self.process_rows_per_s,
+                "workers": self.workers, "outputs": dict(self.outputs)}
+
+    def format(self) -> str:
+        reasons = ", ".join(f"{k} {v}" for k, v in self.dropped.items())
+        lines = [
+            f"input: {self.input} ({self.input_kind})",
+            f"rows read: {self.rows_read}",
+            f"rows written: {self.rows_written}",
+            f"rows dropped: {self.rows_dropped} ({reasons})",
+        ]
+        more = {r: "..." if self.dropped[r] > len(rows) else "" for r, rows in self.dropped_rows.items()}
+        lines += [f"  {reason} rows: {', '.join(map(str, rows))}{more[reason]}"
+                  for reason, rows in self.dropped_rows.items()]
+        lines += [
+            f"time: {self.seconds:.2f} s, {self.rows_per_s:.0f} rows/s overall, "
+            f"{self.process_rows_per_s:.0f} rows/s after startup (workers {self.workers})",
+            "outputs:",
+        ]
+        lines += [f"  {path}  {size} bytes" for path, size in self.outputs.items()]
+        return "\n".join(lines)
+
+
+def load_tokenizer(name_or_path: str) -> Any:
+    """A Hugging Face tokenizer from a folder (or hub name); failures become a `DataError` naming the path."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are processes; no Rayon after fork
+    looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/")
+    if looks_local and not Path(name_or_path).expanduser().exists():
+        raise DataError(f"tokenizer_name_or_path {name_or_path!r} not found "
+                        f"(relative paths are resolved from {Path.cwd()})")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(Path(name_or_path).expanduser()) if looks_local else name_or_path)
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError... for unusable folders
+        raise DataError(f"cannot load a tokenizer from tokenizer_name_or_path {name_or_path!r}: "
+                        f"{type(exc).__name__}: {exc}") from exc
+
+
+# ---- tokenisation (runs in worker processes, or inline for workers == 1) -------------------------------
+
+class _BackendEncoder:
+    """A fast tokenizer's Rust backend called directly.
+
+    The ids equal `tokenizer.encode(text, add_special_tokens=False)` (tests check it on the real data), and
+    skipping transformers' per-call Python wrapping makes tokenisation about twice as fast.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._backend = tokenizer.backend_tokenizer
+        self.bos_token, self.eos_token = tokenizer.bos_token, tokenizer.eos_token
+        self.bos_token_id, self.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        self.convert_tokens_to_ids = tokenizer.convert_tokens_to_ids
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def make_encoder(tokenizer: Any) -> Any:
+    """The fastest exact encoder for `tokenizer`: its Rust backend when it has one, else itself."""
+    return _BackendEncoder(tokenizer) if getattr(tokenizer, "backend_tokenizer", None) is not None else tokenizer
+
+
+_STATE: dict[str, Any] = {}
+
+
+def _set_parent_death_signal() -> None:
+    # A SIGKILLed parent cannot stop its pool; ask Linux to kill the worker too rather than leave orphans.
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _init_tokenizer_state(tokenizer_path: str, template: Template, extra_fields: Sequence[str],
+                          in_worker: bool) -> None:
+    if in_worker:
+        import signal
+
+        _set_parent_death_signal()
+        # A forked worker inherits the CLI's SIGTERM handler; restore the default so `Pool.terminate` ends it
+        # at once, and leave Ctrl-C to the parent, which stops the pool.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _STATE["tokenizer"] = make_encoder(load_tokenizer(tokenizer_path))
+    _STATE["template"] = template
+    _STATE["extra_fields"] = tuple(extra_fields)
+
+
+def _tokenize_batch(rows: Sequence[RowTexts]) -> list[tuple[int, dict[str, np.ndarray]]]:
+    tok, template, extra_fields = _STATE["tokenizer"], _STATE["template"], _STATE["extra_fields"]
+    out = []
+    for r in rows:
+        ids = np.asarray(template.encode_prompt(tok, r.prompt, r.system), dtype=np.int32)
+        fields = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+        for key in extra_fields:
+            text = r.response if key == LABELS_KEY else r.extras[key]
+            fields[key] = np.asarray(tok.encode(text, add_special_tokens=False), dtype=np.int32)
+        out.append((r.index, fields))
+    return out
+
+
+# ---- output files -------------------------------------------------------------------------------------
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_tmp_dirs(out_dir: Path, base: str) -> None:
+    pattern = re.compile(re.escape(f".{base}{_TMP_MARK}") + r"(\d+)$")
+    for p in out_dir.glob(f".{base}{_TMP_MARK}*"):
+        m = pattern.match(p.name)
+        if m and p.is_dir() and not _pid_alive(int(m.group(1))):
+            logger.info("removing temporary output %s of a run that did not finish", p)
+            shutil.rmtree(p, ignore_errors=True)
+
+
+class _AtomicOutput:
+    """Megatron builders writing under a temporary folder; `commit` renames the files to the prefix."""
+
+    def __init__(self, output_prefix: str, fields: Sequence[str]) -> None:
+        with warnings.catch_warnings():
+            # megatron.core's package import warns about optional GPU extensions we do not use here.
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        prefix = Path(output_prefix)
+        self.out_dir = prefix.parent
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp_dirs(self.out_dir, prefix.name)
+        self.tmp_dir = self.out_dir / f".{prefix.name}{_TMP_MARK}{os.getpid()}"
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        self.tmp_dir.mkdir()
+        self.prefix = prefix
+        self.fields = list(fields)
+        tmp_prefix = self.tmp_dir / prefix.name
+        self.builders = {f: IndexedDatasetBuilder(str(output_path(tmp_prefix, f, ".bin")), dtype=np.int32)
+                         for f in self.fields}
+
+    def add(self, fields: dict[str, np.ndarray]) -> None:
+        import torch
+
+        for name in self.fields:
+            self.builders[name].add_item(torch.from_numpy(fields[name]))
+            self.builders[name].end_document()
+
+    def commit(self) -> dict[str, int]:
+        tmp_prefix = self.tmp_dir / self.prefix.name
+        for name, builder in self.builders.items():
+            builder.finalize(str(output_path(tmp_prefix, name, ".idx")))
+        moves = [(output_path(tmp_prefix, f, s), output_path(self.prefix, f, s))
+                 for s in (".bin", ".idx") for f in self.fields]
+        for src, _ in moves:
+            with open(src, "rb") as fh:
+                os.fsync(fh.fileno())
+        # Old outputs go first (indexes before data), then data files, then indexes: a reader that checks
+        # for the .idx never pairs a new index with old data.
+        for _, dst in reversed(moves):
+            dst.unlink(missing_ok=True)
+        for src, dst in moves:
+            os.replace(src, dst)
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        return {str(dst): dst.stat().st_size for _, dst in moves}
+
+    def abort(self) -> None:
+        for builder in self.builders.values():
+            try:
+                builder.data_file.close()
+            except OSError:
+                pass
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+
+# ---- the run ------------------------------------------------------------------------------------------
+
+class _Progress:
+    def __init__(self, total: int | None, interval: int, label: str) -> None:
+        self.total, self.interval, self.label = total, interval, label
+        self.start = time.monotonic()
+        self.next_at = interval
+
+    def update(self, done: int) -> None:
+        if done < self.next_at:
+            return
+        self.next_at = (done // self.interval + 1) * self.interval
+        elapsed = time.monotonic() - self.start
+        rate = done / elapsed if elapsed > 0 else 0.0
+        if self.total:
+            eta = (self.total - done) / rate if rate > 0 else float("inf")
+            logger.info("preprocess %s: %d/%d rows (%.1f%%), %.0f rows/s, ETA %.1f s",
+                        self.label, done, self.total, 100.0 * done / self.total, rate, eta)
+        else:
+            logger.info("preprocess %s: %d rows, %.0f rows/s", self.label, done, rate)
+
+
+def preprocess(config: DatasetConfig) -> PreprocessSummary:
+    """Runs one dataset's preprocessing end to end; raises `DataError` for bad input or configuration."""
+    started = time.monotonic()
+    template = get_template(config.prompt_type, config.prompt_type_path)
+    handler = get_handler(config.handler_name, config.map_keys, config.dataset_additional_keys)
+    source = open_rows(config.input)
+    extra_fields = list(config.dataset_additional_keys)
+    fields = output_fields(config)
+    _init_tokenizer_state(config.tokenizer_name_or_path, template, extra_fields, in_worker=False)
+    summary = PreprocessSummary(input=str(config.input), input_kind=source.kind, workers=config.workers)
+    logger.info("preprocess %s: %s rows (%s), handler %s, template %s, %d worker(s) -> %s",
+                config.input, source.total if source.total is not None else "?", source.kind,
+                config.handler_name, template.name, config.workers, config.output_prefix)
+
+    pool = None
+    if config.workers > 1:
+        import multiprocessing as mp
+
+        # Fork before megatron/torch load: the fewer libraries (and their threads and locks) a fork copies,
+        # the safer it is. The tokenizer loaded above already proved the path works.
+        ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+        pool = ctx.Pool(config.workers, initializer=_init_tokenizer_state,
+                        initargs=(config.tokenizer_name_or_path, template, extra_fields, True))
+    output = None
+    try:
+        output = _AtomicOutput(config.output_prefix, fields)
+        process_started = time.monotonic()
+        progress = _Progress(source.total, config.log_interval, Path(config.input).name)
+
+        def write(results: list[tuple[int, dict[str, np.ndarray]]]) -> None:
+            for row_index, arrays in results:
+                if config.seq_length is not None and any(len(a) >= config.seq_length for a in arrays.values()):
+                    summary.drop(DROP_TOO_LONG, row_index)
+                else:
+                    output.add(arrays)
+                    summary.rows_written += 1
+            progress.update(summary.rows_written + summary.rows_dropped)
+
+        in_flight: collections.deque = collections.deque()
+        window = 4 * config.workers
+
+        def submit(batch: list[RowTexts]) -> None:
+            if pool is None:
+                write(_tokenize_batch(batch))
+                return
+            in_flight.append(pool.apply_async(_tokenize_batch, (batch,)))
+            while len(in_flight) >= window:
+                write(in_flight.popleft().get())
+
+        batch: list[RowTexts] = []
+        for row in source:
+            summary.rows_read += 1
+            texts = handler.extract(row)
+            if isinstance(texts, Dropped):
+                summary.drop(texts.reason, texts.index)
+                if not in_flight and not batch:
+                    progress.update(summary.rows_written + summary.rows_dropped)
+                continue
+            batch.append(texts)
+            if len(batch) >= _BATCH_ROWS:
+                submit(batch)
+                batch = []
+        if batch:
+            submit(batch)
+        while in_flight:
+            write(in_flight.popleft().get())
+        if pool is not None:
+            pool.close()
+            pool.join()
+            pool = None
+        summary.outputs = output.commit()
+        summary.process_seconds = time.monotonic() - process_started
+    except BaseException:
+        if output is not None:
+            output.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    summary.seconds = time.monotonic() - started
+    logger.info("preprocess %s: done, %d rows read, %d written, %d dropped %s, %.2f s",
+                config.input, summary.rows_read, summary.rows_written, summary.rows_dropped,
+                summary.dropped, summary.seconds)
+    return summary
