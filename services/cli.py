@@ -13,12 +13,14 @@ import logging
 import sys
 
 SUBCOMMAND_MODULES: tuple[str, ...] = (
-    "services.coordinator.data_cli",
     "services.common.cli",
     "services.common.config_cli",
-    "services.reward.cli",
+    "services.coordinator.data_cli",
     "services.trainer.cli",
     "services.rollout.cli",
+    "services.reward.cli",
+    "services.coordinator.cli",
+    "services.launcher.cli",
 )
 
 

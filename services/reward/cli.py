@@ -1,0 +1,146 @@
+"""`rlfabric reward ...`: serve a worker, score a JSONL offline, manage remote verifiers.
+
+    rlfabric reward serve --redis-url redis://127.0.0.1:6379 --processes 2 --auth-token $TOKEN
+    rlfabric reward score --verifier math_equiv IN.jsonl --out OUT.jsonl
+    rlfabric reward register --worker HOST:PORT --token $TOKEN --name my_rule --endpoint HOST:PORT
+    rlfabric reward list --worker HOST:PORT
+    rlfabric reward unregister --worker HOST:PORT --token $TOKEN --name my_rule
+Heavy imports happen inside the commands, so `rlfabric --help` stays fast.
+"""
+
+import argparse
+import os
+import sys
+
+
+def _plugin(value: str) -> tuple[str, str]:
+    name, sep, spec = value.partition("=")
+    if not sep or not name or not spec:
+        raise argparse.ArgumentTypeError(f"--verifier-plugin {value!r}: expected NAME=package.module:function "
+                                         "or NAME=/path/file.py:function")
+    return name, spec
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    reward = subparsers.add_parser("reward", help="reward workers: rule verifiers and custom verifiers")
+    commands = reward.add_subparsers(dest="reward_command", metavar="COMMAND", required=True)
+
+    serve = commands.add_parser("serve", help="run one reward worker (register it in Redis)")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=run_serve)
+
+    score = commands.add_parser("score", help="score a JSONL of {response, ground_truth} records offline")
+    score.add_argument("input", metavar="IN.jsonl", help="records with 'response' and 'ground_truth'")
+    score.add_argument("--out", required=True, metavar="OUT.jsonl", help="where to write the scored records")
+    score.add_argument("--verifier", default="math_equiv", help="verifier name (default: math_equiv)")
+    score.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                       help="pool processes (default: CPU count - 1)")
+    score.add_argument("--deadline-s", type=float, default=10.0, help="per-record deadline in seconds")
+    score.add_argument("--verifier-plugin", type=_plugin, action="append", default=[], metavar="NAME=SPEC",
+                       help="extra local verifier, NAME=package.module:function (repeatable)")
+    score.add_argument("--quiet", action="store_true", help="no progress line")
+    score.set_defaults(func=run_score)
+
+    for name, help_text in (("register", "register a remote verifier (needs the token)"),
+                            ("unregister", "remove a registered verifier (needs the token)"),
+                            ("list", "list the verifiers a worker knows")):
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("--worker", required=True, help="HOST:PORT of any reward worker")
+        command.add_argument("--token", default=os.environ.get("RLFABRIC_AUTH_TOKEN"),
+                             help="auth token (default: $RLFABRIC_AUTH_TOKEN)")
+        if name != "list":
+            command.add_argument("--name", required=True, help="verifier name used in verifier_function")
+        if name == "register":
+            command.add_argument("--endpoint", required=True, help="HOST:PORT of the rlfabric.v1.Verifier server")
+            command.add_argument("--version", default="1", help="version recorded with every score")
+            command.add_argument("--timeout-s", type=float, default=0.0, help="per-sample deadline (0: 10 s)")
+            command.add_argument("--max-concurrency", type=int, default=0, help="calls at once per worker (0: 16)")
+            command.add_argument("--description", default="", help="one line shown by `list`")
+        command.set_defaults(func=run_registry_command)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default="127.0.0.1:0", help="HOST:PORT to bind (port 0: any free port)")
+    parser.add_argument("--advertise-host", default=None, help="host other services use to reach this worker")
+    parser.add_argument("--processes", type=int, default=1, help="verifier pool processes (default: 1)")
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                        help="Redis for membership and the verifier registry (default: $REDIS_URL)")
+    parser.add_argument("--auth-token", default=os.environ.get("RLFABRIC_AUTH_TOKEN"),
+                        help="token required by RegisterVerifier/UnregisterVerifier (default: $RLFABRIC_AUTH_TOKEN)")
+    parser.add_argument("--worker-id", default="", help="instance id in the registry (default: host-pid-random)")
+    parser.add_argument("--deadline-s", type=float, default=10.0,
+                        help="per-sample deadline when a request sets none (default: 10)")
+    parser.add_argument("--default-verifier", default="math_equiv", help="verifier for requests naming none")
+    parser.add_argument("--verifier-plugin", type=_plugin, action="append", default=[], metavar="NAME=SPEC",
+                        help="extra local verifier, NAME=package.module:function or NAME=/path/file.py:function")
+    parser.add_argument("--lease-s", type=float, default=10.0, help="registry lease (heartbeat every lease/3)")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: any free port)")
+    parser.add_argument("--rollout-max-tokens", type=int, default=0,
+                        help="with --overlong-buffer: DAPO overlong shaping of the reward")
+    parser.add_argument("--overlong-buffer", type=int, default=0, help="DAPO overlong buffer in tokens (0: off)")
+    parser.add_argument("--overlong-penalty-factor", type=float, default=1.0, help="DAPO overlong penalty factor")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from services.common.server import serve_until_signal
+    from services.reward.rewards import OverlongConfig
+    from services.reward.worker import RewardWorker, RewardWorkerOptions
+
+    overlong = None
+    if args.overlong_buffer:
+        overlong = OverlongConfig(args.rollout_max_tokens, args.overlong_buffer, args.overlong_penalty_factor)
+    options = RewardWorkerOptions(
+        address=args.address, processes=args.processes, redis_url=args.redis_url, auth_token=args.auth_token,
+        worker_id=args.worker_id, deadline_s=args.deadline_s, default_verifier=args.default_verifier,
+        plugins=dict(args.verifier_plugin), lease_s=args.lease_s, metrics_port=args.metrics_port,
+        advertise_host=args.advertise_host, overlong=overlong,
+    )
+    worker = RewardWorker(options).start()
+    # One parseable line for launchers and tests that started us with port 0.
+    print(f"reward worker {worker.worker_id} listening on {worker.endpoint} metrics :{worker.server.metrics_port}",
+          flush=True)
+    try:
+        serve_until_signal(worker.server)
+    finally:
+        worker.stop()
+    return 0
+
+
+def run_score(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from services.reward.offline import print_progress, score_jsonl
+    from services.reward.pool import VerifierPool
+
+    with VerifierPool(args.processes, plugins=dict(args.verifier_plugin)) as pool:
+        summary = score_jsonl(Path(args.input), Path(args.out), args.verifier, pool=pool,
+                              deadline_s=args.deadline_s, progress=None if args.quiet else print_progress())
+    print(summary.line())
+    return 0
+
+
+def run_registry_command(args: argparse.Namespace) -> int:
+    import grpc
+
+    from rlfabric.v1 import reward_pb2, reward_pb2_grpc
+    from services.common.client import DEFAULT_DEADLINE_S, make_channel
+
+    stub = reward_pb2_grpc.RewardStub(make_channel(args.worker, token=args.token))
+    try:
+        if args.reward_command == "register":
+            reply = stub.RegisterVerifier(reward_pb2.RegisterVerifierRequest(
+                name=args.name, version=args.version, endpoint=args.endpoint, timeout_s=args.timeout_s,
+                max_concurrency=args.max_concurrency, description=args.description), timeout=DEFAULT_DEADLINE_S)
+            print(f"registered {reply.verifier.name} v{reply.verifier.version} at {reply.verifier.endpoint}")
+        elif args.reward_command == "unregister":
+            stub.UnregisterVerifier(reward_pb2.UnregisterVerifierRequest(name=args.name), timeout=DEFAULT_DEADLINE_S)
+            print(f"unregistered {args.name}")
+        else:
+            reply = stub.ListVerifiers(reward_pb2.ListVerifiersRequest(), timeout=DEFAULT_DEADLINE_S)
+            for info in reply.verifiers:
+                where = "built-in" if info.builtin else info.endpoint
+                print(f"{info.name:20s} v{info.version:8s} {where:22s} {info.description}")
+    except grpc.RpcError as e:
+        print(f"rlfabric reward {args.reward_command}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,256 @@
+"""Process pool that runs verifications with per-sample deadlines and crash isolation.
+
+Why processes: math-verify and sympy can hang or blow the stack on adversarial text, their own
+`signal.alarm` timeouts do not work in gRPC threads, and a thread cannot be killed. Each pool process
+serves one verification at a time over a pipe; a parent thread ("slot") per process waits for the verdict
+until the sample's deadline. A verification that runs past it gets its process SIGKILLed and replaced; one
+whose process dies (even `os._exit` or SIGKILL from inside) is reported as a crash; an exception or a
+non-finite score is reported as such. In every case that sample scores 0 with an error, and the pool
+keeps serving.
+
+Processes come from a forkserver that has already imported and warmed the verifiers, so a replacement
+starts in milliseconds and never inherits the parent's gRPC threads. As with any non-fork start method,
+a script that creates a pool must guard its entry point with `if __name__ == "__main__":` (children
+re-import the main module); `python -m ...` entry points and pytest are fine.
+"""
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from services.reward import metrics
+from services.reward.outcome import CRASH, EXCEPTION, NON_FINITE, TIMEOUT, Outcome
+from services.reward.pool_child import PING, child_main, load_plugin
+from services.reward.verifiers.registry import VERIFIERS
+
+logger = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 120.0  # first start imports sympy/math-verify in the forkserver
+
+
+class SampleClock:
+    """The deadline of one sample: it starts when the first of its verifications starts running.
+
+    Queueing time does not count (the client pool bounds in-flight work instead), so a burst of samples
+    does not time out merely by waiting its turn.
+    """
+
+    def __init__(self, budget_s: float) -> None:
+        if budget_s <= 0:
+            raise ValueError(f"deadline budget must be > 0 seconds, got {budget_s}")
+        self.budget_s = budget_s
+        self._deadline: float | None = None
+        self._lock = threading.Lock()
+
+    def deadline(self) -> float:
+        """Absolute `time.monotonic()` deadline, fixed on the first call."""
+        with self._lock:
+            if self._deadline is None:
+                self._deadline = time.monotonic() + self.budget_s
+            return self._deadline
+
+
+@dataclass
+class _Task:
+    verifier: str
+    response: str
+    ground_truth: str
+    clock: SampleClock
+    future: "Future[Outcome]"
+
+
+class _Slot:
+    """One pool process and the parent thread that feeds it and enforces deadlines."""
+
+    def __init__(self, index: int, pool: "VerifierPool") -> None:
+        self.index = index
+        self._pool = pool
+        self._process: mp.process.BaseProcess | None = None
+        self._conn = None
+        self.restarts = 0
+        self._start_process()
+        self._thread = threading.Thread(target=self._run, name=f"reward-pool-{index}", daemon=True)
+
+    def _start_process(self) -> None:
+        parent_conn, child_conn = self._pool._ctx.Pipe()
+        process = self._pool._ctx.Process(
+            target=child_main, args=(child_conn, dict(self._pool.plugins)), name=f"reward-verifier-{self.index}",
+            daemon=True,
+        )
+        process.start()
+        child_conn.close()  # so that the child's death reads as EOF here
+        self._process, self._conn = process, parent_conn
+
+    def wait_ready(self, timeout_s: float) -> None:
+        try:
+            self._conn.send(PING)
+            if not self._conn.poll(timeout_s):
+                raise RuntimeError(f"reward pool process {self.index} did not start within {timeout_s:.0f} s")
+            self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise RuntimeError(f"reward pool process {self.index} exited at start (exit code "
+                               f"{self._exit_code()}); see its traceback above") from e
+
+    def _replace_process(self, why: str) -> None:
+        process = self._process
+        if process is not None and process.is_alive():
+            try:
+                os.kill(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if process is not None:
+            process.join(timeout=5)
+        if self._conn is not None:
+            self._conn.close()
+        self.restarts += 1
+        metrics.PROCESS_RESTARTS.inc()
+        logger.warning("reward pool process %d replaced (%s)", self.index, why)
+        self._process, self._conn = None, None
+        if not self._pool.closed:
+            try:
+                self._start_process()
+            except Exception:  # noqa: BLE001 (retried on the next verification; the slot must live on)
+                logger.exception("could not start reward pool process %d", self.index)
+
+    def _exit_code(self) -> int | None:
+        if self._process is None:
+            return None
+        self._process.join(timeout=1)
+        return self._process.exitcode
+
+    def _run(self) -> None:
+        while True:
+            task = self._pool._tasks.get()
+            metrics.QUEUE_DEPTH.set(self._pool._tasks.qsize())
+            if task is None:
+                return
+            if not task.future.set_running_or_notify_cancel():
+                continue
+            try:
+                outcome = self._verify(task)
+            except Exception as e:  # noqa: BLE001 (a pool bug must cost one sample, not the slot)
+                logger.exception("reward pool slot %d failed on %s", self.index, task.verifier)
+                outcome = Outcome.failed(CRASH, f"reward pool error: {e}", 0.0)
+            task.future.set_result(outcome)
+
+    def _verify(self, task: _Task) -> Outcome:
+        deadline = task.clock.deadline()
+        started = time.monotonic()
+        if started >= deadline:
+            return Outcome.failed(TIMEOUT, "the sample's deadline passed before this verification started", 0.0)
+        if self._process is None or not self._process.is_alive():
+            self._replace_process("died while idle")  # not this sample's fault: give it a fresh process
+            if self._process is None:
+                return Outcome.failed(CRASH, "no verifier process could be started", 0.0)
+        try:
+            self._conn.send((task.verifier, task.response, task.ground_truth))
+            ready = self._conn.poll(max(0.0, deadline - time.monotonic()))
+            reply = self._conn.recv() if ready else None
+        except (EOFError, OSError, BrokenPipeError):
+            code = self._exit_code()
+            self._replace_process(f"died with exit code {code} during {task.verifier}")
+            return Outcome.failed(CRASH, f"verifier process died (exit code {code})", time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        if reply is None:
+            self._replace_process(f"{task.verifier} ran past its deadline")
+            return Outcome.failed(TIMEOUT, f"no verdict within the {task.clock.budget_s:g} s sample deadline", elapsed)
+        kind, value = reply
+        if kind == "ok":
+            return Outcome(score=float(value), latency_s=elapsed)
+        return Outcome.failed(NON_FINITE if kind == "non_finite" else EXCEPTION, str(value), elapsed)
+
+
+class VerifierPool:
+    """Runs built-in (and plugin) verifiers in `processes` worker processes with deadlines.
+
+    Args:
+        processes: pool processes (one verification at a time each).
+        plugins: extra verifiers, name -> "package.module:function" or "/path/file.py:function".
+        start_method: multiprocessing start method; "forkserver" (default) keeps children free of the
+            parent's threads and makes replacements cheap.
+    """
+
+    def __init__(self, processes: int = 1, *, plugins: Mapping[str, str] | None = None,
+                 start_method: str = "forkserver") -> None:
+        if processes < 1:
+            raise ValueError(f"processes must be >= 1, got {processes}")
+        self.plugins = dict(plugins or {})
+        for name, spec in self.plugins.items():
+            if name in VERIFIERS:
+                raise ValueError(f"verifier plugin {name!r} would shadow the built-in verifier of that name")
+            load_plugin(spec)  # fail here, with the spec named, rather than in every child
+        self.closed = False
+        self._ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            self._ctx.set_forkserver_preload(["services.reward.pool_preload"])
+        self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._slots = [_Slot(i, self) for i in range(processes)]
+        for slot in self._slots:
+            slot.wait_ready(_START_TIMEOUT_S)
+        for slot in self._slots:
+            slot._thread.start()
+
+    @property
+    def names(self) -> list[str]:
+        """Verifier names this pool can run: built-ins, then plugins."""
+        return [*VERIFIERS, *self.plugins]
+
+    @property
+    def size(self) -> int:
+        return len(self._slots)
+
+    @property
+    def restarts(self) -> int:
+        """Processes replaced so far (timeouts and crashes)."""
+        return sum(slot.restarts for slot in self._slots)
+
+    def queue_depth(self) -> int:
+        return self._tasks.qsize()
+
+    def submit(self, verifier: str, response: str, ground_truth: str, clock: SampleClock) -> "Future[Outcome]":
+        """Queues one verification; the future always resolves to an Outcome (never raises)."""
+        if verifier not in VERIFIERS and verifier not in self.plugins:
+            raise ValueError(f"unknown verifier {verifier!r}; this pool runs: {', '.join(self.names)}")
+        if self.closed:
+            raise RuntimeError("the verifier pool is closed")
+        future: Future[Outcome] = Future()
+        self._tasks.put(_Task(verifier, response, ground_truth, clock, future))
+        metrics.QUEUE_DEPTH.set(self._tasks.qsize())
+        return future
+
+    def verify(self, verifier: str, response: str, ground_truth: str, deadline_s: float) -> Outcome:
+        """Blocking convenience: one verification with its own deadline."""
+        return self.submit(verifier, response, ground_truth, SampleClock(deadline_s)).result()
+
+    def close(self) -> None:
+        """Stops the slots after the queued work and ends the processes."""
+        if self.closed:
+            return
+        self.closed = True
+        for _ in self._slots:
+            self._tasks.put(None)
+        for slot in self._slots:
+            slot._thread.join(timeout=10)
+            if slot._conn is not None:
+                try:
+                    slot._conn.send(None)
+                except (OSError, BrokenPipeError):
+                    pass
+            if slot._process is not None:
+                slot._process.join(timeout=5)
+                if slot._process.is_alive():
+                    slot._process.kill()
+                    slot._process.join(timeout=5)
+
+    def __enter__(self) -> "VerifierPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

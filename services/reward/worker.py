@@ -1,0 +1,102 @@
+"""A reward worker: pool + servicer + gRPC server + Redis registration, started and stopped as one.
+
+Workers are independent: each registers itself under service "reward" in the Redis `Registry` with a
+lease kept alive by heartbeats, and reads the remote-verifier registry from the same Redis. Start as
+many as there are cores to spare (`rlfabric reward serve`); clients find them through Redis.
+"""
+
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+from rlfabric.v1 import reward_pb2_grpc
+from services.common.redis_store import Registration, Registry, connect
+from services.common.server import ServiceServer, ServiceSpec, create_server
+from services.reward.pool import VerifierPool
+from services.reward.remote import RemoteVerifiers
+from services.reward.rewards import OverlongConfig
+from services.reward.server import AUTH_METHODS, SERVICE_NAME, RewardServicer
+from services.reward.verifier_store import VerifierStore
+
+logger = logging.getLogger(__name__)
+
+REGISTRY_SERVICE = "reward"
+
+
+@dataclass
+class RewardWorkerOptions:
+    """How to run one reward worker (the flags of `rlfabric reward serve`)."""
+
+    address: str = "127.0.0.1:0"
+    processes: int = 1
+    redis_url: str | None = None
+    auth_token: str | None = None
+    worker_id: str = ""
+    deadline_s: float = 10.0
+    default_verifier: str = "math_equiv"
+    plugins: dict[str, str] = field(default_factory=dict)
+    lease_s: float = 10.0
+    metrics_port: int | None = 0
+    advertise_host: str | None = None
+    registry_poll_s: float = 1.0
+    overlong: OverlongConfig | None = None
+    max_workers: int = 32
+
+
+class RewardWorker:
+    """A running reward worker; `stop()` deregisters, drains streams and ends the pool."""
+
+    def __init__(self, options: RewardWorkerOptions) -> None:
+        self.options = options
+        self.worker_id = options.worker_id or f"reward-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.pool = VerifierPool(options.processes, plugins=options.plugins)
+        redis_client = connect(options.redis_url) if options.redis_url else None
+        self.store = VerifierStore(redis_client) if redis_client is not None else None
+        self.remote = RemoteVerifiers(self.store, poll_s=options.registry_poll_s)
+        self.servicer = RewardServicer(
+            self.pool, worker_id=self.worker_id, remote=self.remote, store=self.store,
+            default_deadline_s=options.deadline_s, default_verifier=options.default_verifier,
+            overlong=options.overlong,
+        )
+        if options.redis_url and not options.auth_token:
+            logger.warning("no auth token: RegisterVerifier/UnregisterVerifier will refuse every caller")
+        self.server: ServiceServer = create_server(
+            [ServiceSpec(reward_pb2_grpc.add_RewardServicer_to_server, self.servicer, SERVICE_NAME)],
+            options.address, component="reward", metrics_port=options.metrics_port,
+            # Without a token the privileged methods still need one: a random one nobody knows.
+            auth_token=options.auth_token or uuid.uuid4().hex, auth_methods=AUTH_METHODS,
+            max_workers=options.max_workers,
+        )
+        self.registration: Registration | None = None
+        self._redis = redis_client
+
+    @property
+    def endpoint(self) -> str:
+        host = self.options.advertise_host or self.server.host
+        return f"{host}:{self.server.port}"
+
+    def start(self) -> "RewardWorker":
+        self.server.start()
+        if self._redis is not None:
+            self.registration = Registry(self._redis).register(
+                REGISTRY_SERVICE, self.worker_id, self.endpoint, lease_s=self.options.lease_s,
+                metadata={"processes": self.pool.size, "metrics_port": self.server.metrics_port},
+            )
+        logger.info("reward worker %s serving on %s with %d pool processes", self.worker_id, self.endpoint,
+                    self.pool.size)
+        return self
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.registration is not None:
+            self.registration.close()  # clients stop routing here first
+        self.server.stop(grace_s)
+        self.remote.close()
+        self.pool.close()
+
+    def __enter__(self) -> "RewardWorker":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,157 @@
+"""The coordinator-side pool over separately started workers: failover, dedup, joining mid-stream."""
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from rlfabric.v1 import reward_pb2
+from services.common.redis_store import Registry, connect
+from services.reward.client_pool import RewardClientPool
+
+
+class WorkerProcess:
+    """`python -m services.reward` as a separate process, registered in Redis under `worker_id`."""
+
+    def __init__(self, repo_root: Path, redis_url: str, worker_id: str, log_dir: Path) -> None:
+        self.worker_id = worker_id
+        self.log = (log_dir / f"{worker_id}.log").open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "services.reward", "--redis-url", redis_url, "--worker-id", worker_id,
+             "--processes", "1", "--lease-s", "2", "--log-level", "WARNING"],
+            cwd=repo_root, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+
+    def kill(self) -> None:
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self.log.close()
+
+
+def wait_registered(registry: Registry, worker_ids: set[str], timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not worker_ids <= {m.instance_id for m in registry.members("reward")}:
+        assert time.monotonic() < deadline, f"workers {worker_ids} did not register within {timeout_s} s"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def spawn(repo_root, redis_url, tmp_path):
+    started: list[WorkerProcess] = []
+
+    def start(worker_id: str) -> WorkerProcess:
+        worker = WorkerProcess(repo_root, redis_url, worker_id, tmp_path)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+def sample_requests(raw_responses, count: int, prefix: str):
+    for i, record in zip(range(count), itertools.cycle(raw_responses)):
+        yield reward_pb2.ScoreRequest(
+            sample_id=f"{prefix}/{i}", response=record["response"], ground_truth=record["ground_truth"],
+            verifiers=[reward_pb2.VerifierSpec(name="math_equiv", weight=1.0)])
+
+
+def run_kill_one_of_two(spawn, redis_url, raw_responses, count: int) -> None:
+    registry = Registry(connect(redis_url))
+    victim, survivor = spawn(f"victim-{count}"), spawn(f"survivor-{count}")
+    wait_registered(registry, {victim.worker_id, survivor.worker_id})
+    pool = RewardClientPool(registry, max_inflight_per_worker=32, refresh_s=0.2)
+    answers = Counter()
+    for response in pool.score(sample_requests(raw_responses, count, f"kill{count}")):
+        answers[response.sample_id] += 1
+        assert [s.error for s in response.scores] == [""]
+        assert response.reward in (0.0, 1.0)
+        if sum(answers.values()) == count // 4:
+            victim.kill()  # mid-stream: both workers hold samples in flight now
+    assert set(answers) == {f"kill{count}/{i}" for i in range(count)}
+    assert set(answers.values()) == {1}  # every sample exactly one score
+    assert pool.stats.workers_lost == 1 and pool.stats.resent > 0  # failover really happened
+    assert pool.stats.per_worker.get(survivor.worker_id, 0) > count // 2
+
+
+def test_sigkill_of_one_of_two_workers_mid_stream_of_2000(spawn, redis_url, raw_responses):
+    run_kill_one_of_two(spawn, redis_url, raw_responses, 2000)
+
+
+def test_worker_joining_mid_stream_receives_work(spawn, redis_url, raw_responses):
+    registry = Registry(connect(redis_url))
+    first = spawn("first")
+    wait_registered(registry, {first.worker_id})
+    late = {}
+
+    def requests():
+        yield from sample_requests(raw_responses, 100, "join/a")
+        late["worker"] = spawn("late")
+        wait_registered(registry, {"late"})
+        time.sleep(1.0)  # > refresh_s: the pool has seen the newcomer
+        yield from sample_requests(raw_responses, 400, "join/b")
+
+    pool = RewardClientPool(registry, max_inflight_per_worker=16, refresh_s=0.2)
+    answers = Counter(r.sample_id for r in pool.score(requests()))
+    assert len(answers) == 500 and set(answers.values()) == {1}
+    assert pool.stats.per_worker.get("late", 0) > 0
+    assert pool.stats.per_worker.get("first", 0) > 100
+
+
+def test_duplicate_sample_ids_get_one_answer(spawn, redis_url, raw_responses):
+    registry = Registry(connect(redis_url))
+    worker = spawn("dedup")
+    wait_registered(registry, {worker.worker_id})
+    requests = list(sample_requests(raw_responses, 20, "dup"))
+    pool = RewardClientPool(registry)
+    answers = Counter(r.sample_id for r in pool.score(requests + requests[:5]))
+    assert len(answers) == 20 and set(answers.values()) == {1}
+
+
+def test_unresponsive_worker_samples_are_resent_after_the_deadline(spawn, redis_url, raw_responses):
+    registry = Registry(connect(redis_url))
+    frozen, healthy = spawn("frozen"), spawn("healthy")
+    wait_registered(registry, {"frozen", "healthy"})
+    pool = RewardClientPool(registry, max_inflight_per_worker=16, refresh_s=0.2, sample_timeout_s=2.0)
+    answers = Counter()
+    try:
+        for response in pool.score(sample_requests(raw_responses, 300, "frozen")):
+            answers[response.sample_id] += 1
+            if sum(answers.values()) == 50:
+                os.kill(frozen.process.pid, signal.SIGSTOP)  # alive, connected, silent
+    finally:
+        os.kill(frozen.process.pid, signal.SIGKILL)
+        frozen.process.wait(timeout=10)
+    assert len(answers) == 300 and set(answers.values()) == {1}
+    assert pool.stats.resent > 0 and pool.stats.workers_lost == 0  # re-sent on the deadline, not on a break
+    assert pool.stats.gave_up == 0  # the silent worker stopped receiving samples once it was overdue
+    assert pool.stats.per_worker[healthy.worker_id] > 200
+
+
+def test_no_worker_and_failing_input_are_reported(redis_url):
+    registry = Registry(connect(redis_url))
+    pool = RewardClientPool(registry, service="reward-nobody", no_worker_timeout_s=0.5, refresh_s=0.1)
+    with pytest.raises(RuntimeError, match="no reward worker registered under service 'reward-nobody'"):
+        list(pool.score([reward_pb2.ScoreRequest(sample_id="a", response="1", ground_truth="1")]))
+
+    def broken_rollout():
+        yield reward_pb2.ScoreRequest(sample_id="b", response="1", ground_truth="1")
+        raise ValueError("rollout stream broke")
+
+    with pytest.raises(RuntimeError, match="rollout stream broke"):
+        list(pool.score(broken_rollout()))

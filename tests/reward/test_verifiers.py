@@ -1,0 +1,209 @@
+"""Case tables for every built-in verifier, and the real-case agreements the issue asks for."""
+
+import math
+
+import pytest
+from mathruler.grader import extract_boxed_content, grade_answer
+
+from services.reward.verifiers import VERIFIERS, get_verifier
+from services.reward.verifiers.acc import acc
+from services.reward.verifiers.acc_for_dapo import acc_for_dapo, minerva_normalize
+from services.reward.verifiers.base_acc import base_acc
+from services.reward.verifiers.extract import final_answer, last_answer_line, last_boxed_content
+from services.reward.verifiers.format import format_reward
+from services.reward.verifiers.math_17k_acc import math_17k_acc
+from services.reward.verifiers.math_equiv import answers_equivalent, math_equiv, normalize_answer
+from services.reward.verifiers.math_verify_reward import math_verify_reward
+from services.reward.verifiers.step import step
+from services.reward.verifiers.strict_format import strict_format
+from services.reward.verifiers.symbolic import math_verify_equal
+
+R1_GOOD = "<think>2+2 is 4</think> <answer>The answer is \\boxed{4}</answer>"
+
+
+def test_registry_names_match_mindspeed_and_signature_is_uniform():
+    expected = {"math_17k_acc", "base_acc", "acc", "format", "strict_format", "step", "acc_for_dapo",
+                "math_verify_reward", "math_equiv"}
+    assert set(VERIFIERS) == expected
+    for name, entry in VERIFIERS.items():
+        score = entry.fn(R1_GOOD, "4")
+        assert type(score) is float and math.isfinite(score), name
+    with pytest.raises(ValueError, match="unknown verifier 'nope'.*math_equiv"):
+        get_verifier("nope")
+
+
+@pytest.mark.parametrize(("text", "boxed", "line", "final"), [
+    ("so \\boxed{\\frac{1}{2}} done", "\\frac{1}{2}", None, "\\frac{1}{2}"),  # nested braces
+    ("\\boxed{1} then \\boxed{ 2 }", "2", None, "2"),  # the last box, stripped
+    ("unclosed \\boxed{3", None, None, None),  # an unclosed box is no answer
+    ("no box at all", None, None, None),  # MindSpeed-RL would grade the string "None" here
+    ("work\nAnswer: $42$", None, "42", "42"),  # DAPO's Answer: line, $ removed
+    ("Answer: 1\nmore\nAnswer: 7", None, "7", "7"),  # the last Answer: line wins
+    ("Answer: 5 and \\boxed{6}", "6", "5 and \\boxed{6}", "6"),  # a box beats an Answer: line
+    ("\\boxed{}", "", None, ""),  # an empty box is extracted empty (and graded as no answer)
+])
+def test_extraction(text, boxed, line, final):
+    assert last_boxed_content(text) == boxed
+    assert last_answer_line(text) == line
+    assert final_answer(text) == final
+
+
+@pytest.mark.parametrize(("response", "label", "score"), [
+    ("\\boxed{4}", "4", 1.0),
+    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),  # mathruler: sympy equality
+    ("\\boxed{5}", "4", 0.0),
+    ("The answer is 4", "4", 0.0),  # no box: no answer (not the string "None")
+    ("\\boxed{None}", "None", 1.0),  # a box that really says None is an answer
+    ("\\boxed{3} ... \\boxed{4}", "4", 1.0),  # last box
+])
+def test_math_17k_acc(response, label, score):
+    assert math_17k_acc(response, label) == score
+
+
+def test_math_17k_acc_matches_mathruler_on_every_real_case(verifier_cases, raw_responses):
+    cases = [(c["response"], c["ground_truth"]) for c in verifier_cases]
+    cases += [(r["response"], r["ground_truth"]) for r in raw_responses]
+    assert len(cases) == 462 + 800
+    for response, label in cases:
+        if "\\boxed{" in response:
+            expected = 1.0 if grade_answer(extract_boxed_content(response), label) else 0.0
+        else:
+            expected = 0.0  # no box, no answer (upstream grades the string "None": never right here)
+        assert math_17k_acc(response, label) == expected, (response[-200:], label)
+
+
+@pytest.mark.parametrize(("response", "score"), [
+    (R1_GOOD, 1.0),
+    ("<think>x</think><answer>\\boxed{5}</answer>", 0.0),  # wrong answer
+    ("<think>x</think> \\boxed{4}", 0.0),  # no <answer> block
+    ("preamble <think>x</think><answer>\\boxed{4}</answer>", 0.0),  # must match from the start
+])
+def test_base_acc(response, score):
+    assert base_acc(response, "4") == score
+
+
+@pytest.mark.parametrize(("response", "score"), [
+    ("\\boxed{4}", 1.0),
+    ("\\boxed{5}", -0.5),  # wrong: -0.5
+    ("4", -1.0),  # no box: -1
+    ("\\boxed{4}<|im_end|>\\boxed{5}", 1.0),  # text after the stop word is ignored
+])
+def test_acc(response, score):
+    assert acc(response, "4") == score
+
+
+@pytest.mark.parametrize(("response", "fmt", "strict"), [
+    ("<think>a</think>\n<answer>\\boxed{1}</answer>", 1.0, 1.0),
+    ("<think>a</think><answer>1</answer>", 1.0, -0.5),  # format ok, strict needs one \boxed
+    ("<think>a</think><answer>\\boxed{1}</answer> trailing", 0.0, -0.5),
+    ("<answer>\\boxed{1}</answer><think>a</think>", 0.0, -0.5),  # wrong order
+    ("<think>a</think><think>b</think><answer>\\boxed{1}</answer>", 1.0, -0.5),  # tag twice
+])
+def test_format_and_strict_format(response, fmt, strict):
+    assert format_reward(response, "") == fmt
+    assert strict_format(response, "") == strict
+
+
+@pytest.mark.parametrize(("response", "score"), [
+    ("Step 1: a\nStep 2: b\nStep 3: c", 1.0),
+    ("First, a. Next, b.", 2 / 3),
+    ("just an answer", 0.0),
+    ("1. a\n- b\n* c\nFinally, d", 1.0),  # capped at 1
+])
+def test_step(response, score):
+    assert step(response, "") == pytest.approx(score)
+
+
+@pytest.mark.parametrize(("response", "label", "score"), [
+    ("reasoning\nAnswer: 42", "42", 1.0),
+    ("reasoning\nAnswer: 1,000", "1000", 1.0),  # integer commas dropped
+    ("reasoning\nAnswer: $x = 7$", "7", 1.0),  # right-hand side of the last "="
+    ("reasoning\nAnswer: 41", "42", -1.0),
+    ("no answer line, \\boxed{42}", "42", -1.0),  # DAPO reads only the Answer: line
+    ("Answer: 42\n" + "x" * 400, "42", -1.0),  # only the last 300 characters count
+])
+def test_acc_for_dapo(response, label, score):
+    assert acc_for_dapo(response, label) == score
+
+
+def test_minerva_normalize():
+    assert minerva_normalize("\\text{5 cm}") == "5"
+    assert minerva_normalize("\\frac12") == "\\frac{1}{2}"
+    assert minerva_normalize("10^{\\circ}") == "10"
+
+
+@pytest.mark.parametrize(("response", "score"), [
+    ("<think>t</think><answer>\\boxed{\\frac{1}{2}}</answer>", 1.0),
+    ("<think>t</think><answer>\\boxed{0.5}</answer>", 1.0),  # symbolic equality
+    ("\\boxed{\\frac{1}{2}}", 0.0),  # right answer, no format
+    ("<think>t</think><answer>\\boxed{2}</answer>", 0.0),
+])
+def test_math_verify_reward(response, score):
+    assert math_verify_reward(response, "\\frac{1}{2}") == score
+
+
+@pytest.mark.parametrize(("answer", "label", "equal"), [
+    ("1 000", "1000", True),  # spaced thousands
+    ("32,349", "32349", True),  # comma thousands
+    ("32, 349", "32349", False),  # a list of two numbers, not a thousands separator
+    ("\\dfrac{3}{6}", "0.5", True),  # exact fractions
+    ("0.333", "\\frac{1}{3}", False),  # close is not equal
+    ("x = 5", "5", True),  # a named value against a bare one
+    ("(1, \\frac{9}{2})", "(1,4.5)", True),  # tuples of numbers, elementwise
+    ("(2, 1)", "(1, 2)", False),  # ordered
+    ("\\{2, 1\\}", "\\{1,2\\}", True),  # sets are not
+    ("30^\\circ", "30", True),
+    ("\\text{(C)}", "(C)", True),
+    ("[0,9)", "(0,9)", False),  # interval ends differ
+    ("\\{-12, -11\\}", "-11;-12", True),  # a set against a bare list: unordered
+    ("(3,1),(1,3),(3,1)", "(1,3),(3,1)", True),  # repeated elements read once
+    ("21, 36, and 82", "19, 46, and 82", False),  # "and" separates list items
+    ("D = (0, 1.5)", "D = (0, 1)", False),  # same name on both sides: compare the values
+    ("11:21", "V_{1}:V_{2}=11:21", True),  # a named value (ratio name) against a bare one
+    ("11a+c", "7 = 11a+c", False),  # "7" is not a name: an equation, left to math-verify
+    ("[-2, 7]", "x \\in [-2,7]", True),  # membership is a named value
+    ("918\\frac{1}{2}", "918.5", True),  # a mixed number, as math-verify reads it
+    ("25\\%", "25", True),  # percent sign against the bare number
+    ("6.5", "25\\%", False),
+    ("10\\text{ units}", "100", False),  # a unit word after a number is dropped
+    ("\\(60\\)", "60", True),  # inline-math delimiters
+    ("AZYUK2A", "2", False),  # a bare word is never a number...
+    ("e", "2.718281828", True),  # ...but a constant goes to math-verify (equal after rounding to 6 digits)
+    ("\\frac94", "\\frac{9}{4}", True),  # TeX shorthand
+    ("x^2+2x+1", "(x+1)^2", True),  # symbolic fallback
+    ("", "", False),  # an empty box is no answer
+])
+def test_math_equiv_answers(answer, label, equal):
+    assert answers_equivalent(answer, label) is equal
+
+
+def test_normalize_answer_keeps_values():
+    assert normalize_answer("\\left( \\frac{1}{2} \\right).") == "\\frac{1}{2}"  # (x) is x
+    assert normalize_answer("\\left( 1, 2 \\right)") == "(1,2)"  # a pair stays a pair
+    assert normalize_answer("\\$18") == "18"
+    assert normalize_answer("10{,}000") == "10000"
+
+
+def test_math_equiv_no_more_mistakes_than_math_verify_on_strict_cases(strict_cases):
+    assert len(strict_cases) == 341
+    ours = [c["id"] for c in strict_cases if (math_equiv(c["response"], c["ground_truth"]) == 1.0) != c["expected"]]
+    theirs = [c["id"] for c in strict_cases
+              if math_verify_equal(c["response"], c["ground_truth"]) != c["expected"]]
+    assert len(ours) <= len(theirs), (ours, theirs)
+
+
+@pytest.mark.parametrize(("left", "right", "verdict"), [
+    ("x^2+2x+1", "(x+1)(x+1)", True),  # polynomial identity
+    ("x^3+2x+1", "x^2+2x+1", False),
+    ("\\frac{x}{7}+\\frac{2}{7}", "\\frac{x+2}{7}", True),  # rational functions
+    ("-34x-45y+20z-100=0", "34x+45y-20z+100=0", True),  # equations equal up to a constant factor
+    ("x+y-z+2=0", "5x-7y+11z+4=0", False),
+    ("0.5x", "\\frac{x}{2}", True),  # decimals are exact rationals
+    ("\\sin(x)", "\\sin(x)", None),  # functions: not plain algebra
+    ("i^2+x", "x-1", None),  # i is the imaginary unit for math-verify: not ours to read
+    ("x<1", "1>x", None),  # inequalities too
+])
+def test_algebra_equal(left, right, verdict):
+    from services.reward.verifiers.algebra import algebra_equal
+
+    assert algebra_equal(left, right) is verdict
