@@ -42,6 +42,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None, help="learning rate (without --config)")
     p.add_argument("--kl-coef", type=float, default=None, help="KL coefficient (default: config init_kl_coef)")
     p.add_argument("--grace-s", type=float, default=5.0, help="seconds before survivors of a dead rank are stopped")
+    p.add_argument("--redis-url", default=None,
+                   help="register rank 0 in Redis as service 'trainer' with its role (what the coordinator discovers)")
+    p.add_argument("--instance-id", default=None, help="registry instance id (default: trainer-ROLE-PID)")
+    p.add_argument("--lease-s", type=float, default=10.0, help="registry lease in seconds (heartbeat every lease/3)")
 
 
 def rank_argv(args: argparse.Namespace) -> list[str]:
@@ -157,10 +161,19 @@ def run_rank(args: argparse.Namespace) -> int:
         tmp.write_text(str(server.port))
         os.replace(tmp, args.port_file)
     logger.info("trainer (%s, TP=%d PP=%d DP=%d) serving on %s", opts.role, tp, pp, worker.layout.dp, server.address)
+    from contextlib import nullcontext
+
+    from services.common.redis_store import Registry, connect
     from services.common.server import serve_until_signal
 
+    registration = nullcontext()
+    if args.redis_url:
+        registration = Registry(connect(args.redis_url)).register(
+            "trainer", args.instance_id or f"trainer-{opts.role}-{os.getpid()}", server.address, lease_s=args.lease_s,
+            metadata={"role": opts.role, "tp": tp, "pp": pp, "dp": worker.layout.dp})
     try:
-        serve_until_signal(server)
+        with registration:
+            serve_until_signal(server)
     finally:
         executor.shutdown()
         liveness.close()

@@ -1,0 +1,71 @@
+"""Wiring of a coordinator process: config text -> RunDriver with its loader, tokenizer, reward pool, sinks."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.common.redis_store import Registry, RunJournal
+from services.coordinator.run import RunDriver
+from services.coordinator.sinks import FanOut, JsonlSink, MetricsSink, TensorBoardSink, WandbSink
+
+logger = logging.getLogger(__name__)
+
+
+def load_run_config(config_yaml: str, overrides: list[str], configs_dir: Path) -> Any:
+    """Parses and validates config text; `defaults: model:` includes resolve under `configs_dir/model/`."""
+    from services.common.config import ConfigError, load_config_dict
+
+    try:
+        data = yaml.safe_load(config_yaml)
+        return load_config_dict(data, base_dir=configs_dir, overrides=overrides, label="<StartRun config>")
+    except yaml.YAMLError as e:
+        raise ValueError(f"config is not valid YAML: {e}") from e
+    except ConfigError as e:
+        raise ValueError(str(e)) from e
+
+
+def build_sinks(cfg: Any, run_dir: Path) -> MetricsSink:
+    rl = cfg.rl_config
+    sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl")]
+    if rl.use_tensorboard:
+        sinks.append(TensorBoardSink(getattr(cfg.actor_config, "tensorboard_dir", None) or run_dir / "tensorboard"))
+    if rl.use_wandb:
+        sinks.append(WandbSink(rl.wandb_project, rl.wandb_exp_name, rl.wandb_save_dir or None, {}))
+    return FanOut(sinks)
+
+
+def build_driver(config_yaml: str, overrides: list[str], run_id: str, *, redis_client: Any, configs_dir: Path,
+                 runs_dir: Path, token: str | None = None, discovery_timeout_s: float = 300.0) -> RunDriver:
+    cfg = load_run_config(config_yaml, overrides, configs_dir)
+    mt = cfg.actor_config
+    from transformers import AutoTokenizer
+
+    from services.coordinator.data.loader import PromptLoader
+    from services.reward.client_pool import RewardClientPool
+
+    tokenizer_path = cfg.derived.rollout_tokenizer_name_or_path or mt.tokenizer_name_or_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load the tokenizer at {tokenizer_path!r} (megatron_training.tokenizer_name_or_path): "
+                         f"{e}") from e
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    def loader(consumed: int) -> PromptLoader:
+        return PromptLoader(mt.data_path, int(mt.global_batch_size), int(cfg.rl_config.max_prompt_length),
+                            int(mt.seed), consumed_batches=consumed)
+
+    loader(0)  # fail at StartRun, not mid-run, when the data is missing
+    registry = Registry(redis_client)
+    pool = RewardClientPool(registry, token=token)
+    run_dir = runs_dir / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config_yaml)
+    return RunDriver(cfg, run_id, registry, RunJournal(redis_client, run_id), loader, decode, pool.score,
+                     build_sinks(cfg, run_dir), token=token, discovery_timeout_s=discovery_timeout_s)

@@ -1,0 +1,88 @@
+"""`rlfabric coordinator serve` and `rlfabric train`: the coordinator process and its client."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    co = subparsers.add_parser("coordinator", help="the coordinator service (sequences GRPO iterations)")
+    co_sub = co.add_subparsers(dest="coordinator_command", metavar="COMMAND", required=True)
+    serve = co_sub.add_parser("serve", help="serve the Coordinator gRPC API")
+    serve.add_argument("--address", default="127.0.0.1:0", help="host:port to bind (default 127.0.0.1:0, a free port)")
+    serve.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), required="REDIS_URL" not in os.environ,
+                       help="Redis holding membership and the run journal (default: $REDIS_URL)")
+    serve.add_argument("--configs-dir", type=Path, default=REPO_CONFIGS,
+                       help="where `defaults: model:` includes resolve (default: the repo's configs/)")
+    serve.add_argument("--runs-dir", type=Path, default=Path("runs"), help="per-run metrics and copies (default ./runs)")
+    serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (default: a free port)")
+    serve.add_argument("--instance-id", default=f"coordinator-{os.getpid()}", help="registry id")
+    serve.add_argument("--discovery-timeout", type=float, default=300.0,
+                       help="seconds a run waits for its services to register (default 300)")
+    serve.set_defaults(func=_serve)
+
+    tr = subparsers.add_parser("train", help="start a GRPO run on a coordinator and stream its metrics")
+    tr.add_argument("config", type=Path, help="MindSpeed-RL GRPO YAML")
+    tr.add_argument("-o", "--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="dotted override, repeatable")
+    tr.add_argument("--coordinator", required=True, help="coordinator address host:port")
+    tr.add_argument("--run-id", default="", help="run id (default: generated)")
+    tr.add_argument("--resume", action="store_true", help="continue the run from its journal and last checkpoint")
+    tr.set_defaults(func=_train)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from rlfabric.v1 import coordinator_pb2_grpc
+    from services.common.redis_store import Registry, connect
+    from services.common.server import ServiceSpec, create_server, serve_until_signal
+    from services.coordinator.app import build_driver
+    from services.coordinator.server import SERVICE_NAME, CoordinatorServicer
+
+    client = connect(args.redis_url)
+
+    def factory(config_yaml: str, overrides: list[str], run_id: str):
+        return build_driver(config_yaml, overrides, run_id, redis_client=client, configs_dir=args.configs_dir,
+                            runs_dir=args.runs_dir, discovery_timeout_s=args.discovery_timeout)
+
+    servicer = CoordinatorServicer(client, factory)
+    server = create_server([ServiceSpec(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
+                           args.address, component="coordinator", metrics_port=args.metrics_port).start()
+    with Registry(client).register("coordinator", args.instance_id, server.address):
+        print(f"coordinator serving on {server.address}", flush=True)
+        serve_until_signal(server)
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import grpc
+
+    from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from services.common.client import make_channel
+    from services.coordinator.sinks import ConsoleSink
+
+    try:
+        text = args.config.read_text()
+    except OSError as e:
+        print(f"error: cannot read {args.config}: {e}", file=sys.stderr)
+        return 2
+    with make_channel(args.coordinator) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        try:
+            status = stub.StartRun(coordinator_pb2.StartRunRequest(
+                run_id=args.run_id, config_yaml=text, overrides=args.override, resume=args.resume), timeout=600)
+            print(f"run {status.run_id} started", flush=True)
+            sink = ConsoleSink(total=status.total_iterations or None)
+            for m in stub.StreamMetrics(coordinator_pb2.StreamMetricsRequest(run_id=status.run_id)):
+                sink.write(m.iteration, dict(m.metrics.values))
+            final = stub.GetRun(coordinator_pb2.GetRunRequest(run_id=status.run_id), timeout=30)
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    phase = coordinator_pb2.RunPhase.Name(final.phase)
+    print(f"run {final.run_id}: {phase} at iteration {final.iteration}" + (f": {final.error}" if final.error else ""))
+    return 0 if final.phase in (coordinator_pb2.RUN_PHASE_DONE, coordinator_pb2.RUN_PHASE_STOPPED) else 1

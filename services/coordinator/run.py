@@ -1,0 +1,190 @@
+"""A GRPO run: discovers the services, loops over iterations, journals every step, checkpoints, resumes.
+
+The run's durable state lives in the Redis journal (`RunJournal`): the data cursor (consumed batches),
+the weights version the replicas serve, the last finished iteration and the last checkpoint. A killed
+coordinator restarted with `resume` continues from the last checkpoint: the actor trainer has loaded it
+(`finetune: false`, `load`), the loader skips the batches consumed up to it, and the replicas are
+re-synced to a fresh weights version before anything is generated, so no stale weights ever serve.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.common.client import make_channel
+from services.common.redis_store import Registry, RunJournal
+from services.coordinator.iteration import (
+    GrpoIteration,
+    IterationError,
+    Replica,
+    push_weights,
+    settings_from_config,
+)
+from services.coordinator.sinks import MetricsSink
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where the run's services are."""
+
+    rollout: list[str]
+    actor: str
+    reference: str | None
+
+
+class DiscoveryError(RuntimeError):
+    pass
+
+
+def discover(registry: Registry, *, need_reference: bool, min_rollout: int = 1, timeout_s: float = 300.0,
+             poll_s: float = 0.5) -> Endpoints:
+    """Waits until the registry holds an actor trainer, a reference (when needed) and `min_rollout` replicas."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rollout = sorted(m.endpoint for m in registry.members("rollout"))
+        trainers = {m.metadata.get("role"): m.endpoint for m in registry.members("trainer")}
+        actor, reference = trainers.get("actor"), trainers.get("reference")
+        if len(rollout) >= min_rollout and actor and (reference or not need_reference):
+            return Endpoints(rollout, actor, reference)
+        if time.monotonic() > deadline:
+            raise DiscoveryError(
+                f"after {timeout_s:.0f}s the registry holds {len(rollout)} rollout replica(s) (need {min_rollout}), "
+                f"actor trainer: {actor or 'missing'}, reference trainer: "
+                f"{reference or ('missing' if need_reference else 'not needed')}; start the missing services "
+                "(`rlfabric up` starts them all) and check they use the same --redis-url")
+        time.sleep(poll_s)
+
+
+class RunDriver:
+    """Runs `train_iters` GRPO iterations of one config against live services.
+
+    Args:
+        cfg: the loaded `RLFabricConfig`.
+        run_id: the journal key.
+        registry, journal: the Redis layer.
+        loader_factory: consumed_batches -> PromptLoader (so resume can position it).
+        decode: token ids -> text (skip special tokens).
+        score: the reward stream (a `RewardClientPool.score` or a worker's `Score`).
+        sink: where iteration metrics go.
+    """
+
+    def __init__(self, cfg: Any, run_id: str, registry: Registry, journal: RunJournal,
+                 loader_factory: Callable[[int], Any], decode: Callable[[list[int]], str], score: Callable,
+                 sink: MetricsSink, *, token: str | None = None, discovery_timeout_s: float = 300.0) -> None:
+        self.cfg = cfg
+        self.run_id = run_id
+        self.registry = registry
+        self.journal = journal
+        self.loader_factory = loader_factory
+        self.decode = decode
+        self.score = score
+        self.sink = sink
+        self.token = token
+        self.discovery_timeout_s = discovery_timeout_s
+        self.settings = settings_from_config(cfg)
+        self.stop_event = threading.Event()
+        self.state: dict[str, Any] = {"phase": "starting", "iteration": 0, "weights_version": 0, "error": ""}
+
+    def _journal(self, **fields: Any) -> None:
+        self.state.update(fields)
+        self.journal.write(**fields)
+
+    def run(self, resume: bool = False) -> dict[str, Any]:
+        """Runs to `train_iters` (or until `stop_event`); returns the final state. Raises on failure."""
+        try:
+            return self._run(resume)
+        except Exception as e:
+            self._journal(phase="failed", error=f"{type(e).__name__}: {e}")
+            raise
+
+    def _run(self, resume: bool) -> dict[str, Any]:
+        mt = self.cfg.actor_config
+        train_iters = int(mt.train_iters or 1)
+        previous = self.journal.read()
+        if "iteration" not in previous:
+            previous = {}  # only the "starting" mark StartRun wrote: a fresh run
+        if previous and not resume:
+            raise RuntimeError(f"run {self.run_id!r} already has a journal (iteration {previous.get('iteration')}); "
+                               "resume it or choose another run id")
+        endpoints = discover(self.registry, need_reference=self.settings.use_reference,
+                             timeout_s=self.discovery_timeout_s)
+        channels = [make_channel(a, token=self.token) for a in [*endpoints.rollout, endpoints.actor]]
+        replicas = [Replica(a, rollout_pb2_grpc.RolloutStub(c)) for a, c in zip(endpoints.rollout, channels, strict=False)]
+        actor = trainer_pb2_grpc.TrainerStub(channels[-1])
+        reference = None
+        if endpoints.reference:
+            channels.append(make_channel(endpoints.reference, token=self.token))
+            reference = trainer_pb2_grpc.TrainerStub(channels[-1])
+        try:
+            iteration, consumed, version = self._starting_point(previous, actor, replicas)
+            loader = self.loader_factory(consumed)
+            loop = GrpoIteration(replicas, self.score, actor, reference, self.decode, self.settings)
+            self._journal(phase="running", iteration=iteration, weights_version=version, consumed_batches=consumed,
+                          train_iters=train_iters, rollout=endpoints.rollout, error="")
+            while iteration < train_iters and not self.stop_event.is_set():
+                batch = loader.next_batch()
+                iteration += 1
+                self._journal(phase="rollout", current_iteration=iteration, batch_index=batch.batch_index)
+                result = loop.run(batch.prompts, batch.labels, iteration, version, batch.prompt_indices.tolist())
+                version = result.weights_version
+                metrics = {**result.metrics, "iteration": float(iteration), "weights_version": float(version)}
+                self.journal.record_iteration(iteration, metrics, weights_version=version,
+                                              consumed_batches=loader.consumed_batches, phase="iteration_done")
+                self.state.update(iteration=iteration, weights_version=version, phase="iteration_done")
+                self.sink.write(iteration, metrics)
+                if mt.save and ((mt.save_interval and iteration % mt.save_interval == 0) or iteration == train_iters):
+                    self._checkpoint(actor, iteration, loader.consumed_batches)
+            self._journal(phase="done" if iteration >= train_iters else "stopped")
+            return dict(self.state)
+        finally:
+            for c in channels:
+                c.close()
+
+    def _starting_point(self, previous: dict[str, Any], actor: Any, replicas: list[Replica]) -> tuple[int, int, int]:
+        """(iteration, consumed batches, weights version) to continue from, re-syncing replicas if needed."""
+        gbs = int(self.cfg.actor_config.global_batch_size)
+        info = actor.Info(trainer_pb2.TrainerInfoRequest(), timeout=60)
+        iteration = int(info.iteration)
+        consumed = 0
+        if previous:
+            ckpt = previous.get("checkpoint") or {}
+            if int(ckpt.get("iteration", 0)) != iteration:
+                raise RuntimeError(
+                    f"run {self.run_id!r}: the journal's last checkpoint is iteration {ckpt.get('iteration', 0)} but "
+                    f"the actor trainer holds iteration {iteration}; start the trainer with "
+                    f"`load: {ckpt.get('path', self.cfg.actor_config.save)}` and `finetune: false`")
+            consumed = int(ckpt.get("consumed_samples", 0)) // gbs
+        elif iteration:
+            consumed = iteration  # a trainer resumed from a checkpoint without a journal: one batch per iteration
+        version = int(previous.get("weights_version", 0))
+        held = [r.stub.Info(rollout_pb2.RolloutInfoRequest(), timeout=60).weights_version for r in replicas]
+        if previous or iteration or any(h != version for h in held):
+            # Weights on the replicas may differ from the actor's (a restart, a resume): sync to a new version.
+            version = max([version, *held]) + 1
+            start = time.perf_counter()
+            push_weights(actor, [r.address for r in replicas], version, self.settings.deadline_s)
+            logger.info("re-synced %d replica(s) to weights version %d in %.2fs", len(replicas), version,
+                        time.perf_counter() - start)
+        return iteration, consumed, version
+
+    def _checkpoint(self, actor: Any, iteration: int, consumed_batches: int) -> None:
+        self._journal(phase="checkpoint")
+        save = str(Path(self.cfg.actor_config.save))
+        gbs = int(self.cfg.actor_config.global_batch_size)
+        try:
+            reply = actor.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(
+                dir=save, iteration=iteration, consumed_samples=consumed_batches * gbs), timeout=3600)
+        except Exception as e:
+            raise IterationError(f"checkpoint at iteration {iteration} failed: {e}") from e
+        self._journal(checkpoint={"iteration": iteration, "path": reply.path,
+                                  "consumed_samples": consumed_batches * gbs})
+        logger.info("checkpoint %s (iteration %d) in %.2fs", reply.path, iteration, reply.duration_s)

@@ -1,0 +1,115 @@
+"""The `rlfabric.v1.Coordinator` servicer: starts runs in a background thread, reports and streams them.
+
+One coordinator process drives one run at a time (the sketch's "1 per run"); the run's state lives in the
+Redis journal, so a restarted coordinator answers `GetRun` and `StreamMetrics` for earlier runs and
+continues a stopped or crashed one with `StartRun(resume=true)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.common.redis_store import RunJournal
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "rlfabric.v1.Coordinator"
+
+_PHASES = {
+    "starting": coordinator_pb2.RUN_PHASE_STARTING,
+    "running": coordinator_pb2.RUN_PHASE_ROLLOUT,
+    "rollout": coordinator_pb2.RUN_PHASE_ROLLOUT,
+    "iteration_done": coordinator_pb2.RUN_PHASE_UPDATE,
+    "checkpoint": coordinator_pb2.RUN_PHASE_CHECKPOINT,
+    "done": coordinator_pb2.RUN_PHASE_DONE,
+    "stopped": coordinator_pb2.RUN_PHASE_STOPPED,
+    "failed": coordinator_pb2.RUN_PHASE_FAILED,
+}
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    """`driver_factory(config_yaml, overrides, run_id) -> RunDriver` builds a driver (config errors raise ValueError)."""
+
+    def __init__(self, redis_client: Any, driver_factory: Callable[[str, list[str], str], Any]) -> None:
+        self.redis = redis_client
+        self.driver_factory = driver_factory
+        self._lock = threading.Lock()
+        self._active: tuple[str, Any, threading.Thread] | None = None
+
+    def _status(self, run_id: str) -> coordinator_pb2.RunStatus:
+        state = RunJournal(self.redis, run_id).read()
+        ckpt = state.get("checkpoint") or {}
+        return coordinator_pb2.RunStatus(
+            run_id=run_id, phase=_PHASES.get(state.get("phase", ""), coordinator_pb2.RUN_PHASE_UNSPECIFIED),
+            iteration=int(state.get("iteration", 0)), total_iterations=int(state.get("train_iters", 0)),
+            weights_version=int(state.get("weights_version", 0)), error=state.get("error", "") or "",
+            checkpoint=ckpt.get("path", ""))
+
+    def StartRun(self, request, context):  # noqa: N802
+        run_id = request.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        with self._lock:
+            if self._active and self._active[2].is_alive():
+                if self._active[0] == run_id:
+                    return self._status(run_id)
+                context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                              f"run {self._active[0]!r} is active on this coordinator; stop it first")
+            if RunJournal(self.redis, run_id).exists() and not request.resume:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                              f"run {run_id!r} has a journal; pass resume=true to continue it")
+            try:
+                driver = self.driver_factory(request.config_yaml, list(request.overrides), run_id)
+            except ValueError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            driver.journal.write(phase="starting", error="")
+            thread = threading.Thread(target=self._drive, args=(driver, request.resume), name=f"run-{run_id}",
+                                      daemon=True)
+            self._active = (run_id, driver, thread)
+            thread.start()
+        return self._status(run_id)
+
+    @staticmethod
+    def _drive(driver: Any, resume: bool) -> None:
+        try:
+            driver.run(resume=resume)
+        except Exception:
+            logger.exception("run %s failed", driver.run_id)
+
+    def GetRun(self, request, context):  # noqa: N802
+        if not RunJournal(self.redis, request.run_id).exists():
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no run {request.run_id!r}")
+        return self._status(request.run_id)
+
+    def StopRun(self, request, context):  # noqa: N802
+        with self._lock:
+            active = self._active
+        if active and active[0] == request.run_id and active[2].is_alive():
+            active[1].stop_event.set()
+            active[2].join(timeout=max(1.0, context.time_remaining() or 60.0) - 0.5)
+        elif not RunJournal(self.redis, request.run_id).exists():
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no run {request.run_id!r}")
+        return self._status(request.run_id)
+
+    def StreamMetrics(self, request, context):  # noqa: N802
+        journal = RunJournal(self.redis, request.run_id)
+        if not journal.exists():
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no run {request.run_id!r}")
+        next_it = request.from_iteration or int(journal.read().get("iteration", 0)) + 1
+        while context.is_active():
+            # Phase first: iterations journaled before a terminal phase are then all in `done`.
+            finished = journal.read().get("phase") in ("done", "stopped", "failed")
+            done = journal.iterations()
+            while next_it in done:
+                yield coordinator_pb2.IterationMetrics(
+                    run_id=request.run_id, iteration=next_it, metrics=common_pb2.Metrics(values=done[next_it]))
+                next_it += 1
+            if finished:
+                return
+            time.sleep(0.2)

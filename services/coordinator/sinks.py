@@ -1,0 +1,101 @@
+"""Where iteration metrics go: a console line, a JSONL file, TensorBoard (`train/{key}`), optionally wandb.
+
+The console line mirrors MindSpeed-RL's per-iteration log; the JSONL file is the machine-readable record
+(one object per iteration, written with a flush so a crash loses nothing already logged).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+logger = logging.getLogger(__name__)
+
+# The console line shows these first, in this order; the rest follow sorted.
+HEADLINE = ("timing/all", "grpo/score/mean", "response_length/mean", "actor/pg_loss", "actor/kl_loss",
+            "grad_norm", "e2e_tps")
+
+
+class MetricsSink:
+    def write(self, iteration: int, metrics: Mapping[str, float]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class ConsoleSink(MetricsSink):
+    def __init__(self, stream: TextIO | None = None, total: int | None = None) -> None:
+        self.stream = stream or sys.stdout
+        self.total = total
+
+    def write(self, iteration: int, metrics: Mapping[str, float]) -> None:
+        keys = [k for k in HEADLINE if k in metrics] + sorted(k for k in metrics if k not in HEADLINE)
+        of = f"/{self.total}" if self.total else ""
+        body = " | ".join(f"{k}: {metrics[k]:.6g}" for k in keys)
+        print(f"iteration {iteration}{of} | {body}", file=self.stream, flush=True)
+
+
+class JsonlSink(MetricsSink):
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = self.path.open("a", encoding="utf-8")
+
+    def write(self, iteration: int, metrics: Mapping[str, float]) -> None:
+        self._f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class TensorBoardSink(MetricsSink):
+    def __init__(self, log_dir: str | Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(str(log_dir))
+
+    def write(self, iteration: int, metrics: Mapping[str, float]) -> None:
+        for k, v in metrics.items():
+            self._writer.add_scalar(f"train/{k}", v, iteration)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbSink(MetricsSink):
+    def __init__(self, project: str, name: str, save_dir: str | None, config: dict[str, Any]) -> None:
+        try:
+            import wandb  # type: ignore[import-not-found]
+        except ImportError as e:
+            raise RuntimeError("rl_config.use_wandb is true but the `wandb` package is not installed: "
+                               "`pip install wandb`, or set use_wandb: false") from e
+        self._run = wandb.init(project=project, name=name, dir=save_dir or None, config=config)
+
+    def write(self, iteration: int, metrics: Mapping[str, float]) -> None:
+        self._run.log({f"train/{k}": v for k, v in metrics.items()}, step=iteration)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class FanOut(MetricsSink):
+    def __init__(self, sinks: list[MetricsSink]) -> None:
+        self.sinks = sinks
+
+    def write(self, iteration: int, metrics: Mapping[str, float]) -> None:
+        for sink in self.sinks:
+            try:
+                sink.write(iteration, metrics)
+            except Exception:  # a broken sink (full disk, wandb outage) must not stop training
+                logger.exception("metrics sink %s failed at iteration %d", type(sink).__name__, iteration)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()

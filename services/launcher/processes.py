@@ -1,0 +1,78 @@
+"""Child service processes: start with logs to files, wait for readiness, fail fast with the log's tail."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+class ServiceStartError(RuntimeError):
+    """A child service exited or did not become ready; the message carries its log's tail."""
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class ServiceProcess:
+    """One `rlfabric ...` child; stdout and stderr go to `log_path`."""
+
+    name: str
+    args: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> ServiceProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", *self.args], stdout=log,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        logger.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.args))
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def check(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise ServiceStartError(f"{self.name} exited with code {self.proc.returncode}; last lines of "
+                                    f"{self.log_path}:\n{tail(self.log_path)}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if not self.alive():
+            return
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def wait_until(ready: Callable[[], bool], processes: Sequence[ServiceProcess], timeout_s: float, what: str) -> None:
+    """Polls `ready` until true; raises with the failing child's log if one exits, or on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        for p in processes:
+            p.check()
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {p.name} ({p.log_path}):\n{tail(p.log_path, 10)}" for p in processes)
+            raise ServiceStartError(f"{what} not ready after {timeout_s:.0f}s\n{logs}")
+        time.sleep(0.25)
