@@ -1,0 +1,119 @@
+"""`rlfabric rollout serve`: start one rollout replica (argument parsing here, heavy imports in the func)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+_DESCRIPTION = (
+    "Serves the rlfabric.v1.Rollout gRPC API around one vLLM engine. Engine and sampling defaults come from "
+    "the MindSpeed-RL YAML's generate_config (infer_tensor_parallel_size, max_num_seqs, max_model_len, "
+    "max_num_batched_tokens, dtype, gpu_memory_utilization, enforce_eager, enable_prefix_caching, "
+    "trust_remote_code, sampling_config); without --config, the flags below and built-in defaults apply. "
+    "The replica starts at weights version 0 (as loaded from --model)."
+)
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("rollout", help="the rollout service (vLLM generation over gRPC)")
+    sub = p.add_subparsers(dest="rollout_command", metavar="COMMAND", required=True)
+    serve = sub.add_parser("serve", help="serve one rollout replica", description=_DESCRIPTION)
+    add_serve_arguments(serve)
+    serve.set_defaults(func=run_serve)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="MindSpeed-RL YAML (its generate_config section configures the engine)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a YAML key, e.g. --set generate_config.max_num_seqs=32; repeatable")
+    p.add_argument("--model", help="HF model folder to load (default: the config's rollout tokenizer/model path)")
+    p.add_argument("--address", default="0.0.0.0:50052", help="gRPC listen address (default 0.0.0.0:50052)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 picks one (default 0)")
+    p.add_argument("--dtype", help="engine dtype, overriding generate_config.dtype (e.g. float32 on CPU)")
+    p.add_argument("--tensor-parallel-size", type=int, help="overrides generate_config.infer_tensor_parallel_size")
+    p.add_argument("--max-num-seqs", type=int, help="overrides generate_config.max_num_seqs")
+    p.add_argument("--max-model-len", type=int, help="overrides generate_config.max_model_len")
+    p.add_argument("--max-in-flight", type=int, default=None,
+                   help="samples admitted into the engine at once (default 2 x max_num_seqs)")
+    p.add_argument("--cpu-kv-cache-gib", type=int, default=1, help="CPU only: KV-cache size in GiB (default 1)")
+    p.add_argument("--num-threads", type=int, default=None, help="CPU only: torch threads for the engine")
+    p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    p.add_argument("--auth-token", default=None,
+                   help="require 'authorization: Bearer TOKEN' on UpdateWeights, Sleep and Wake")
+    p.add_argument("--redis-url", default=None, help="register this replica in Redis as service 'rollout'")
+    p.add_argument("--instance-id", default=None, help="registry instance id (default rollout-HOST-PORT)")
+
+
+def build_options(args: argparse.Namespace):  # noqa: ANN201 - heavy types imported lazily
+    """EngineOptions and default SamplingOptions from the config (if any) and the flags."""
+    import dataclasses
+
+    from services.rollout.engine import EngineOptions, SamplingOptions, options_from_config
+
+    extra = {"cpu_kv_cache_gib": args.cpu_kv_cache_gib, "num_threads": args.num_threads, "seed": args.seed}
+    if args.config:
+        from services.common.config import load_config
+
+        cfg = load_config(args.config, args.overrides)
+        model = args.model or cfg.derived.rollout_tokenizer_name_or_path
+        if not model:
+            raise SystemExit("rlfabric rollout serve: no model: pass --model or set "
+                             "generate_config.tokenizer_name_or_path / megatron_training.tokenizer_name_or_path")
+        engine, sampling = options_from_config(cfg.generate_config, model, **extra)
+    else:
+        if not args.model:
+            raise SystemExit("rlfabric rollout serve: pass --model DIR (or --config YAML)")
+        engine, sampling = EngineOptions(model=args.model, **extra), SamplingOptions()
+    changes = {k: v for k, v in (("dtype", args.dtype), ("tensor_parallel_size", args.tensor_parallel_size),
+                                 ("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
+               if v is not None}
+    return dataclasses.replace(engine, **changes), sampling
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import socket
+
+    from services.common.server import serve_until_signal
+    from services.rollout.engine import RolloutEngine
+    from services.rollout.server import SERVICE_NAME, create_rollout_server
+
+    engine_options, sampling = build_options(args)
+    sampling.validate()
+    engine = RolloutEngine(engine_options)
+    guarded = {f"/{SERVICE_NAME}/{m}" for m in ("UpdateWeights", "Sleep", "Wake")}
+    server, _ = create_rollout_server(engine, sampling, args.address, max_in_flight_samples=args.max_in_flight,
+                                      metrics_port=args.metrics_port, auth_token=args.auth_token,
+                                      auth_methods=guarded if args.auth_token else None)
+    server.start()
+    registration = None
+    if args.redis_url:
+        from services.common.redis_store import Registry, connect
+
+        host = socket.gethostname() if args.address.startswith("0.0.0.0") else server.host
+        endpoint = f"{host}:{server.port}"
+        registration = Registry(connect(args.redis_url)).register(
+            "rollout", args.instance_id or f"rollout-{host}-{server.port}", endpoint,
+            metadata={"model": engine_options.model, "metrics_port": server.metrics_port},
+        )
+    print(f"rollout serving on {server.address} (metrics :{server.metrics_port})", flush=True)
+    try:
+        serve_until_signal(server)
+    finally:
+        if registration is not None:
+            registration.close()
+        engine.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.rollout", description=_DESCRIPTION)
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    from services.common.logs import setup_logging
+
+    setup_logging("INFO")
+    return run_serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,564 @@
+"""The vLLM adapter of the rollout service: prompt token ids in, response token ids and log-probs out.
+
+`RolloutEngine` owns one vLLM `LLMEngine` (in-process engine core) and one thread that drives it: the
+thread admits requests, runs `step()`, and hands every sample to its callback the moment vLLM reports it
+finished, so callers can stream samples as they complete. Everything that touches the engine (adding and
+aborting requests, weight updates, sleep, wake, introspection) runs on that thread between two steps, which
+makes a weight update atomic with respect to generation. Each request is ONE sample (n=1): a group of n is
+n requests, so each sample finishes and streams on its own.
+
+Choices:
+- Token ids only: prompts are `TokensPrompt`s, detokenization is off, nothing is re-tokenised.
+- `logprobs_mode="processed_logprobs"` by default: the returned log-prob of a token is under the
+  distribution it was sampled from (after temperature, top-k/top-p); at temperature 0 it equals the
+  model's log-softmax.
+- A weight update aborts the samples in flight (they would otherwise mix two versions); they come back
+  with finish reason "abort". The prefix cache is reset after every update.
+- Sleep: vLLM's sleep mode where the platform has it (CUDA/Ascend). vLLM-CPU has none (its worker ignores
+  sleep), so on CPU `sleep` frees the KV-cache storage and `wake` re-allocates and zeroes it; weights stay
+  in host memory (they already live there), so both levels behave the same on CPU.
+- vLLM settings that come from the environment (in-process engine core, cache root, CPU KV-cache size)
+  are set here from `EngineOptions`; users set none of them.
+
+Knows nothing of gRPC (see server.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import queue
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.rollout import metrics, worker_ops
+from services.rollout.weights import ParamSpec, StagedUpdate
+
+logger = logging.getLogger(__name__)
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+FINISH_ERROR = "error"
+
+
+class InvalidSamplingValue(ValueError):
+    """A sampling value out of range; `field` names the offending SamplingParams field."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"sampling.{field_name}: {message}")
+        self.field = field_name
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot generate now (asleep, or its weights are invalid); the message says why."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How to build the engine; the fields mirror `generate_config` (see `options_from_config`)."""
+
+    model: str
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    max_num_batched_tokens: int | None = None
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = False
+    trust_remote_code: bool = False
+    seed: int = 0
+    logprobs_mode: str = "processed_logprobs"
+    # CPU only: GiB of host memory for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE).
+    cpu_kv_cache_gib: int = 1
+    # Where vLLM keeps its caches (VLLM_CACHE_ROOT); default: a folder under the system temp dir.
+    cache_root: str | None = None
+    # CPU only: torch threads for the engine (vLLM forbids changing them once the worker started).
+    num_threads: int | None = None
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Sampling values for one sample; mirrors `generate_config.sampling_config`."""
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    logprobs: int = 0
+    seed: int | None = None
+
+    def validate(self) -> None:
+        """Raises InvalidSamplingValue naming the first field out of range."""
+        if self.max_tokens < 1:
+            raise InvalidSamplingValue("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidSamplingValue("temperature", f"must be a finite value >= 0, got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidSamplingValue("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1 or self.top_k == 0:
+            raise InvalidSamplingValue("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidSamplingValue("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.logprobs <= 20:
+            raise InvalidSamplingValue("logprobs", f"must be in [0, 20], got {self.logprobs}")
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One sample to generate."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingOptions
+    # When non-zero, the sample starts only if the engine still holds this version when it is admitted.
+    expected_weights_version: int = 0
+
+
+@dataclass
+class SampleResult:
+    """One finished (or failed) sample."""
+
+    request_id: str
+    response_token_ids: np.ndarray  # int32 [response_length]
+    response_log_probs: np.ndarray  # float32 [response_length]
+    finish_reason: str  # FINISH_STOP | FINISH_LENGTH | FINISH_ABORT | FINISH_ERROR
+    prompt_length: int
+    weights_version: int
+    error: str = ""
+    finished_at: float = field(default_factory=time.monotonic)  # time.monotonic()
+
+
+@dataclass
+class _InFlight:
+    request: SampleRequest
+    on_finish: Callable[[SampleResult], None]
+    version: int
+    submitted_at: float
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+
+
+def options_from_config(generate_config: Any, model: str, **extra: Any) -> tuple[EngineOptions, SamplingOptions]:
+    """Builds the engine and default sampling options from MindSpeed-RL's `generate_config` section.
+
+    Args:
+        generate_config: an object with the `generate_config` YAML keys as attributes (and `sampling_config`).
+        model: HF model folder the engine loads.
+        extra: EngineOptions fields not in the YAML (cpu_kv_cache_gib, cache_root, num_threads, seed, ...).
+    """
+    g = generate_config
+    s = g.sampling_config
+    engine = EngineOptions(
+        model=str(model),
+        tensor_parallel_size=int(g.infer_tensor_parallel_size),
+        max_num_seqs=int(g.max_num_seqs),
+        max_model_len=int(g.max_model_len),
+        max_num_batched_tokens=g.max_num_batched_tokens,
+        dtype=str(g.dtype),
+        gpu_memory_utilization=float(g.gpu_memory_utilization),
+        enforce_eager=bool(g.enforce_eager),
+        enable_prefix_caching=bool(g.enable_prefix_caching),
+        trust_remote_code=bool(g.trust_remote_code),
+        **extra,
+    )
+    sampling = SamplingOptions(
+        max_tokens=int(s.max_tokens),
+        temperature=float(s.temperature),
+        top_p=float(s.top_p),
+        top_k=int(s.top_k) if int(s.top_k) != 0 else -1,
+        min_p=float(s.min_p),
+        logprobs=int(s.logprobs or 0),
+        seed=s.seed,
+    )
+    return engine, sampling
+
+
+def configure_environment(options: EngineOptions) -> None:
+    """Sets the vLLM environment variables this adapter relies on (before vLLM reads them)."""
+    # One engine per service process, driven from our own thread: no engine-core subprocess.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    cache_root = options.cache_root or os.path.join(tempfile.gettempdir(), f"rlfabric-vllm-cache-{os.getuid()}")
+    os.environ["VLLM_CACHE_ROOT"] = cache_root
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(options.cpu_kv_cache_gib))
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+
+
+class RolloutEngine:
+    """One vLLM engine driven by a private thread (see module docstring)."""
+
+    def __init__(self, options: EngineOptions) -> None:
+        self.options = options
+        self._version = 0
+        self._weights_error: str | None = None
+        self._sleeping = False
+        self._kv_released_bytes = 0
+        self._active: dict[str, _InFlight] = {}
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future] | None] = queue.Queue()
+        self._closed = False
+        # The engine is built on, and only ever touched from, its own thread: vLLM's CPU attention checks
+        # that the OpenMP thread count it planned with is the one it runs with, and that is per thread.
+        ready: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="rollout-engine", daemon=True)
+        self._thread.start()
+        ready.result()
+        metrics.WEIGHTS_VERSION.set(0)
+        logger.info("engine %s built in %.1f s from %s (dtype %s, patches %s)", self.engine_name,
+                    self.build_seconds, options.model, self.dtype, self.patches)
+
+    def _build(self) -> None:
+        options = self.options
+        configure_environment(options)
+        import torch
+
+        if options.num_threads:
+            torch.set_num_threads(options.num_threads)
+        import vllm
+        from vllm import EngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        from services.rollout.patches import apply_patches, engine_arg_overrides, keep_torch_set_num_threads
+
+        self.is_cpu = current_platform.is_cpu()
+        self.patches = apply_patches()
+        self.sleep_mode_native = not self.is_cpu and current_platform.is_sleep_mode_available()
+        started = time.monotonic()
+        overrides = engine_arg_overrides(options.max_model_len, options.max_num_batched_tokens)
+        args = EngineArgs(
+            model=options.model,
+            tensor_parallel_size=options.tensor_parallel_size,
+            max_num_seqs=options.max_num_seqs,
+            max_model_len=options.max_model_len,
+            max_num_batched_tokens=overrides.get("max_num_batched_tokens", options.max_num_batched_tokens),
+            enable_chunked_prefill=overrides.get("enable_chunked_prefill"),
+            dtype=options.dtype,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            enforce_eager=options.enforce_eager,
+            enable_prefix_caching=options.enable_prefix_caching,
+            trust_remote_code=options.trust_remote_code,
+            seed=options.seed,
+            logprobs_mode=options.logprobs_mode,
+            enable_sleep_mode=self.sleep_mode_native,
+            disable_log_stats=True,
+        )
+        with keep_torch_set_num_threads():
+            self._engine = LLMEngine.from_engine_args(args)
+        self.engine_name = f"vllm {vllm.__version__}"
+        self.dtype = str(self._engine.model_config.dtype).removeprefix("torch.")
+        self.max_model_len = int(self._engine.model_config.max_model_len)
+        self.build_seconds = time.monotonic() - started
+        self.expected_weights = read_checkpoint_specs(options.model, self._engine.model_config.dtype)
+        self.engine_parameters: list[tuple[str, tuple[int, ...], str]] = self._engine.apply_model(
+            worker_ops.describe_parameters
+        )[0]
+
+    # --- public API (thread-safe) -----------------------------------------------------------------------
+
+    @property
+    def weights_version(self) -> int:
+        return self._version
+
+    @property
+    def sleeping(self) -> bool:
+        return self._sleeping
+
+    def unavailable_reason(self) -> str | None:
+        """Why the engine cannot generate now, or None when it can."""
+        if self._sleeping:
+            return "the replica is asleep; call Wake first"
+        return self._weights_error
+
+    def submit(self, request: SampleRequest, on_finish: Callable[[SampleResult], None]) -> None:
+        """Queues one sample; `on_finish` is called once, on the engine thread, when it finishes or fails.
+
+        The callback must be quick and must not call back into the engine synchronously.
+        """
+        self._call(functools.partial(self._add, request, on_finish), wait=False)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Stops the given samples; their callbacks are NOT called (the caller is gone)."""
+        if request_ids and not self._closed:
+            self._call(functools.partial(self._abort, list(request_ids), None), wait=False)
+
+    def update_weights(self, update: StagedUpdate) -> float:
+        """Applies a verified update between two steps; returns the apply time in seconds."""
+        return self._call(functools.partial(self._apply_weights, update))
+
+    def sleep(self, level: int = 1) -> float:
+        """Releases memory (see module docstring); idempotent. Returns seconds taken."""
+        return self._call(functools.partial(self._sleep, level))
+
+    def wake(self) -> float:
+        """Re-acquires what `sleep` released; idempotent. Returns seconds taken."""
+        return self._call(self._wake)
+
+    def num_in_flight(self) -> int:
+        return len(self._active)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+        try:
+            self._engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at teardown
+            logger.debug("engine shutdown raised", exc_info=True)
+
+    # --- engine thread --------------------------------------------------------------------------------
+
+    def _call(self, fn: Callable[[], Any], wait: bool = True) -> Any:
+        if self._closed:
+            raise EngineUnavailable("the engine is closed")
+        future: Future = Future()
+        if not wait:
+            future.add_done_callback(_log_failure)
+        self._commands.put((fn, future))
+        return future.result() if wait else None
+
+    def _run(self, ready: Future) -> None:
+        try:
+            self._build()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the constructor
+            ready.set_exception(e)
+            return
+        ready.set_result(None)
+        self._loop()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                # Block while idle; while generating, only drain what is already queued.
+                item = self._commands.get(block=not self._active)
+            except queue.Empty:
+                item = ()
+            while item != ():
+                if item is None:
+                    self._abort(list(self._active), "the engine is shutting down")
+                    return
+                fn, future = item
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(e)
+                try:
+                    item = self._commands.get_nowait()
+                except queue.Empty:
+                    item = ()
+            if self._active:
+                try:
+                    self._step()
+                except Exception as e:  # noqa: BLE001 - fail the samples, keep the service up
+                    logger.exception("engine step failed")
+                    self._abort(list(self._active), f"engine step failed: {e}")
+
+    def _add(self, request: SampleRequest, on_finish: Callable[[SampleResult], None]) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        reason = self.unavailable_reason()
+        expected = request.expected_weights_version
+        if reason is None and expected and expected != self._version:
+            # The version changed between the caller's check and this point: never mix versions.
+            self._deliver(on_finish, _failed(request, self._version, FINISH_ABORT,
+                                             f"the weights changed to version {self._version} before this sample "
+                                             f"started (expected {expected}); regenerate at the new version"))
+            return
+        if reason is None:
+            s = request.sampling
+            params = SamplingParams(
+                n=1,
+                max_tokens=s.max_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k if s.top_k > 0 else 0,
+                min_p=s.min_p,
+                seed=s.seed,
+                # Only the sampled token's log-prob travels back (Sample has no top-k field).
+                logprobs=0,
+                detokenize=False,
+                skip_special_tokens=False,
+                output_kind=RequestOutputKind.DELTA,
+            )
+            try:
+                prompt = TokensPrompt(prompt_token_ids=[int(t) for t in request.prompt_token_ids])
+                self._engine.add_request(request.request_id, prompt, params)
+            except Exception as e:  # noqa: BLE001 - vLLM's input validation (length, vocab, ...): this sample only
+                reason = f"prompt rejected by the engine: {e}"
+        if reason is not None:
+            self._deliver(on_finish, _failed(request, self._version, FINISH_ERROR, reason))
+            return
+        self._active[request.request_id] = _InFlight(request, on_finish, self._version, time.monotonic())
+        metrics.REQUESTS_ADMITTED.inc()
+
+    def _step(self) -> None:
+        outputs = self._engine.step()
+        now = time.monotonic()
+        new_tokens = 0
+        for out in outputs:
+            entry = self._active.get(out.request_id)
+            if entry is None or not out.outputs:
+                continue
+            completion = out.outputs[0]
+            if not entry.token_ids and completion.token_ids:
+                metrics.TIME_TO_FIRST_TOKEN.observe(now - entry.submitted_at)
+            tokens = list(completion.token_ids)
+            entry.token_ids.extend(tokens)
+            new_tokens += len(tokens)
+            if completion.logprobs is not None:
+                entry.log_probs.extend(lp[t].logprob for lp, t in zip(completion.logprobs, tokens, strict=True))
+            if out.finished:
+                del self._active[out.request_id]
+                reason = {"stop": FINISH_STOP, "length": FINISH_LENGTH}.get(completion.finish_reason or "",
+                                                                             FINISH_ABORT)
+                result = SampleResult(
+                    request_id=out.request_id,
+                    response_token_ids=np.asarray(entry.token_ids, dtype=np.int32),
+                    response_log_probs=np.asarray(entry.log_probs, dtype=np.float32),
+                    finish_reason=reason,
+                    prompt_length=len(entry.request.prompt_token_ids),
+                    weights_version=entry.version,
+                    finished_at=now,
+                )
+                metrics.SAMPLES_FINISHED.labels(reason).inc()
+                self._deliver(entry.on_finish, result)
+        metrics.GENERATED_TOKENS.inc(new_tokens)
+        self._update_queue_gauges()
+
+    def _update_queue_gauges(self) -> None:
+        scheduler = getattr(getattr(self._engine.engine_core, "engine_core", None), "scheduler", None)
+        running = getattr(scheduler, "running", None)
+        waiting = getattr(scheduler, "waiting", None)
+        if running is not None and waiting is not None:
+            metrics.REQUESTS.labels("running").set(len(running))
+            metrics.REQUESTS.labels("waiting").set(len(waiting))
+        else:
+            metrics.REQUESTS.labels("running").set(len(self._active))
+
+    def _abort(self, request_ids: list[str], reason: str | None) -> None:
+        known = [r for r in request_ids if r in self._active]
+        if known:
+            self._engine.abort_request(known)
+        for rid in known:
+            entry = self._active.pop(rid)
+            metrics.SAMPLES_FINISHED.labels(FINISH_ABORT).inc()
+            if reason is not None:
+                self._deliver(entry.on_finish, _failed(entry.request, entry.version, FINISH_ABORT, reason))
+        self._update_queue_gauges()
+
+    @staticmethod
+    def _deliver(on_finish: Callable[[SampleResult], None], result: SampleResult) -> None:
+        try:
+            on_finish(result)
+        except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine
+            logger.exception("sample callback failed for %s", result.request_id)
+
+    def _apply_weights(self, update: StagedUpdate) -> float:
+        if self._sleeping and self.sleep_mode_native:
+            # vLLM's sleep mode has moved or discarded the device weights; writing them now would be lost.
+            raise EngineUnavailable("the replica is asleep; call Wake before UpdateWeights")
+        started = time.monotonic()
+        if self._active:
+            self._abort(list(self._active),
+                        f"weights changed from version {self._version} to {update.version} during generation; "
+                        "regenerate at the new version")
+        try:
+            self._engine.apply_model(functools.partial(worker_ops.load_weights, update.tensors))
+        except Exception as e:
+            # Some tensors may have been written: refuse to serve until a complete update lands.
+            self._weights_error = (f"the weight update to version {update.version} failed midway ({e}); "
+                                   "the weights are inconsistent until a complete UpdateWeights succeeds")
+            logger.exception("weight update to version %d failed", update.version)
+            raise
+        # Cached prefixes were computed with the old weights.
+        self._engine.reset_prefix_cache()
+        self._version = update.version
+        self._weights_error = None
+        seconds = time.monotonic() - started
+        metrics.WEIGHTS_VERSION.set(update.version)
+        metrics.WEIGHT_UPDATE_SECONDS.observe(seconds)
+        logger.info("weights version %d applied: %d tensors, %d bytes in %.3f s", update.version,
+                    len(update.tensors), update.num_bytes, seconds)
+        return seconds
+
+    def _sleep(self, level: int) -> float:
+        if self._sleeping:
+            return 0.0
+        started = time.monotonic()
+        if self._active:
+            self._abort(list(self._active), "the replica went to sleep")
+        if self.sleep_mode_native:
+            self._engine.sleep(level)
+            if level >= 2:
+                self._weights_error = ("the replica was woken from a level-2 sleep, which discards the weights; "
+                                       "sync weights (UpdateWeights) before generating")
+        else:
+            self._engine.reset_prefix_cache()
+            self._kv_released_bytes = sum(self._engine.collective_rpc(worker_ops.release_kv_cache))
+        self._sleeping = True
+        metrics.SLEEPING.set(1)
+        seconds = time.monotonic() - started
+        logger.info("asleep (level %d) in %.3f s, released %d KV bytes", level, seconds, self._kv_released_bytes)
+        return seconds
+
+    def _wake(self) -> float:
+        if not self._sleeping:
+            return 0.0
+        started = time.monotonic()
+        if self.sleep_mode_native:
+            self._engine.wake_up()
+        else:
+            self._engine.collective_rpc(worker_ops.restore_kv_cache)
+        self._sleeping = False
+        metrics.SLEEPING.set(0)
+        seconds = time.monotonic() - started
+        logger.info("awake in %.3f s", seconds)
+        return seconds
+
+
+def _log_failure(future: Future) -> None:
+    if future.exception() is not None:
+        logger.error("engine command failed", exc_info=future.exception())
+
+
+def _failed(request: SampleRequest, version: int, reason: str, error: str) -> SampleResult:
+    return SampleResult(
+        request_id=request.request_id,
+        response_token_ids=np.zeros(0, dtype=np.int32),
+        response_log_probs=np.zeros(0, dtype=np.float32),
+        finish_reason=reason,
+        prompt_length=len(request.prompt_token_ids),
+        weights_version=version,
+        error=error,
+    )
+
+
+def read_checkpoint_specs(model_dir: str, dtype: Any) -> dict[str, ParamSpec]:
+    """Names and full shapes of the tensors in the model folder's safetensors files (the update names)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}: the rollout engine needs an HF folder")
+    specs: dict[str, ParamSpec] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                specs[name] = ParamSpec(tuple(f.get_slice(name).get_shape()), dtype)
+    return specs

