@@ -1,24 +1,10 @@
-"""Hugging Face <-> Megatron-core weight conversion for dense Qwen2 / Qwen2.5 / Qwen3 / Llama.
+"""Hugging Face <-> Megatron-core checkpoint conversion (the folder-level `rlfabric convert` commands).
 
-Owns the name and layout mapping between an HF state dict and Megatron's per-(TP, PP) rank state
-dicts, and the two folder-level conversions behind `rlfabric convert`:
-
-    HF name                                   Megatron name (per rank)                  TP split
-    model.embed_tokens.weight                 embedding.word_embeddings.weight          dim 0 (vocab, padded)
-    model.layers.L.input_layernorm.weight     decoder.layers.l.input_layernorm.weight   replicated
-    self_attn.{q,k,v}_proj.{weight,bias}      ...self_attention.linear_qkv.{weight,bias} dim 0, per query group
-    self_attn.{q,k}_norm.weight (Qwen3)       ...self_attention.{q,k}_layernorm.weight  replicated
-    self_attn.o_proj.weight                   ...self_attention.linear_proj.weight      dim 1
-    post_attention_layernorm.weight           ...pre_mlp_layernorm.weight               replicated
-    mlp.{gate,up}_proj.weight                 ...mlp.linear_fc1.weight                  dim 0, [gate_r; up_r]
-    mlp.down_proj.weight                      ...mlp.linear_fc2.weight                  dim 1
-    model.norm.weight                         decoder.final_layernorm.weight            replicated
-    lm_head.weight                            output_layer.weight                       dim 0 (vocab, padded)
-
-Fused QKV: Megatron orders rows by query group g: [q heads of g (heads/groups * head_dim); k_g; v_g].
-Pipeline stages hold consecutive layers renumbered from 0. With tied embeddings and PP > 1 the last
-stage keeps its own copy of the embedding as output_layer.weight (Megatron keeps the two in sync).
-The conversion is pure slicing and concatenation, so HF -> mcore -> HF is bitwise exact.
+Owns reading and writing HF folders and Megatron release checkpoints, and the in-memory state-dict
+conversions `hf_to_mcore` / `mcore_to_hf`. The name and layout mapping itself (fused QKV per query group,
+[gate; up], vocabulary padding, TP split dims, PP renumbering, tied embeddings) lives in
+services/common/weight_layout.py, shared with the weight-sync resharding plan. The conversion is pure
+slicing and concatenation, so HF -> mcore -> HF is bitwise exact.
 """
 
 from __future__ import annotations
@@ -30,51 +16,37 @@ from pathlib import Path
 
 import torch
 
+from services.common import weight_layout
 from services.trainer import ckpt_layout
 from services.trainer.model import ModelSpec, read_hf_config
 
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
-ShardKey = tuple[int, int]  # (tp_rank, pp_rank)
+ShardKey = weight_layout.ShardKey  # (tp_rank, pp_rank)
+layers_of_stage = weight_layout.layers_of_stage
 
 
 def _noop(_msg: str) -> None:
     pass
 
 
-def layers_of_stage(spec: ModelSpec, pp: int, pp_rank: int) -> range:
-    per = spec.num_hidden_layers // pp
-    return range(pp_rank * per, (pp_rank + 1) * per)
+def _layer_progress(spec: ModelSpec, progress: Progress, arrow: str) -> Callable[[weight_layout.TensorRecipe], None]:
+    """Report "layer L/N <arrow> pp_rank p" once a layer's last tensor is done."""
+    per = spec.num_hidden_layers
+    last_of_layer: dict[int, str] = {}
 
+    def report(r: weight_layout.TensorRecipe) -> None:
+        if r.layer is None:
+            return
+        if not last_of_layer:
+            for rr in weight_layout.recipes(spec, 1, 1):
+                if rr.layer is not None:
+                    last_of_layer[rr.layer] = rr.hf_name
+        if last_of_layer[r.layer] == r.hf_name:
+            progress(f"layer {r.layer + 1}/{per} {arrow} pp_rank {r.sources[0].pp_rank}")
 
-def _pad_vocab(w: torch.Tensor, padded: int) -> torch.Tensor:
-    if w.shape[0] == padded:
-        return w
-    pad = torch.zeros((padded - w.shape[0], *w.shape[1:]), dtype=w.dtype)
-    return torch.cat([w, pad], dim=0)
-
-
-def _fuse_qkv(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tp: int) -> list[torch.Tensor]:
-    """Per TP rank fused QKV (weights [*, h] or biases [*])."""
-    g, d = spec.num_query_groups, spec.head_dim
-    qpg = spec.num_attention_heads // g
-    tail = q.shape[1:]
-    qg = q.reshape(g, qpg * d, *tail)
-    kg = k.reshape(g, d, *tail)
-    vg = v.reshape(g, d, *tail)
-    fused = torch.cat([qg, kg, vg], dim=1)  # [g, (qpg + 2) d, ...]
-    return [c.reshape(-1, *tail).clone() for c in fused.chunk(tp, dim=0)]
-
-
-def _split_qkv(spec: ModelSpec, shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g, d = spec.num_query_groups, spec.head_dim
-    qpg = spec.num_attention_heads // g
-    fused = torch.cat(shards, dim=0)
-    tail = fused.shape[1:]
-    fused = fused.reshape(g, (qpg + 2) * d, *tail)
-    q, k, v = fused.split([qpg * d, d, d], dim=1)
-    return q.reshape(-1, *tail).clone(), k.reshape(-1, *tail).clone(), v.reshape(-1, *tail).clone()
+    return report
 
 
 def hf_to_mcore(
@@ -85,98 +57,27 @@ def hf_to_mcore(
 
     `only` = (tp_rank, pp_rank) builds just that rank's dict (what a trainer rank loads).
     """
-    keys = [only] if only is not None else [(t, p) for t in range(tp) for p in range(pp)]
-    out: dict[ShardKey, dict[str, torch.Tensor]] = {k: {} for k in keys}
-    padded = spec.padded_vocab_size(tp)
-
-    def put(key: ShardKey, name: str, w: torch.Tensor) -> None:
-        if key in out:
-            out[key][name] = w.clone()
-
-    def put_split(pp_rank: int, name: str, w: torch.Tensor, dim: int) -> None:
-        for t, c in enumerate(w.chunk(tp, dim=dim)):
-            put((t, pp_rank), name, c)
-
-    def put_repl(pp_rank: int, name: str, w: torch.Tensor) -> None:
-        for t in range(tp):
-            put((t, pp_rank), name, w)
 
     def take(name: str) -> torch.Tensor:
         if name not in hf:
             raise KeyError(f"HF checkpoint lacks {name!r} (model_type={spec.model_type}); is the folder complete?")
         return hf[name]
 
-    embed = _pad_vocab(take("model.embed_tokens.weight"), padded)
-    put_split(0, "embedding.word_embeddings.weight", embed, 0)
-    for p in range(pp):
-        for local, layer in enumerate(layers_of_stage(spec, pp, p)):
-            src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
-            put_repl(p, dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
-            fused = _fuse_qkv(spec, take(src + "self_attn.q_proj.weight"), take(src + "self_attn.k_proj.weight"),
-                              take(src + "self_attn.v_proj.weight"), tp)
-            for t, c in enumerate(fused):
-                put((t, p), dst + "self_attention.linear_qkv.weight", c)
-            if spec.attention_bias:
-                fused_b = _fuse_qkv(spec, take(src + "self_attn.q_proj.bias"), take(src + "self_attn.k_proj.bias"),
-                                    take(src + "self_attn.v_proj.bias"), tp)
-                for t, c in enumerate(fused_b):
-                    put((t, p), dst + "self_attention.linear_qkv.bias", c)
-            if spec.qk_norm:
-                put_repl(p, dst + "self_attention.q_layernorm.weight", take(src + "self_attn.q_norm.weight"))
-                put_repl(p, dst + "self_attention.k_layernorm.weight", take(src + "self_attn.k_norm.weight"))
-            put_split(p, dst + "self_attention.linear_proj.weight", take(src + "self_attn.o_proj.weight"), 1)
-            put_repl(p, dst + "pre_mlp_layernorm.weight", take(src + "post_attention_layernorm.weight"))
-            gates = take(src + "mlp.gate_proj.weight").chunk(tp, dim=0)
-            ups = take(src + "mlp.up_proj.weight").chunk(tp, dim=0)
-            for t in range(tp):
-                if (t, p) in out:
-                    out[(t, p)][dst + "mlp.linear_fc1.weight"] = torch.cat([gates[t], ups[t]], dim=0)
-            put_split(p, dst + "mlp.linear_fc2.weight", take(src + "mlp.down_proj.weight"), 1)
-            progress(f"layer {layer + 1}/{spec.num_hidden_layers} -> pp_rank {p}")
-    put_repl(pp - 1, "decoder.final_layernorm.weight", take("model.norm.weight"))
-    if not spec.tie_word_embeddings:
-        put_split(pp - 1, "output_layer.weight", _pad_vocab(take("lm_head.weight"), padded), 0)
-    elif pp > 1:
-        put_split(pp - 1, "output_layer.weight", embed, 0)
-    return out
+    keys = [only] if only is not None else [(t, p) for t in range(tp) for p in range(pp)]
+    shards = weight_layout.to_mcore(weight_layout.recipes(spec, tp, pp), take, only=only,
+                                    on_recipe=_layer_progress(spec, progress, "->"))
+    return {k: shards.get(k, {}) for k in keys}
 
 
 def mcore_to_hf(
     shards: dict[ShardKey, dict[str, torch.Tensor]], spec: ModelSpec, tp: int, pp: int, progress: Progress = _noop
 ) -> dict[str, torch.Tensor]:
     """Merge Megatron rank state dicts back into one HF state dict (names in HF's order)."""
+    report = _layer_progress(spec, progress, "<-")
     hf: dict[str, torch.Tensor] = {}
-    v = spec.vocab_size
-
-    def cat(p: int, name: str, dim: int) -> torch.Tensor:
-        return torch.cat([shards[(t, p)][name] for t in range(tp)], dim=dim)
-
-    hf["model.embed_tokens.weight"] = cat(0, "embedding.word_embeddings.weight", 0)[:v].clone()
-    for p in range(pp):
-        for local, layer in enumerate(layers_of_stage(spec, pp, p)):
-            src, dst = f"decoder.layers.{local}.", f"model.layers.{layer}."
-            s0 = shards[(0, p)]
-            hf[dst + "input_layernorm.weight"] = s0[src + "input_layernorm.weight"].clone()
-            q, k, vv = _split_qkv(spec, [shards[(t, p)][src + "self_attention.linear_qkv.weight"] for t in range(tp)])
-            hf[dst + "self_attn.q_proj.weight"], hf[dst + "self_attn.k_proj.weight"] = q, k
-            hf[dst + "self_attn.v_proj.weight"] = vv
-            if spec.attention_bias:
-                qb, kb, vb = _split_qkv(spec, [shards[(t, p)][src + "self_attention.linear_qkv.bias"] for t in range(tp)])
-                hf[dst + "self_attn.q_proj.bias"], hf[dst + "self_attn.k_proj.bias"] = qb, kb
-                hf[dst + "self_attn.v_proj.bias"] = vb
-            if spec.qk_norm:
-                hf[dst + "self_attn.q_norm.weight"] = s0[src + "self_attention.q_layernorm.weight"].clone()
-                hf[dst + "self_attn.k_norm.weight"] = s0[src + "self_attention.k_layernorm.weight"].clone()
-            hf[dst + "self_attn.o_proj.weight"] = cat(p, src + "self_attention.linear_proj.weight", 1)
-            hf[dst + "post_attention_layernorm.weight"] = s0[src + "pre_mlp_layernorm.weight"].clone()
-            halves = [shards[(t, p)][src + "mlp.linear_fc1.weight"].chunk(2, dim=0) for t in range(tp)]
-            hf[dst + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves], dim=0)
-            hf[dst + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves], dim=0)
-            hf[dst + "mlp.down_proj.weight"] = cat(p, src + "mlp.linear_fc2.weight", 1)
-            progress(f"layer {layer + 1}/{spec.num_hidden_layers} <- pp_rank {p}")
-    hf["model.norm.weight"] = shards[(0, pp - 1)]["decoder.final_layernorm.weight"].clone()
-    if not spec.tie_word_embeddings:
-        hf["lm_head.weight"] = cat(pp - 1, "output_layer.weight", 0)[:v].clone()
+    for r, tensor in weight_layout.to_hf(weight_layout.recipes(spec, tp, pp), lambda s: shards[s.key][s.name]):
+        hf[r.hf_name] = tensor
+        report(r)
     return hf
 
 

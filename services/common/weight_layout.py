@@ -1,0 +1,314 @@
+"""Megatron-core <-> Hugging Face weight names and layouts (dense Qwen2 / Qwen2.5 / Qwen3 / Llama).
+
+The one place that knows how an HF tensor is laid out across Megatron's per-(TP, PP) rank state dicts.
+Checkpoint conversion (services/trainer/convert.py) and the weight-sync resharding plan
+(services/coordinator/resharding.py) are both built from `recipes(spec, tp, pp)`. Pure torch tensor ops,
+no Megatron import, no I/O.
+
+    HF name                                   Megatron name (per rank)                   TP split
+    model.embed_tokens.weight                 embedding.word_embeddings.weight           dim 0 (vocab, padded)
+    model.layers.L.input_layernorm.weight     decoder.layers.l.input_layernorm.weight    replicated
+    self_attn.{q,k,v}_proj.{weight,bias}      ...self_attention.linear_qkv.{weight,bias} dim 0, per query group
+    self_attn.{q,k}_norm.weight (Qwen3)       ...self_attention.{q,k}_layernorm.weight   replicated
+    self_attn.o_proj.weight                   ...self_attention.linear_proj.weight       dim 1
+    post_attention_layernorm.weight           ...pre_mlp_layernorm.weight                replicated
+    mlp.{gate,up}_proj.weight                 ...mlp.linear_fc1.weight                   dim 0, [gate_r; up_r]
+    mlp.down_proj.weight                      ...mlp.linear_fc2.weight                   dim 1
+    model.norm.weight                         decoder.final_layernorm.weight             replicated
+    lm_head.weight                            output_layer.weight                        dim 0 (vocab, padded)
+
+Facts encoded here:
+- Fused QKV: Megatron orders the rows by query group g: [q heads of g (heads/groups * head_dim); k_g; v_g],
+  and TP rank r holds groups [r * groups/tp, (r + 1) * groups/tp).
+- Fused fc1: TP rank r holds [gate rows of r; up rows of r].
+- Vocabulary: padded with zero rows to a multiple of TP (`padded_vocab_size`); the pad sits at the end of
+  the last TP ranks' shards and never reaches HF.
+- Pipeline: stage p holds layers [p * L/pp, (p + 1) * L/pp) renumbered from 0 (`local_layer_name`).
+- Tied embeddings: no lm_head in HF; with PP > 1 the last stage keeps its own copy of the embedding as
+  output_layer.weight (Megatron keeps the two in sync), a *mirror* of the embedding's shards.
+
+A `TensorRecipe` says which shard slices compose one HF tensor: each `ShardSlice` views a shard's dim 0 as
+[groups, block] and keeps rows [start, stop) of every block (a QKV part, a gate/up half, the unpadded
+vocabulary rows, or everything); the pieces are concatenated along `concat_dim`. The mapping is pure slicing
+and concatenation, so HF -> mcore -> HF is bitwise exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+ShardKey = tuple[int, int]  # (tp_rank, pp_rank)
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+class ModelFacts(Protocol):
+    """The architecture facts the layout depends on (services.trainer.model.ModelSpec has them)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutFacts:
+    """`ModelFacts` read from a raw HF config dict (for callers without the trainer's ModelSpec)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf_config(cls, raw: Mapping[str, Any]) -> LayoutFacts:
+        heads = int(raw["num_attention_heads"])
+        model_type = raw.get("model_type", "")
+        return cls(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+            intermediate_size=int(raw["intermediate_size"]),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; the others say so in the config.
+            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+
+def padded_vocab_size(spec: ModelFacts, tp: int) -> int:
+    """Vocabulary rounded up to a multiple of the TP size (VocabParallelEmbedding needs it)."""
+    return -(-spec.vocab_size // tp) * tp
+
+
+def layers_of_stage(spec: ModelFacts, pp: int, pp_rank: int) -> range:
+    per = spec.num_hidden_layers // pp
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def local_layer_name(global_name: str, layers_per_stage: int) -> tuple[str, int | None]:
+    """Model-wide `decoder.layers.L.X` -> (stage-local name, stage); (name, None) for non-layer names."""
+    m = _LAYER.match(global_name)
+    if not m:
+        return global_name, None
+    layer = int(m.group(1))
+    return f"decoder.layers.{layer % layers_per_stage}.{global_name[m.end():]}", layer // layers_per_stage
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSlice:
+    """Rows [start, stop) of every block when shard `name` of rank (tp_rank, pp_rank) is viewed as [groups, block, ...]."""
+
+    name: str  # stage-local Megatron name
+    tp_rank: int
+    pp_rank: int
+    shard_shape: tuple[int, ...]
+    groups: int = 1
+    start: int = 0
+    stop: int | None = None  # None: to the end of the block
+
+    @property
+    def key(self) -> ShardKey:
+        return (self.tp_rank, self.pp_rank)
+
+    @property
+    def _block(self) -> int:
+        return self.shard_shape[0] // self.groups
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the piece this slice takes."""
+        stop = self._block if self.stop is None else self.stop
+        return (self.groups * (stop - self.start), *self.shard_shape[1:])
+
+    @property
+    def whole(self) -> bool:
+        return self.groups == 1 and self.start == 0 and self.stop in (None, self.shard_shape[0])
+
+    def take(self, shard: torch.Tensor) -> torch.Tensor:
+        """The piece of `shard` (a view when the slice is the whole shard or one contiguous range)."""
+        if tuple(shard.shape) != self.shard_shape:
+            raise ValueError(f"{self.name} (tp_rank {self.tp_rank}, pp_rank {self.pp_rank}): shard has shape "
+                             f"{tuple(shard.shape)}, the layout expects {self.shard_shape}")
+        if self.whole:
+            return shard
+        tail = self.shard_shape[1:]
+        return shard.reshape(self.groups, self._block, *tail)[:, self.start:self.stop].reshape(-1, *tail)
+
+    def put(self, shard: torch.Tensor, piece: torch.Tensor) -> None:
+        """Write `piece` into its rows of `shard` (the inverse of `take`)."""
+        tail = self.shard_shape[1:]
+        shard.reshape(self.groups, self._block, *tail)[:, self.start:self.stop].copy_(
+            piece.reshape(self.groups, -1, *tail))
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRecipe:
+    """How one HF tensor is composed from Megatron shard slices."""
+
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    sources: tuple[ShardSlice, ...]  # concatenated in this order along concat_dim
+    concat_dim: int
+    relay: str = ""  # "", "qkv:q|k|v" or "gate_up:gate|up" (the re-lay the slices perform), "vocab" (pad cut)
+    mirrors: tuple[tuple[ShardSlice, ...], ...] = ()  # other shards holding the same values (TP replicas, tied copy)
+    layer: int | None = None
+
+
+def assemble(recipe: TensorRecipe, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The HF tensor from the pieces `source.take(shard)` of `recipe.sources`, in order (a new tensor)."""
+    return torch.cat(list(pieces), dim=recipe.concat_dim)
+
+
+def split(recipe: TensorRecipe, hf: torch.Tensor) -> list[torch.Tensor]:
+    """The inverse of `assemble`: the piece of `hf` that each source slice holds."""
+    if tuple(hf.shape) != recipe.hf_shape:
+        raise ValueError(f"{recipe.hf_name}: shape {tuple(hf.shape)}, expected {recipe.hf_shape}")
+    sizes = [s.shape[recipe.concat_dim] for s in recipe.sources]
+    return list(hf.split(sizes, dim=recipe.concat_dim))
+
+
+def recipes(spec: ModelFacts, tp: int, pp: int) -> list[TensorRecipe]:
+    """Every HF tensor of the model in HF order, with the shard slices of a TP x PP Megatron layout."""
+    if spec.num_hidden_layers % pp:
+        raise ValueError(f"num_hidden_layers={spec.num_hidden_layers} is not divisible by pipeline size {pp}")
+    if spec.num_key_value_heads % tp or spec.num_attention_heads % tp:
+        raise ValueError(f"tensor parallel size {tp} must divide num_attention_heads={spec.num_attention_heads} "
+                         f"and num_key_value_heads={spec.num_key_value_heads}")
+    h, d, f = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    g = spec.num_key_value_heads  # query groups
+    qpg = spec.num_attention_heads // g
+    q_rows, kv_rows = spec.num_attention_heads * d, g * d
+    out: list[TensorRecipe] = []
+
+    def split_dim(hf_name, hf_shape, name, p, dim, layer=None) -> TensorRecipe:
+        shard = tuple(n // tp if i == dim else n for i, n in enumerate(hf_shape))
+        return TensorRecipe(hf_name, hf_shape, tuple(ShardSlice(name, t, p, shard) for t in range(tp)), dim,
+                            layer=layer)
+
+    def replicated(hf_name, hf_shape, name, p, layer=None) -> TensorRecipe:
+        copies = [(ShardSlice(name, t, p, hf_shape),) for t in range(tp)]
+        return TensorRecipe(hf_name, hf_shape, copies[0], 0, mirrors=tuple(copies[1:]), layer=layer)
+
+    def qkv(hf_prefix, suffix, name, p, layer) -> list[TensorRecipe]:
+        tail = (h,) if suffix == "weight" else ()
+        shard = ((qpg + 2) * d * (g // tp), *tail)
+        parts = {"q": (0, qpg * d, q_rows), "k": (qpg * d, (qpg + 1) * d, kv_rows),
+                 "v": ((qpg + 1) * d, (qpg + 2) * d, kv_rows)}
+        return [
+            TensorRecipe(f"{hf_prefix}{part}_proj.{suffix}", (rows, *tail),
+                         tuple(ShardSlice(name, t, p, shard, g // tp, a, b) for t in range(tp)), 0,
+                         relay=f"qkv:{part}", layer=layer)
+            for part, (a, b, rows) in parts.items()
+        ]
+
+    def vocab(hf_name, name, p) -> TensorRecipe:
+        padded = padded_vocab_size(spec, tp)
+        per = padded // tp
+        srcs = []
+        for t in range(tp):
+            keep = min(per, max(0, spec.vocab_size - t * per))
+            if keep:
+                srcs.append(ShardSlice(name, t, p, (per, h), 1, 0, keep))
+        return TensorRecipe(hf_name, (spec.vocab_size, h), tuple(srcs), 0,
+                            relay="vocab" if padded != spec.vocab_size else "")
+
+    embed = vocab("model.embed_tokens.weight", "embedding.word_embeddings.weight", 0)
+    if spec.tie_word_embeddings and pp > 1:
+        tied = tuple(dataclasses.replace(s, name="output_layer.weight", pp_rank=pp - 1) for s in embed.sources)
+        embed = dataclasses.replace(embed, mirrors=(tied,))
+    out.append(embed)
+    for p in range(pp):
+        for local, layer in enumerate(layers_of_stage(spec, pp, p)):
+            src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
+            out.append(replicated(src + "input_layernorm.weight", (h,), dst + "input_layernorm.weight", p, layer))
+            out += qkv(src + "self_attn.", "weight", dst + "self_attention.linear_qkv.weight", p, layer)
+            if spec.attention_bias:
+                out += qkv(src + "self_attn.", "bias", dst + "self_attention.linear_qkv.bias", p, layer)
+            if spec.qk_norm:
+                out.append(replicated(src + "self_attn.q_norm.weight", (d,), dst + "self_attention.q_layernorm.weight",
+                                      p, layer))
+                out.append(replicated(src + "self_attn.k_norm.weight", (d,), dst + "self_attention.k_layernorm.weight",
+                                      p, layer))
+            out.append(split_dim(src + "self_attn.o_proj.weight", (h, q_rows), dst + "self_attention.linear_proj.weight",
+                                 p, 1, layer))
+            out.append(replicated(src + "post_attention_layernorm.weight", (h,), dst + "pre_mlp_layernorm.weight", p,
+                                  layer))
+            fc1 = (2 * f // tp, h)
+            for half, (a, b) in (("gate", (0, f // tp)), ("up", (f // tp, 2 * f // tp))):
+                out.append(TensorRecipe(
+                    f"{src}mlp.{half}_proj.weight", (f, h),
+                    tuple(ShardSlice(dst + "mlp.linear_fc1.weight", t, p, fc1, 1, a, b) for t in range(tp)), 0,
+                    relay=f"gate_up:{half}", layer=layer))
+            out.append(split_dim(src + "mlp.down_proj.weight", (h, f), dst + "mlp.linear_fc2.weight", p, 1, layer))
+    out.append(replicated("model.norm.weight", (h,), "decoder.final_layernorm.weight", pp - 1))
+    if not spec.tie_word_embeddings:
+        out.append(vocab("lm_head.weight", "output_layer.weight", pp - 1))
+    return out
+
+
+def shard_shapes(spec: ModelFacts, tp: int, pp: int) -> dict[ShardKey, dict[str, tuple[int, ...]]]:
+    """Every rank's Megatron parameter names (stage-local) and shapes, as the layout implies them."""
+    out: dict[ShardKey, dict[str, tuple[int, ...]]] = {(t, p): {} for t in range(tp) for p in range(pp)}
+    for r in recipes(spec, tp, pp):
+        for s in _all_slices(r):
+            out[s.key][s.name] = s.shard_shape
+    return out
+
+
+def _all_slices(recipe: TensorRecipe) -> Iterator[ShardSlice]:
+    yield from recipe.sources
+    for mirror in recipe.mirrors:
+        yield from mirror
+
+
+def to_hf(
+    recipe_list: Sequence[TensorRecipe], fetch: Callable[[ShardSlice], torch.Tensor]
+) -> Iterator[tuple[TensorRecipe, torch.Tensor]]:
+    """Assemble each recipe's HF tensor from `fetch(slice)` (the whole shard the slice reads), one at a time."""
+    for r in recipe_list:
+        yield r, assemble(r, [s.take(fetch(s)) for s in r.sources])
+
+
+def to_mcore(
+    recipe_list: Sequence[TensorRecipe], hf: Callable[[str], torch.Tensor], only: ShardKey | None = None,
+    on_recipe: Callable[[TensorRecipe], None] | None = None,
+) -> dict[ShardKey, dict[str, torch.Tensor]]:
+    """Scatter HF tensors (`hf(name)`) into rank state dicts keyed by (tp_rank, pp_rank).
+
+    Shards start as zeros, so vocabulary padding rows are zero. `only` builds one rank's dict.
+    """
+    shards: dict[ShardKey, dict[str, torch.Tensor]] = {}
+    for r in recipe_list:
+        pieces = split(r, hf(r.hf_name))
+        for mirror in (r.sources, *r.mirrors):
+            for s, piece in zip(mirror, pieces, strict=True):
+                if only is not None and s.key != only:
+                    continue
+                dst = shards.setdefault(s.key, {})
+                if s.name not in dst:
+                    dst[s.name] = torch.zeros(s.shard_shape, dtype=piece.dtype)
+                s.put(dst[s.name], piece)
+        if on_recipe is not None:
+            on_recipe(r)
+    return shards

@@ -1,0 +1,246 @@
+"""The weight-sync resharding plan: which trainer shard slices compose each tensor a rollout replica loads.
+
+`plan_resharding(trainer_shards, rollout_params, model_config) -> ReshardPlan` is a pure function (no I/O):
+
+- `trainer_shards`: the trainer's layout, as `Trainer.Info(include_parameters=True)` reports it (Megatron
+  names with model-wide layer numbers, per (tp_rank, pp_rank) shapes); the TP and PP sizes follow from it.
+- `rollout_params`: what one replica loads, as `Rollout.Info(include_parameters=True)` reports it. vLLM's
+  fused names (`qkv_proj`, `gate_up_proj`) and its padded vocabulary rows are accepted and mapped to the HF
+  checkpoint names and shapes that `UpdateWeights` takes; plain HF names are taken as they are. The replica
+  receives full, unsharded HF tensors and shards them itself, so its own TP size does not change the plan.
+- `model_config`: the architecture (a raw HF config dict, or any object with the `ModelFacts` fields).
+
+The plan lists, per HF tensor in send order, the trainer shard slices that compose it and how (concat dim,
+QKV / gate-up re-lay, vocabulary padding cut); the layout knowledge itself lives in
+services/common/weight_layout.py. It is validated here, not at push time: every trainer shard it reads must
+exist with the expected shape, and every rollout parameter must be covered exactly once with a matching
+shape; the first mismatch raises `ReshardError` naming the tensor. Plans travel as JSON bytes in
+`PushWeightsRequest.plan` (`ReshardPlan.to_json` / `ReshardPlan.from_json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from services.common import weight_layout
+from services.common.weight_layout import ModelFacts, ShardSlice, TensorRecipe
+
+PLAN_FORMAT = "rlfabric.reshard_plan/1"
+
+# vLLM fuses these HF tensors into one parameter (rows concatenated in this order).
+_VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+class ReshardError(ValueError):
+    """The trainer and rollout layouts do not fit the model (the message names the first bad tensor)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerShard:
+    """One parameter shard on one trainer rank (a `trainer_pb2.ShardInfo`)."""
+
+    name: str  # Megatron name, model-wide layer numbering
+    shape: tuple[int, ...]
+    tp_rank: int
+    pp_rank: int
+
+    @classmethod
+    def of(cls, x: Any) -> TrainerShard:
+        """From a ShardInfo proto, a dict (worker shard_infos) or a TrainerShard."""
+        if isinstance(x, TrainerShard):
+            return x
+        get = x.get if isinstance(x, Mapping) else lambda k: getattr(x, k)
+        return cls(str(get("name")), tuple(int(n) for n in get("shape")), int(get("tp_rank")), int(get("pp_rank")))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardPlan:
+    """The tensors to send, in order, each with the shard slices composing it."""
+
+    trainer_tp: int
+    trainer_pp: int
+    tensors: tuple[TensorRecipe, ...]
+    dtype: str = ""  # dtype to send ("float32", "bfloat16", ...); "" keeps the trainer's
+
+    def shards_of(self, tp_rank: int, pp_rank: int) -> list[str]:
+        """Stage-local names of the shards this rank must contribute (first use order, no repeats)."""
+        names = {s.name: None for r in self.tensors for s in r.sources if s.key == (tp_rank, pp_rank)}
+        return list(names)
+
+    def num_elements(self) -> int:
+        total = 0
+        for r in self.tensors:
+            n = 1
+            for d in r.hf_shape:
+                n *= d
+            total += n
+        return total
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "format": PLAN_FORMAT,
+            "trainer_tp": self.trainer_tp,
+            "trainer_pp": self.trainer_pp,
+            "dtype": self.dtype,
+            "tensors": [_recipe_to_dict(r) for r in self.tensors],
+        }, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> ReshardPlan:
+        try:
+            raw = json.loads(data)
+        except ValueError as e:
+            raise ReshardError(f"plan is not valid JSON ({e}); build it with ReshardPlan.to_json") from e
+        if not isinstance(raw, dict) or raw.get("format") != PLAN_FORMAT:
+            got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+            raise ReshardError(f"plan format {got!r} is not {PLAN_FORMAT!r}; build it with ReshardPlan.to_json")
+        try:
+            return cls(int(raw["trainer_tp"]), int(raw["trainer_pp"]),
+                       tuple(_recipe_from_dict(t) for t in raw["tensors"]), str(raw.get("dtype", "")))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ReshardError(f"plan JSON is missing or mistypes a field: {e!r}") from e
+
+
+def _recipe_to_dict(r: TensorRecipe) -> dict[str, Any]:
+    return {
+        "name": r.hf_name, "shape": list(r.hf_shape), "concat_dim": r.concat_dim, "relay": r.relay, "layer": r.layer,
+        "sources": [{"name": s.name, "tp_rank": s.tp_rank, "pp_rank": s.pp_rank, "shard_shape": list(s.shard_shape),
+                     "groups": s.groups, "start": s.start, "stop": s.stop} for s in r.sources],
+    }
+
+
+def _recipe_from_dict(d: Mapping[str, Any]) -> TensorRecipe:
+    sources = tuple(
+        ShardSlice(str(s["name"]), int(s["tp_rank"]), int(s["pp_rank"]), tuple(int(n) for n in s["shard_shape"]),
+                   int(s["groups"]), int(s["start"]), None if s["stop"] is None else int(s["stop"]))
+        for s in d["sources"]
+    )
+    if not sources:
+        raise ValueError(f"tensor {d['name']!r} has no sources")
+    return TensorRecipe(str(d["name"]), tuple(int(n) for n in d["shape"]), sources, int(d["concat_dim"]),
+                        relay=str(d.get("relay", "")), layer=d.get("layer"))
+
+
+def model_facts(model_config: Mapping[str, Any] | ModelFacts) -> ModelFacts:
+    if isinstance(model_config, Mapping):
+        return weight_layout.LayoutFacts.from_hf_config(model_config)
+    return model_config
+
+
+def plan_resharding(
+    trainer_shards: Iterable[Any],
+    rollout_params: Mapping[str, Sequence[int]] | Iterable[Any],
+    model_config: Mapping[str, Any] | ModelFacts,
+    *,
+    dtype: str | None = None,
+) -> ReshardPlan:
+    """The plan moving the trainer's shards into the rollout's tensors (see module docstring).
+
+    `rollout_params`: name -> shape, or items with `.name`, `.shape` (and optionally `.dtype`, a DType enum
+    value or a name), such as `rollout_pb2.ParameterInfo`. `dtype` overrides the dtype to send; by default
+    it is the rollout parameters' dtype when they report one.
+    """
+    spec = model_facts(model_config)
+    shards = [TrainerShard.of(s) for s in trainer_shards]
+    if not shards:
+        raise ReshardError("the trainer reported no shards; call Trainer.Info with include_parameters=true")
+    tp = max(s.tp_rank for s in shards) + 1
+    pp = max(s.pp_rank for s in shards) + 1
+    try:
+        recipes = weight_layout.recipes(spec, tp, pp)
+    except ValueError as e:
+        raise ReshardError(f"trainer layout TP={tp} PP={pp} does not fit the model: {e}") from e
+    _check_trainer_shards(shards, spec, tp, pp)
+    wanted, dtypes = _rollout_hf_shapes(rollout_params, spec)
+    by_name = {r.hf_name: r for r in recipes}
+    for name, shape in wanted.items():
+        r = by_name.get(name)
+        if r is None:
+            raise ReshardError(f"rollout parameter {name!r} has no counterpart in the trainer's model "
+                               f"(is the replica serving another architecture?)")
+        if r.hf_shape != shape:
+            raise ReshardError(f"rollout parameter {name!r} has shape {shape}, the trainer's model gives {r.hf_shape}")
+    missing = [r.hf_name for r in recipes if r.hf_name not in wanted]
+    if missing:
+        raise ReshardError(f"the rollout does not load {missing[0]!r} ({len(missing)} trainer tensors uncovered); "
+                           f"is the replica serving another architecture?")
+    if dtype is None:
+        dtype = dtypes.pop() if len(dtypes) == 1 else ""
+    tensors = tuple(dataclasses.replace(r, mirrors=()) for r in recipes)
+    return ReshardPlan(tp, pp, tensors, dtype)
+
+
+def _check_trainer_shards(shards: list[TrainerShard], spec: ModelFacts, tp: int, pp: int) -> None:
+    per_stage = spec.num_hidden_layers // pp
+    expected = weight_layout.shard_shapes(spec, tp, pp)
+    seen: set[tuple[str, int, int]] = set()
+    for s in shards:
+        local, stage = weight_layout.local_layer_name(s.name, per_stage)
+        if stage is not None and stage != s.pp_rank:
+            raise ReshardError(f"trainer shard {s.name!r} is on pp_rank {s.pp_rank}, but layer numbering puts it "
+                               f"on stage {stage} of {pp}")
+        want = expected[(s.tp_rank, s.pp_rank)].get(local)
+        if want is None:
+            raise ReshardError(f"trainer shard {s.name!r} (tp_rank {s.tp_rank}, pp_rank {s.pp_rank}) is not part of "
+                               f"the supported layout (dense Qwen2 / Qwen3 / Llama)")
+        if tuple(s.shape) != want:
+            raise ReshardError(f"trainer shard {s.name!r} (tp_rank {s.tp_rank}, pp_rank {s.pp_rank}) has shape "
+                               f"{s.shape}, the layout for TP={tp} PP={pp} expects {want}")
+        seen.add((local, s.tp_rank, s.pp_rank))
+    for key, names in expected.items():
+        for name in names:
+            if (name, *key) not in seen:
+                raise ReshardError(f"trainer shard {name!r} of tp_rank {key[0]}, pp_rank {key[1]} (stage-local name) "
+                                   f"was not reported")
+
+
+def _rollout_hf_shapes(params: Any, spec: ModelFacts) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """HF name -> shape the rollout loads (vLLM fusions split, vocab padding dropped), and the dtypes seen."""
+    items: list[tuple[str, tuple[int, ...], Any]]
+    if isinstance(params, Mapping):
+        items = [(n, tuple(int(d) for d in s), None) for n, s in params.items()]
+    else:
+        items = [(p.name, tuple(int(d) for d in p.shape), getattr(p, "dtype", None)) for p in params]
+    d, g = spec.head_dim, spec.num_key_value_heads
+    split_rows = {"q_proj": spec.num_attention_heads * d, "k_proj": g * d, "v_proj": g * d,
+                  "gate_proj": spec.intermediate_size, "up_proj": spec.intermediate_size}
+    out: dict[str, tuple[int, ...]] = {}
+    dtypes: set[str] = set()
+
+    def add(name: str, shape: tuple[int, ...]) -> None:
+        if name in out:
+            raise ReshardError(f"rollout parameter {name!r} is covered twice (listed both fused and unfused?)")
+        out[name] = shape
+
+    for name, shape, dt in items:
+        if dt is not None and dt != "" and dt != 0:
+            dtypes.add(_dtype_name(dt))
+        if spec.tie_word_embeddings and name == "lm_head.weight":
+            continue  # tied: the replica's lm_head is its embedding, which is sent
+        prefix, _, rest = name.rpartition(".")[0].rpartition(".")
+        suffix = name.rpartition(".")[2]
+        if rest in _VLLM_FUSED:
+            parts = _VLLM_FUSED[rest]
+            rows = [split_rows[p] for p in parts]
+            if not shape or shape[0] != sum(rows):
+                raise ReshardError(f"rollout parameter {name!r} has shape {shape}, expected {sum(rows)} rows "
+                                   f"({' + '.join(f'{p} {n}' for p, n in zip(parts, rows, strict=True))})")
+            for p, n in zip(parts, rows, strict=True):
+                add(f"{prefix}.{p}.{suffix}", (n, *shape[1:]))
+        elif name in _VOCAB_TENSORS and shape and shape[0] > spec.vocab_size:
+            add(name, (spec.vocab_size, *shape[1:]))  # the engine pads its vocabulary; HF rows are what it loads
+        else:
+            add(name, shape)
+    return out, dtypes
+
+
+def _dtype_name(dt: Any) -> str:
+    if isinstance(dt, str):
+        return dt.removeprefix("torch.")
+    from rlfabric.v1 import common_pb2
+
+    return common_pb2.DType.Name(int(dt)).removeprefix("DTYPE_").lower()

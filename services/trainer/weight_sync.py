@@ -1,0 +1,193 @@
+"""The trainer side of a weight sync: gather the plan's shard slices to rank 0 and stream HF tensors out.
+
+`push_weights(worker, ...)` runs on every rank in lockstep (a CommandBus operation). All ranks read the
+same `ReshardPlan` (services/coordinator/resharding.py) and walk its tensors in order: for every source slice,
+the rank holding that shard (the DP-rank-0 copy) cuts the slice, casts it to the plan's dtype and sends it to
+rank 0 over torch.distributed (gloo on CPU); rank 0 assembles one HF tensor at a time
+(services/common/weight_layout.py) and hands it to the transport, which buckets and streams it to every
+target. So rank 0 holds one HF tensor plus a few buckets, never a second copy of the model.
+
+Before any byte moves, every rank checks its own shards against the plan and the ranks agree on the outcome
+(one all-gather), so a plan that does not fit fails on all ranks instead of leaving some blocked in a send.
+Rank 0 always consumes the whole plan, even when every target has failed, for the same reason.
+
+Progress reaches the gRPC handler through `progress_sink(push_id)`: the servicer registers a callback under
+the push id it passes to the operation (the operation's arguments must be picklable, a callback is not).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from services.common import weight_layout
+from services.common.transports import TRANSPORTS, TargetFailure, WeightAck
+from services.coordinator.resharding import ReshardPlan
+from services.trainer.model import canonical_name
+
+logger = logging.getLogger(__name__)
+
+_SINKS: dict[str, Callable[..., None]] = {}
+_SINKS_LOCK = threading.Lock()
+
+
+def register_sink(push_id: str, sink: Callable[..., None] | None) -> None:
+    """Route progress of push `push_id` to `sink(target, sent, total, done, checksum)` (None removes it)."""
+    with _SINKS_LOCK:
+        if sink is None:
+            _SINKS.pop(push_id, None)
+        else:
+            _SINKS[push_id] = sink
+
+
+def _sink(push_id: str) -> Callable[..., None] | None:
+    with _SINKS_LOCK:
+        return _SINKS.get(push_id)
+
+
+class PushRun:
+    """Runs `start(push_id)` (the push operation) on a thread; iterating yields its progress events
+    `(target, bytes_sent, bytes_total, done, checksum)` until it ends; `result()` returns or re-raises."""
+
+    _END = object()
+
+    def __init__(self, start: Callable[[str], dict]) -> None:
+        self._events: queue.Queue = queue.Queue()
+        self._outcome: dict = {}
+        self._push_id = uuid.uuid4().hex
+        register_sink(self._push_id, lambda *event: self._events.put(event))
+        self._thread = threading.Thread(target=self._run, args=(start,), name="push-weights", daemon=True)
+        self._thread.start()
+
+    def _run(self, start: Callable[[str], dict]) -> None:
+        try:
+            self._outcome["result"] = start(self._push_id)
+        except Exception as e:  # noqa: BLE001 - re-raised by result()
+            self._outcome["error"] = e
+        finally:
+            register_sink(self._push_id, None)
+            self._events.put(self._END)
+
+    def __iter__(self) -> Iterator[tuple]:
+        while (event := self._events.get()) is not self._END:
+            yield event
+
+    def result(self) -> dict:
+        self._thread.join()
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        return self._outcome["result"]
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_gather(obj) -> list:
+    rank, world = _rank_and_world()
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def local_parameters(model) -> dict[str, torch.Tensor]:
+    """This rank's parameters by stage-local, canonical (local-spec) Megatron name."""
+    return {canonical_name(n): p.detach() for n, p in model.named_parameters()}
+
+
+def _check_local(plan: ReshardPlan, params: dict[str, torch.Tensor], tp_rank: int, pp_rank: int) -> str | None:
+    for r in plan.tensors:
+        for s in r.sources:
+            if s.key != (tp_rank, pp_rank):
+                continue
+            p = params.get(s.name)
+            if p is None:
+                return f"plan tensor {r.hf_name!r} needs {s.name!r} of tp_rank {tp_rank}, pp_rank {pp_rank}: no such parameter"
+            if tuple(p.shape) != s.shard_shape:
+                return (f"plan tensor {r.hf_name!r} needs {s.name!r} of tp_rank {tp_rank}, pp_rank {pp_rank} with shape "
+                        f"{s.shard_shape}, the rank holds {tuple(p.shape)}")
+    return None
+
+
+def plan_dtype(plan: ReshardPlan, params: dict[str, torch.Tensor]) -> torch.dtype:
+    if plan.dtype:
+        dtype = getattr(torch, plan.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"plan dtype {plan.dtype!r} is not a torch dtype")
+        return dtype
+    return next(iter(params.values())).dtype
+
+
+def hf_tensors(plan: ReshardPlan, params: dict[str, torch.Tensor], owners: dict[tuple[int, int], int],
+               dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every rank runs this to the end; only rank 0 yields anything (the assembled HF tensors)."""
+    rank, _ = _rank_and_world()
+    device = next(iter(params.values())).device
+    for r in plan.tensors:
+        pieces = []
+        for s in r.sources:
+            owner = owners[s.key]
+            if owner == rank:
+                piece = s.take(params[s.name]).to(dtype)
+                if rank == 0:
+                    pieces.append(piece)
+                else:
+                    dist.send(piece.contiguous(), dst=0)
+            elif rank == 0:
+                buf = torch.empty(s.shape, dtype=dtype, device=device)
+                dist.recv(buf, src=owner)
+                pieces.append(buf)
+        if rank == 0:
+            yield r.hf_name, weight_layout.assemble(r, pieces)
+
+
+def push_weights(worker, *, plan_json: bytes, version: int, targets: list[str], transport: str, bucket_bytes: int,
+                 deadline_s: float, push_id: str, token: str | None = None) -> dict[str, dict] | None:
+    """Collective: stream `version` per the plan; rank 0 returns {target: {"ok": bool, ...outcome}}."""
+    plan = ReshardPlan.from_json(plan_json)
+    layout = worker.layout
+    if (plan.trainer_tp, plan.trainer_pp) != (layout.tp, layout.pp):
+        raise ValueError(f"the plan is for trainer TP={plan.trainer_tp} PP={plan.trainer_pp}, this group is "
+                         f"TP={layout.tp} PP={layout.pp}; recompute it (or send an empty plan)")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport {transport!r} is not available; available: {sorted(TRANSPORTS)}")
+    params = local_parameters(worker.model)
+    tp_rank, pp_rank = worker._tp_rank, worker._pp_rank
+    problem = _check_local(plan, params, tp_rank, pp_rank) if layout.dp_rank == 0 else None
+    everyone = _all_gather((tp_rank, pp_rank, layout.dp_rank, problem))
+    problems = [p for *_, p in everyone if p]
+    if problems:
+        raise ValueError(problems[0])
+    owners = {(t, p): rank for rank, (t, p, dp, _) in enumerate(everyone) if dp == 0}
+    dtype = plan_dtype(plan, params)
+    tensors = hf_tensors(plan, params, owners, dtype)
+    rank, _ = _rank_and_world()
+    if rank != 0:
+        for _ in tensors:
+            pass
+        return None
+    total = plan.num_elements() * torch.empty((), dtype=dtype).element_size()
+    sender = TRANSPORTS[transport](targets, bucket_bytes=bucket_bytes, timeout_s=deadline_s, token=token,
+                                   on_progress=_sink(push_id), total_bytes=total)
+    try:
+        outcomes = sender.send(version, tensors)
+    finally:
+        for _ in tensors:  # the other ranks are sending until the plan's end
+            pass
+    return {t: _outcome_dict(o) for t, o in outcomes.items()}
+
+
+def _outcome_dict(o: WeightAck | TargetFailure) -> dict:
+    if isinstance(o, WeightAck):
+        return {"ok": True, "checksum": o.checksum, "num_tensors": o.num_tensors, "num_bytes": o.num_bytes}
+    return {"ok": False, "code": o.code, "message": o.message}

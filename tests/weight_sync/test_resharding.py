@@ -1,0 +1,189 @@
+"""The resharding plan: plans for every TP x PP layout rebuild exactly what `mcore_to_hf` builds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.common import weight_layout
+from services.coordinator.resharding import ReshardError, ReshardPlan, TrainerShard, plan_resharding
+from services.trainer.convert import hf_to_mcore, load_hf_state, mcore_to_hf
+from services.trainer.model import read_hf_config, spec_from_hf_config
+
+FAMILIES = {
+    # Qwen2-like: QKV bias, tied embeddings, a vocabulary TP 4 must pad.
+    "qwen2": dict(model_type="qwen2", vocab_size=1001, hidden_size=32, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=4, intermediate_size=48, tie_word_embeddings=True),
+    # Qwen3-like: q/k norms, head_dim != hidden / heads, no bias, untied, padded vocabulary.
+    "qwen3": dict(model_type="qwen3", vocab_size=510, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, head_dim=12, intermediate_size=40, tie_word_embeddings=False),
+    # Llama-like: GQA without bias, untied.
+    "llama": dict(model_type="llama", vocab_size=256, hidden_size=32, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, intermediate_size=64, tie_word_embeddings=False),
+}
+LAYOUTS = [(tp, pp) for tp in (1, 2, 4) for pp in (1, 2)]
+
+
+def random_hf_state(spec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random values in the HF shapes of `spec` (taken from the shared layout)."""
+    g = torch.Generator().manual_seed(seed)
+    return {r.hf_name: torch.randn(r.hf_shape, generator=g) for r in weight_layout.recipes(spec, 1, 1)}
+
+
+def trainer_shards(shards: dict, spec, pp: int) -> list[TrainerShard]:
+    """What Trainer.Info reports for these rank state dicts (model-wide layer numbers)."""
+    per = spec.num_hidden_layers // pp
+    out = []
+    for (t, p), sd in shards.items():
+        for name, x in sd.items():
+            parts = name.split(".")
+            if name.startswith("decoder.layers."):
+                parts[2] = str(int(parts[2]) + p * per)
+            out.append(TrainerShard(".".join(parts), tuple(x.shape), t, p))
+    return out
+
+
+def vllm_params(spec) -> dict[str, tuple[int, ...]]:
+    """The parameter names vLLM reports: q/k/v and gate/up fused, vocabulary padded to 64."""
+    out: dict[str, tuple[int, ...]] = {}
+    for r in weight_layout.recipes(spec, 1, 1):
+        name, shape = r.hf_name, r.hf_shape
+        for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+            for i, part in enumerate(parts):
+                if f".{part}." in name:
+                    name = name.replace(part, fused)
+                    shape = (out[name][0] + shape[0], *shape[1:]) if i else shape
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            shape = (-(-shape[0] // 64) * 64, *shape[1:])
+        out[name] = shape
+    return out
+
+
+def check_plan_reproduces_mcore_to_hf(cfg: dict, tp: int, pp: int, rollout_names: str = "hf") -> ReshardPlan:
+    spec = spec_from_hf_config(cfg)
+    hf = random_hf_state(spec)
+    shards = hf_to_mcore(hf, spec, tp, pp)
+    rollout = {k: tuple(v.shape) for k, v in hf.items()} if rollout_names == "hf" else vllm_params(spec)
+    plan = plan_resharding(trainer_shards(shards, spec, pp), rollout, cfg)
+    decoded = ReshardPlan.from_json(plan.to_json())
+    assert decoded == plan
+    expected = mcore_to_hf(shards, spec, tp, pp)
+    got = dict(weight_layout.to_hf(decoded.tensors, lambda s: shards[s.key][s.name]))
+    assert [r.hf_name for r in got] == list(expected)
+    for r, tensor in got.items():
+        assert tensor.dtype == expected[r.hf_name].dtype and torch.equal(tensor, expected[r.hf_name]), r.hf_name
+        assert torch.equal(tensor, hf[r.hf_name]), r.hf_name
+    return plan
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize(("tp", "pp"), LAYOUTS)
+def test_plan_reproduces_mcore_to_hf(family: str, tp: int, pp: int) -> None:
+    cfg = FAMILIES[family]
+    if cfg["num_key_value_heads"] % tp:
+        pytest.skip("TP does not divide the kv heads")
+    check_plan_reproduces_mcore_to_hf(cfg, tp, pp)
+
+
+@pytest.mark.parametrize(("tp", "pp"), LAYOUTS)
+def test_plan_on_the_tiny_qwen2_with_vllm_names(tiny_model_dir, tp: int, pp: int) -> None:
+    spec, raw = read_hf_config(tiny_model_dir)
+    if spec.num_key_value_heads % tp:
+        pytest.skip("TP does not divide the kv heads")
+    hf = load_hf_state(tiny_model_dir)
+    shards = hf_to_mcore(hf, spec, tp, pp)
+    plan = plan_resharding(trainer_shards(shards, spec, pp), vllm_params(spec), raw)
+    assert (plan.trainer_tp, plan.trainer_pp) == (tp, pp)
+    got = dict(weight_layout.to_hf(ReshardPlan.from_json(plan.to_json()).tensors, lambda s: shards[s.key][s.name]))
+    assert {r.hf_name for r in got} == set(hf)
+    assert all(torch.equal(t, hf[r.hf_name]) for r, t in got.items())
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    model_type=st.sampled_from(["qwen2", "qwen3", "llama"]),
+    groups=st.sampled_from([1, 2, 4]),
+    q_per_group=st.sampled_from([1, 2, 3]),
+    head_dim=st.sampled_from([2, 4, 6]),
+    layers=st.sampled_from([2, 4]),
+    vocab=st.integers(min_value=9, max_value=80),
+    tie=st.booleans(),
+    tp=st.sampled_from([1, 2, 4]),
+    pp=st.sampled_from([1, 2]),
+    vllm_names=st.booleans(),
+)
+def test_any_layout_round_trips(model_type, groups, q_per_group, head_dim, layers, vocab, tie, tp, pp,
+                                vllm_names) -> None:
+    if groups % tp:
+        tp = 1
+    heads = groups * q_per_group
+    cfg = dict(model_type=model_type, vocab_size=vocab, hidden_size=8, num_hidden_layers=layers,
+               num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim, intermediate_size=4 * tp,
+               tie_word_embeddings=tie)
+    check_plan_reproduces_mcore_to_hf(cfg, tp, pp, "vllm" if vllm_names else "hf")
+
+
+def test_plan_json_names_every_source_and_the_re_lay() -> None:
+    plan = check_plan_reproduces_mcore_to_hf(FAMILIES["qwen2"], 2, 2)
+    raw = json.loads(plan.to_json())
+    k = next(t for t in raw["tensors"] if t["name"] == "model.layers.1.self_attn.k_proj.weight")
+    assert k["relay"] == "qkv:k" and k["concat_dim"] == 0
+    # Layer 1 is stage 1's local layer 0; TP rank r holds query groups 2r, 2r+1 (8 heads, 4 groups, d=4).
+    assert [(s["name"], s["tp_rank"], s["pp_rank"], s["groups"], s["start"], s["stop"]) for s in k["sources"]] == [
+        ("decoder.layers.0.self_attention.linear_qkv.weight", t, 1, 2, 8, 12) for t in (0, 1)]
+    o = next(t for t in raw["tensors"] if t["name"] == "model.layers.0.self_attn.o_proj.weight")
+    assert o["concat_dim"] == 1
+    # Tied embeddings: the last stage's output_layer copy is never read, the embedding is sent once.
+    assert "output_layer.weight" not in plan.shards_of(1, 1)
+    assert [r.hf_name for r in plan.tensors].count("model.embed_tokens.weight") == 1
+
+
+def _tiny_inputs():
+    cfg = FAMILIES["qwen3"]
+    spec = spec_from_hf_config(cfg)
+    hf = random_hf_state(spec)
+    return cfg, spec, hf, trainer_shards(hf_to_mcore(hf, spec, 2, 1), spec, 1)
+
+
+def test_rollout_shape_mismatch_names_the_tensor() -> None:
+    cfg, _, hf, shards = _tiny_inputs()
+    rollout = {k: tuple(v.shape) for k, v in hf.items()}
+    rollout["model.layers.1.mlp.up_proj.weight"] = (41, 32)
+    with pytest.raises(ReshardError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' has shape \(41, 32\)"):
+        plan_resharding(shards, rollout, cfg)
+
+
+def test_uncovered_and_unknown_rollout_parameters_are_named() -> None:
+    cfg, _, hf, shards = _tiny_inputs()
+    rollout = {k: tuple(v.shape) for k, v in hf.items() if k != "model.layers.0.self_attn.q_norm.weight"}
+    with pytest.raises(ReshardError, match=r"does not load 'model\.layers\.0\.self_attn\.q_norm\.weight'"):
+        plan_resharding(shards, rollout, cfg)
+    rollout = {k: tuple(v.shape) for k, v in hf.items()} | {"model.layers.0.mlp.extra.weight": (2,)}
+    with pytest.raises(ReshardError, match=r"'model\.layers\.0\.mlp\.extra\.weight' has no counterpart"):
+        plan_resharding(shards, rollout, cfg)
+    fused = {k: tuple(v.shape) for k, v in hf.items()} | {"model.layers.0.mlp.gate_up_proj.weight": (80, 32)}
+    with pytest.raises(ReshardError, match="covered twice"):
+        plan_resharding(shards, fused, cfg)
+
+
+def test_trainer_shard_mismatch_names_the_shard() -> None:
+    cfg, _, hf, shards = _tiny_inputs()
+    rollout = {k: tuple(v.shape) for k, v in hf.items()}
+    bad = [TrainerShard(s.name, (1, *s.shape[1:]), s.tp_rank, s.pp_rank)
+           if s.name == "decoder.layers.1.self_attention.linear_proj.weight" and s.tp_rank == 1 else s for s in shards]
+    with pytest.raises(ReshardError, match=r"'decoder\.layers\.1\.self_attention\.linear_proj\.weight' \(tp_rank 1"):
+        plan_resharding(bad, rollout, cfg)
+    missing = [s for s in shards if not (s.name == "decoder.final_layernorm.weight" and s.tp_rank == 1)]
+    with pytest.raises(ReshardError, match=r"'decoder\.final_layernorm\.weight' of tp_rank 1"):
+        plan_resharding(missing, rollout, cfg)
+
+
+def test_bad_plan_bytes_are_refused_clearly() -> None:
+    with pytest.raises(ReshardError, match="not valid JSON"):
+        ReshardPlan.from_json(b"{")
+    with pytest.raises(ReshardError, match="format"):
+        ReshardPlan.from_json(b'{"format": "other"}')
