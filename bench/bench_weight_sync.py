@@ -18,6 +18,7 @@ is about 1.0 GB/s (benchmarks.md).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import signal
@@ -91,8 +92,9 @@ def _bench_model(label: str, hf_dir: Path, work: Path, repeats: int, tps: list[i
                  bucket_mib: list[int]) -> list[tuple[str, str, list]]:
     import grpc
 
-    from rlfabric.v1 import trainer_pb2, trainer_pb2_grpc
+    from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
     from services.common.transports import GrpcStreamTransport, WeightAck
+    from services.coordinator.resharding import plan_resharding
     from services.rollout.engine import EngineOptions, RolloutEngine, SamplingOptions
     from services.rollout.server import create_rollout_server
     from services.trainer.convert import load_hf_state
@@ -107,6 +109,11 @@ def _bench_model(label: str, hf_dir: Path, work: Path, repeats: int, tps: list[i
     stubs = {tp: trainer_pb2_grpc.TrainerStub(grpc.insecure_channel(addr)) for tp, (_, addr) in trainers.items()}
     for stub in stubs.values():
         _update_once(stub)  # version 1: a replica refuses version 0 ("as loaded from disk")
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    params = rollout_pb2_grpc.RolloutStub(grpc.insecure_channel(server.address)).Info(
+        rollout_pb2.RolloutInfoRequest(include_parameters=True), timeout=60).parameters
+    plans = {tp: plan_resharding(stub.Info(trainer_pb2.TrainerInfoRequest(include_parameters=True), timeout=60).shards,
+                                 params, hf_config).to_json() for tp, stub in stubs.items()}
     paths = [f"{kind} {mib} MiB" for mib in bucket_mib for kind in ["transport", *[f"push tp{t}" for t in tps]]]
     times: dict[str, list[float]] = {k: [] for k in ["memcpy", "pack+crc 64 MiB", *paths]}
     version = 0
@@ -129,7 +136,8 @@ def _bench_model(label: str, hf_dir: Path, work: Path, repeats: int, tps: list[i
                 assert isinstance(out[server.address], WeightAck), out
                 for tp, stub in stubs.items():
                     tv = stub.Info(trainer_pb2.TrainerInfoRequest(), timeout=30).weights_version
-                    req = trainer_pb2.PushWeightsRequest(version=tv, targets=[server.address], bucket_bytes=mib << 20)
+                    req = trainer_pb2.PushWeightsRequest(version=tv, targets=[server.address], bucket_bytes=mib << 20,
+                                                         plan=plans[tp])
                     t0 = time.perf_counter()
                     try:
                         replies = list(stub.PushWeights(req, timeout=600))

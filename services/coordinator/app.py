@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -62,10 +63,14 @@ def build_driver(config_yaml: str, overrides: list[str], run_id: str, *, redis_c
                             int(mt.seed), consumed_batches=consumed)
 
     loader(0)  # fail at StartRun, not mid-run, when the data is missing
+    try:
+        hf_config = json.loads((Path(tokenizer_path) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the model's config.json beside the tokenizer at {tokenizer_path!r}: {e}") from e
     registry = Registry(redis_client)
     pool = RewardClientPool(registry, token=token)
     run_dir = runs_dir / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_yaml)
     return RunDriver(cfg, run_id, registry, RunJournal(redis_client, run_id), loader, decode, pool.score,
-                     build_sinks(cfg, run_dir), token=token, discovery_timeout_s=discovery_timeout_s)
+                     build_sinks(cfg, run_dir), hf_config, token=token, discovery_timeout_s=discovery_timeout_s)

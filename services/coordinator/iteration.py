@@ -96,11 +96,12 @@ class GrpoIteration:
         reference: the reference trainer stub (None when no KL term is used).
         decode: token ids -> text without special tokens (the tokenizer of the run).
         settings: see IterationSettings.
+        weight_sync: pushes the updated weights to the replicas.
     """
 
     def __init__(self, replicas: Sequence[Replica], score: Callable[[Iterator[reward_pb2.ScoreRequest]], Iterator[reward_pb2.ScoreResponse]],
                  actor: Any, reference: Any | None, decode: Callable[[Sequence[int]], str],
-                 settings: IterationSettings) -> None:
+                 settings: IterationSettings, weight_sync: WeightSync) -> None:
         if not replicas:
             raise ValueError("at least one rollout replica is needed")
         if settings.use_reference and reference is None:
@@ -111,6 +112,7 @@ class GrpoIteration:
         self.reference = reference
         self.decode = decode
         self.settings = settings
+        self.weight_sync = weight_sync
 
     # -- phases -------------------------------------------------------------------------------------------
 
@@ -284,7 +286,7 @@ class GrpoIteration:
 
         start = time.perf_counter()
         new_version = weights_version + 1
-        push_weights(self.actor, [r.address for r in self.replicas], new_version, s.deadline_s)
+        self.weight_sync.push(new_version)
         clock.record("resharding_to_infer", start, time.perf_counter())
         t_end = time.perf_counter()
 
@@ -332,19 +334,54 @@ class GrpoIteration:
             raise IterationError(f"actor Update: {e.code().name}: {e.details()}") from e
         return dict(reply.metrics.values)
 
-def push_weights(actor: Any, targets: list[str], version: int, deadline_s: float) -> None:
-    """Has the actor push weights `version` to every target and checks that each one acknowledged it."""
-    acked: dict[str, int] = {}
-    try:
-        for progress in actor.PushWeights(trainer_pb2.PushWeightsRequest(version=version, targets=targets),
-                                          timeout=deadline_s):
+class WeightSync:
+    """Pushes the actor's weights to the rollout replicas, with the resharding plan this coordinator computes.
+
+    The plan comes from `Trainer.Info` and `Rollout.Info` (both with parameters) and is cached per layout;
+    replicas that load different parameter sets get their own plan. Every replica must acknowledge the
+    version, or the push fails naming the ones that did not.
+    """
+
+    def __init__(self, actor: Any, replicas: Sequence[Replica], hf_config: dict[str, Any], deadline_s: float) -> None:
+        self.actor = actor
+        self.replicas = list(replicas)
+        self.hf_config = hf_config
+        self.deadline_s = deadline_s
+        self._plans: dict[tuple, bytes] = {}
+
+    def _groups(self) -> dict[tuple, tuple[list[str], Any]]:
+        groups: dict[tuple, tuple[list[str], Any]] = {}
+        for r in self.replicas:
+            params = r.stub.Info(rollout_pb2.RolloutInfoRequest(include_parameters=True), timeout=60).parameters
+            signature = tuple((p.name, tuple(p.shape), p.dtype) for p in params)
+            groups.setdefault(signature, ([], params))[0].append(r.address)
+        return groups
+
+    def push(self, version: int) -> None:
+        from services.coordinator.resharding import plan_resharding
+
+        try:
+            groups = self._groups()
+            shards = None
+            for signature, (targets, params) in groups.items():
+                if signature not in self._plans:
+                    if shards is None:
+                        shards = self.actor.Info(trainer_pb2.TrainerInfoRequest(include_parameters=True),
+                                                 timeout=60).shards
+                    self._plans[signature] = plan_resharding(shards, params, self.hf_config).to_json()
+                self._push(targets, version, self._plans[signature])
+        except grpc.RpcError as e:
+            raise IterationError(f"weight sync: {e.code().name}: {e.details()}") from e
+
+    def _push(self, targets: list[str], version: int, plan: bytes) -> None:
+        acked: dict[str, int] = {}
+        request = trainer_pb2.PushWeightsRequest(version=version, targets=targets, plan=plan)
+        for progress in self.actor.PushWeights(request, timeout=self.deadline_s):
             if progress.done:
                 acked[progress.target] = progress.checksum
-    except grpc.RpcError as e:
-        raise IterationError(f"weight sync to {targets}: {e.code().name}: {e.details()}") from e
-    missing = sorted(set(targets) - set(acked))
-    if missing:
-        raise IterationError(f"weight sync: replicas {missing} did not acknowledge version {version}")
+        missing = sorted(set(targets) - set(acked))
+        if missing:
+            raise IterationError(f"weight sync: replicas {missing} did not acknowledge version {version}")
 
 
 def _slice(seqs: Sequences, start: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

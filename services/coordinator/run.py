@@ -24,7 +24,7 @@ from services.coordinator.iteration import (
     GrpoIteration,
     IterationError,
     Replica,
-    push_weights,
+    WeightSync,
     settings_from_config,
 )
 from services.coordinator.sinks import MetricsSink
@@ -75,11 +75,13 @@ class RunDriver:
         decode: token ids -> text (skip special tokens).
         score: the reward stream (a `RewardClientPool.score` or a worker's `Score`).
         sink: where iteration metrics go.
+        hf_config: the model's HF config.json (for resharding plans).
     """
 
     def __init__(self, cfg: Any, run_id: str, registry: Registry, journal: RunJournal,
                  loader_factory: Callable[[int], Any], decode: Callable[[list[int]], str], score: Callable,
-                 sink: MetricsSink, *, token: str | None = None, discovery_timeout_s: float = 300.0) -> None:
+                 sink: MetricsSink, hf_config: dict[str, Any], *, token: str | None = None,
+                 discovery_timeout_s: float = 300.0) -> None:
         self.cfg = cfg
         self.run_id = run_id
         self.registry = registry
@@ -88,6 +90,7 @@ class RunDriver:
         self.decode = decode
         self.score = score
         self.sink = sink
+        self.hf_config = hf_config
         self.token = token
         self.discovery_timeout_s = discovery_timeout_s
         self.settings = settings_from_config(cfg)
@@ -125,9 +128,10 @@ class RunDriver:
             channels.append(make_channel(endpoints.reference, token=self.token))
             reference = trainer_pb2_grpc.TrainerStub(channels[-1])
         try:
-            iteration, consumed, version = self._starting_point(previous, actor, replicas)
+            sync = WeightSync(actor, replicas, self.hf_config, self.settings.deadline_s)
+            iteration, consumed, version = self._starting_point(previous, actor, replicas, sync)
             loader = self.loader_factory(consumed)
-            loop = GrpoIteration(replicas, self.score, actor, reference, self.decode, self.settings)
+            loop = GrpoIteration(replicas, self.score, actor, reference, self.decode, self.settings, sync)
             self._journal(phase="running", iteration=iteration, weights_version=version, consumed_batches=consumed,
                           train_iters=train_iters, rollout=endpoints.rollout, error="")
             while iteration < train_iters and not self.stop_event.is_set():
@@ -149,8 +153,9 @@ class RunDriver:
             for c in channels:
                 c.close()
 
-    def _starting_point(self, previous: dict[str, Any], actor: Any, replicas: list[Replica]) -> tuple[int, int, int]:
-        """(iteration, consumed batches, weights version) to continue from, re-syncing replicas if needed."""
+    def _starting_point(self, previous: dict[str, Any], actor: Any, replicas: list[Replica],
+                        sync: WeightSync) -> tuple[int, int, int]:
+        """(iteration, consumed batches, weights version) to continue from, after syncing the replicas."""
         gbs = int(self.cfg.actor_config.global_batch_size)
         info = actor.Info(trainer_pb2.TrainerInfoRequest(), timeout=60)
         iteration = int(info.iteration)
@@ -165,15 +170,15 @@ class RunDriver:
             consumed = int(ckpt.get("consumed_samples", 0)) // gbs
         elif iteration:
             consumed = iteration  # a trainer resumed from a checkpoint without a journal: one batch per iteration
-        version = int(previous.get("weights_version", 0))
+        # Always sync before generating anything: the replicas may hold other weights than the actor (a fresh
+        # replica loads the HF folder, a resumed actor a checkpoint). Versions only move forward, across restarts
+        # too, so a number that was ever served never names other weights.
         held = [r.stub.Info(rollout_pb2.RolloutInfoRequest(), timeout=60).weights_version for r in replicas]
-        if previous or iteration or any(h != version for h in held):
-            # Weights on the replicas may differ from the actor's (a restart, a resume): sync to a new version.
-            version = max([version, *held]) + 1
-            start = time.perf_counter()
-            push_weights(actor, [r.address for r in replicas], version, self.settings.deadline_s)
-            logger.info("re-synced %d replica(s) to weights version %d in %.2fs", len(replicas), version,
-                        time.perf_counter() - start)
+        version = max(int(previous.get("weights_version", 0)), int(info.weights_version), *held) + 1
+        start = time.perf_counter()
+        sync.push(version)
+        logger.info("synced %d replica(s) to weights version %d in %.2fs", len(replicas), version,
+                    time.perf_counter() - start)
         return iteration, consumed, version
 
     def _checkpoint(self, actor: Any, iteration: int, consumed_batches: int) -> None:

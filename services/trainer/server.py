@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 
 from rlfabric.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from services.common.reshard_plan import ReshardPlan
 from services.common.sequences import Sequences
 from services.common.server import ServiceServer, ServiceSpec, create_server
 from services.common.tensors import to_numpy, to_proto
@@ -167,18 +168,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 context.abort(grpc.StatusCode.UNIMPLEMENTED, f"transport {transport!r} is not implemented yet; use 'grpc'")
             if transport != "grpc":
                 raise ValueError(f"transport {transport!r} is unknown; use 'grpc' (or 'shm' / 'collective' later)")
-            if request.version != self.worker.weights_version:
+            if request.version < self.worker.weights_version:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"push of version {request.version} asked, the trainer holds version "
-                              f"{self.worker.weights_version}; push the version the last Update returned")
-            plan = bytes(request.plan) or self._plan_on_the_fly(context, targets)
-            from services.coordinator.resharding import ReshardPlan
-
+                              f"{self.worker.weights_version}; versions only move forward")
+            plan = bytes(request.plan)
+            if not plan:
+                raise ValueError("plan is empty: the coordinator computes it (services/coordinator/resharding.py, "
+                                 "plan_resharding) from Trainer.Info and Rollout.Info with include_parameters")
             decoded = ReshardPlan.from_json(plan)  # a bad plan is the caller's error, refused before any rank works
             layout = self.worker.layout
             if (decoded.trainer_tp, decoded.trainer_pp) != (layout.tp, layout.pp):
                 raise ValueError(f"the plan is for trainer TP={decoded.trainer_tp} PP={decoded.trainer_pp}, this "
-                                 f"group is TP={layout.tp} PP={layout.pp}; recompute it (or send an empty plan)")
+                                 f"group is TP={layout.tp} PP={layout.pp}; recompute it")
         run = weight_sync.PushRun(lambda push_id: self._run(
             context, "push_weights", plan_json=plan, version=int(request.version), targets=targets,
             transport=transport, bucket_bytes=int(request.bucket_bytes),
@@ -186,42 +188,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         for target, sent, total, done, checksum in run:
             yield trainer_pb2.PushWeightsProgress(target=target, bytes_sent=sent, bytes_total=total, done=done,
                                                   checksum=checksum, elapsed_s=time.monotonic() - t0)
-        outcomes: dict = {}
-        try:
-            with self._errors(context, "PushWeights"):
-                outcomes = run.result()
-        finally:
-            if not request.plan and (not outcomes or not all(o["ok"] for o in outcomes.values())):
-                self._push_plans.pop(targets[0], None)  # the replica may have changed: plan afresh next time
+        with self._errors(context, "PushWeights"):
+            outcomes = run.result()
         failed = {t: o for t, o in outcomes.items() if not o["ok"]}
         if failed:
             context.abort(grpc.StatusCode.UNAVAILABLE, "PushWeights: " + "; ".join(
                 f"target {t} did not apply version {request.version}: {o['code']}: {o['message']}"
                 for t, o in failed.items()))
-
-    def _plan_on_the_fly(self, context, targets: list[str]) -> bytes:
-        """The resharding plan from this group's shards and the first target's parameters (cached per target)."""
-        from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
-        from services.common.client import make_channel
-        from services.coordinator.resharding import plan_resharding
-
-        if not hasattr(self, "_push_plans"):
-            self._push_plans: dict[str, bytes] = {}
-        if targets[0] in self._push_plans:
-            return self._push_plans[targets[0]]
-        shards = self._run(context, "shards")
-        channel = make_channel(targets[0], token=_outbound_token())
-        try:
-            info = rollout_pb2_grpc.RolloutStub(channel).Info(
-                rollout_pb2.RolloutInfoRequest(include_parameters=True), timeout=min(30.0, context.time_remaining() or 30.0))
-        except grpc.RpcError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"PushWeights: target {targets[0]} did not describe its parameters: {e.code().name}: {e.details()}")
-        finally:
-            channel.close()
-        plan = plan_resharding(shards, info.parameters, self.worker.spec, dtype=info.dtype or None).to_json()
-        self._push_plans[targets[0]] = plan
-        return plan
 
     def Offload(self, request, context) -> trainer_pb2.OffloadResponse:
         with self._errors(context, "Offload"):

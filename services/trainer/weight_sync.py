@@ -1,7 +1,7 @@
 """The trainer side of a weight sync: gather the plan's shard slices to rank 0 and stream HF tensors out.
 
 `push_weights(worker, ...)` runs on every rank in lockstep (a CommandBus operation). All ranks read the
-same `ReshardPlan` (services/coordinator/resharding.py) and walk its tensors in order: for every source slice,
+same `ReshardPlan` (services/common/reshard_plan.py) and walk its tensors in order: for every source slice,
 the rank holding that shard (the DP-rank-0 copy) cuts the slice, casts it to the plan's dtype and sends it to
 rank 0 over torch.distributed (gloo on CPU); rank 0 assembles one HF tensor at a time
 (services/common/weight_layout.py) and hands it to the transport, which buckets and streams it to every
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from services.common import weight_layout
+from services.common.reshard_plan import ReshardPlan
 from services.common.transports import TRANSPORTS, TargetFailure, WeightAck
-from services.coordinator.resharding import ReshardPlan
 from services.trainer.model import canonical_name
 
 logger = logging.getLogger(__name__)
@@ -158,9 +158,12 @@ def push_weights(worker, *, plan_json: bytes, version: int, targets: list[str], 
     layout = worker.layout
     if (plan.trainer_tp, plan.trainer_pp) != (layout.tp, layout.pp):
         raise ValueError(f"the plan is for trainer TP={plan.trainer_tp} PP={plan.trainer_pp}, this group is "
-                         f"TP={layout.tp} PP={layout.pp}; recompute it (or send an empty plan)")
+                         f"TP={layout.tp} PP={layout.pp}; recompute it")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport {transport!r} is not available; available: {sorted(TRANSPORTS)}")
+    # The coordinator owns version numbers (monotonic across restarts): these weights now carry its label, so
+    # the samples generated with them pass Update's version check.
+    worker.weights_version = version
     params = local_parameters(worker.model)
     tp_rank, pp_rank = worker._tp_rank, worker._pp_rank
     problem = _check_local(plan, params, tp_rank, pp_rank) if layout.dp_rank == 0 else None

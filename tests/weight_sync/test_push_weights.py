@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import numpy as np
 import pytest
@@ -28,8 +30,10 @@ def _update(stub, version: int) -> int:
     return stub.Update(iter([req]), timeout=120).weights_version
 
 
-def _explicit_plan(trainer_stub, rollout_stub, hf_config: dict) -> bytes:
+def _explicit_plan(trainer_stub, rollout_stub, hf_config: dict | None = None, model_dir=None) -> bytes:
     """What a coordinator sends: the plan from both services' Info."""
+    if hf_config is None:
+        hf_config = json.loads((model_dir / "config.json").read_text())
     shards = trainer_stub.Info(trainer_pb2.TrainerInfoRequest(include_parameters=True), timeout=30).shards
     params = rollout_stub.Info(rollout_pb2.RolloutInfoRequest(include_parameters=True), timeout=30).parameters
     return plan_resharding(shards, params, hf_config).to_json()
@@ -45,8 +49,6 @@ def _converted_weights(trainer_stub, work, tiny_model_dir):
 
 
 def test_push_after_update_delivers_the_trainers_weights_bitwise(trainer, rollout_stub, tiny_model_dir):
-    import json
-
     import transformers
 
     from services.trainer.convert import load_hf_state
@@ -55,8 +57,7 @@ def test_push_after_update_delivers_the_trainers_weights_bitwise(trainer, rollou
     version = _update(stub, 0)
     assert version == 1
     hf_config = json.loads((tiny_model_dir / "config.json").read_text())
-    # TP 1 and PP 2: the trainer plans on the fly; TP 2: the caller sends a plan, as the coordinator may.
-    plan = _explicit_plan(stub, rollout_stub, hf_config) if trainer["tp"] == 2 else b""
+    plan = _explicit_plan(stub, rollout_stub, hf_config)
     address = trainer["rollout_address"]
     progress = list(stub.PushWeights(trainer_pb2.PushWeightsRequest(
         version=version, targets=[address], bucket_bytes=BUCKET_BYTES, plan=plan), timeout=120))
@@ -70,7 +71,7 @@ def test_push_after_update_delivers_the_trainers_weights_bitwise(trainer, rollou
     # Bitwise: the acked checksum equals the checksum of the trainer's weights converted by mcore_to_hf.
     hf_dir = _converted_weights(stub, trainer["work"], tiny_model_dir)
     state = load_hf_state(hf_dir)
-    order = [r.hf_name for r in ReshardPlan.from_json(plan or _explicit_plan(stub, rollout_stub, hf_config)).tensors]
+    order = [r.hf_name for r in ReshardPlan.from_json(plan).tensors]
     buckets = GrpcStreamTransport([address], bucket_bytes=BUCKET_BYTES).buckets(version, ((n, state[n]) for n in order))
     assert done[0].checksum == combine_checksums([c.bucket.checksum for c, _ in buckets])
     original = load_hf_state(tiny_model_dir)
@@ -85,14 +86,15 @@ def test_push_after_update_delivers_the_trainers_weights_bitwise(trainer, rollou
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_failing_target_fails_the_call_naming_it(trainer, rollout_stub):
+def test_failing_target_fails_the_call_naming_it(trainer, rollout_stub, tiny_model_dir):
     stub = trainer["stub"]
+    plan = _explicit_plan(stub, rollout_stub, model_dir=tiny_model_dir)
     address = trainer["rollout_address"]
     version = stub.Info(trainer_pb2.TrainerInfoRequest(), timeout=30).weights_version
     dead = "127.0.0.1:9"  # discard port: nothing listens
     got: list = []
     with pytest.raises(grpc.RpcError) as e:
-        for p in stub.PushWeights(trainer_pb2.PushWeightsRequest(version=version, targets=[address, dead]),
+        for p in stub.PushWeights(trainer_pb2.PushWeightsRequest(version=version, targets=[address, dead], plan=plan),
                                   timeout=60):
             got.append(p)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -101,17 +103,22 @@ def test_failing_target_fails_the_call_naming_it(trainer, rollout_stub):
     assert rollout_stub.Info(rollout_pb2.RolloutInfoRequest(), timeout=30).weights_version == version
 
 
-def test_refused_pushes(trainer):
+def test_refused_pushes(trainer, rollout_stub, tiny_model_dir):
     stub = trainer["stub"]
     address = trainer["rollout_address"]
     version = stub.Info(trainer_pb2.TrainerInfoRequest(), timeout=30).weights_version
+    assert version >= 1  # the tests above pushed at least once
+    plan = _explicit_plan(stub, rollout_stub, model_dir=tiny_model_dir)
     cases = [
-        (trainer_pb2.PushWeightsRequest(version=version + 5, targets=[address]), grpc.StatusCode.FAILED_PRECONDITION,
-         "holds version"),
-        (trainer_pb2.PushWeightsRequest(version=version, targets=[]), grpc.StatusCode.INVALID_ARGUMENT, "targets"),
+        (trainer_pb2.PushWeightsRequest(version=version - 1, targets=[address], plan=plan),
+         grpc.StatusCode.FAILED_PRECONDITION, "only move forward"),
+        (trainer_pb2.PushWeightsRequest(version=version, targets=[address]), grpc.StatusCode.INVALID_ARGUMENT,
+         "plan is empty"),
+        (trainer_pb2.PushWeightsRequest(version=version, targets=[], plan=plan), grpc.StatusCode.INVALID_ARGUMENT,
+         "targets"),
         (trainer_pb2.PushWeightsRequest(version=version, targets=[address], plan=b"{oops"),
          grpc.StatusCode.INVALID_ARGUMENT, "JSON"),
-        (trainer_pb2.PushWeightsRequest(version=version, targets=[address], transport="shm"),
+        (trainer_pb2.PushWeightsRequest(version=version, targets=[address], transport="shm", plan=plan),
          grpc.StatusCode.UNIMPLEMENTED, "shm"),
     ]
     for req, code, words in cases:
