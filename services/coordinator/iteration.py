@@ -28,7 +28,11 @@ import numpy as np
 from rlfabric.v1 import common_pb2, reward_pb2, rollout_pb2, trainer_pb2
 from services.common.sequences import Sequences, split_response_values
 from services.common.tensors import to_numpy, to_proto
-from services.coordinator.advantages import apply_overlong_penalty, compute_group_advantages
+from services.coordinator.advantages import (
+    apply_overlong_penalty,
+    compute_group_advantages,
+    make_kl_controller,
+)
 from services.coordinator.iteration_metrics import PhaseClock, batch_metrics, timing_metrics
 
 logger = logging.getLogger(__name__)
@@ -59,6 +63,10 @@ class IterationSettings:
     world_size: int = 1
     log_max_throughput: bool = False
     deadline_s: float = 600.0
+    kl_ctrl_type: str = "fixed"
+    init_kl_coef: float = 0.001
+    kl_target: float | None = None
+    kl_horizon: float | None = None
 
 
 @dataclass
@@ -113,6 +121,8 @@ class GrpoIteration:
         self.decode = decode
         self.settings = settings
         self.weight_sync = weight_sync
+        self.kl_controller = make_kl_controller(settings.kl_ctrl_type, settings.init_kl_coef, settings.kl_target,
+                                                settings.kl_horizon)
 
     # -- phases -------------------------------------------------------------------------------------------
 
@@ -319,7 +329,7 @@ class GrpoIteration:
             req = trainer_pb2.UpdateRequest(
                 batch=chunk.to_proto(),
                 advantages=to_proto(np.array([adv_of[x] for x in ids], dtype=np.float32)),
-                temperature=s.temperature, step=iteration)
+                temperature=s.temperature, step=iteration, kl_coef=self.kl_controller.value if s.use_reference else 0.0)
             if old_lp:
                 req.old_log_probs.CopyFrom(to_proto(np.concatenate([old_lp[x] for x in ids]).astype(np.float32)))
             if s.use_reference:
@@ -332,7 +342,11 @@ class GrpoIteration:
             reply = self.actor.Update(iter(requests), timeout=s.deadline_s)
         except grpc.RpcError as e:
             raise IterationError(f"actor Update: {e.code().name}: {e.details()}") from e
-        return dict(reply.metrics.values)
+        metrics = dict(reply.metrics.values)
+        if s.use_reference:
+            metrics["actor/kl_coef"] = self.kl_controller.value
+            self.kl_controller.update(metrics.get("actor/kl_loss", 0.0), len(seqs))
+        return metrics
 
 class WeightSync:
     """Pushes the actor's weights to the rollout replicas, with the resharding plan this coordinator computes.
@@ -421,4 +435,8 @@ def settings_from_config(cfg: Any) -> IterationSettings:
         rollout_max_tokens=rl.rollout_max_tokens,
         world_size=derived.actor_world_size or 1,
         log_max_throughput=rl.log_max_throughput,
+        kl_ctrl_type=rl.kl_ctrl_type,
+        init_kl_coef=rl.init_kl_coef,
+        kl_target=rl.kl_target,
+        kl_horizon=rl.kl_horizon,
     )

@@ -140,7 +140,8 @@ class RunDriver:
                 self._journal(phase="rollout", current_iteration=iteration, batch_index=batch.batch_index)
                 result = loop.run(batch.prompts, batch.labels, iteration, version, batch.prompt_indices.tolist())
                 version = result.weights_version
-                metrics = {**result.metrics, "iteration": float(iteration), "weights_version": float(version)}
+                metrics = {**result.metrics, "iteration": float(iteration), "weights_version": float(version),
+                           "data/batch_index": float(batch.batch_index), "data/epoch": float(batch.epoch)}
                 self.journal.record_iteration(iteration, metrics, weights_version=version,
                                               consumed_batches=loader.consumed_batches, phase="iteration_done")
                 self.state.update(iteration=iteration, weights_version=version, phase="iteration_done")

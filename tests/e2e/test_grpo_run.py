@@ -83,3 +83,29 @@ def test_no_service_outlives_the_run(two_iterations: tuple) -> None:
     _proc, run_dir = two_iterations
     out = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert out.stdout.strip() == ""
+
+
+def test_killed_run_resumes_from_its_checkpoint_with_the_same_data(repo_root: Path, tiny_model_dir: Path,
+                                                                    arith_prefix: Path, tmp_path: Path) -> None:
+    """Two iterations, a stop, then `--resume` to three: the third iteration continues the data cursor and
+    the checkpoint, and the journal holds every iteration once."""
+    run_dir = tmp_path / "run"
+    first = run_up(repo_root, tiny_model_dir, arith_prefix, run_dir, "--run-id", "resume-me",
+                   "-o", "megatron_training.train_iters=2", "-o", "megatron_training.save_interval=1")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    ckpt = run_dir / "ckpt"
+    resumed = run_up(
+        repo_root, tiny_model_dir, arith_prefix, run_dir, "--run-id", "resume-me", "--resume",
+        "-o", "megatron_training.train_iters=3", "-o", "megatron_training.save_interval=1",
+        "-o", "actor_config.finetune=false", "-o", f"actor_config.load={ckpt}",
+        "-o", "actor_config.no_load_optim=false", "-o", "actor_config.no_load_rng=false",
+        # Disaggregated mode: the reference has its own section and keeps loading the ORIGINAL weights.
+        "-o", f"ref_config.load={tiny_model_dir}", "-o", "ref_config.finetune=true")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    assert [m["iteration"] for m in metrics] == [1, 2, 3]  # one JSONL per run id, appended by the resumed run
+    assert "iteration 3/3" in resumed.stdout and "iteration 1/3" not in resumed.stdout
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert [m["data/batch_index"] for m in metrics] == [0, 1, 2]  # the cursor continued, no batch seen twice
+    # The resumed run synced the replica to a version above every version served before.
+    assert metrics[2]["weights_version"] > metrics[1]["weights_version"] + 1
