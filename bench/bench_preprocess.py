@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -23,26 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchlib import machine_info
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_INPUT = REPO.parent / "shared" / "data" / "deepscaler" / "deepscaler_component_train_math.json"
 
 
 def _machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import megatron.core
-    import tokenizers
-    import transformers
-
-    return (f"{cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start; "
-            f"Python {platform.python_version()}, transformers {transformers.__version__}, tokenizers "
-            f"{tokenizers.__version__}, megatron-core {megatron.core.__version__}")
+    return machine_info("transformers", "tokenizers", "megatron-core")
 
 
 def _run(input_path: Path, tokenizer: Path, workers: int, workdir: Path) -> dict:

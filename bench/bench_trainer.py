@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchlib import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -127,20 +128,7 @@ def megatron_times(model_dir: Path, world: int, a: argparse.Namespace) -> list[f
 
 
 def _machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for ln in Path("/proc/cpuinfo").read_text().splitlines():
-            if ln.startswith("model name"):
-                cpu = ln.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import megatron.core
-    import torch
-    import transformers
-
-    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
-            f"megatron-core {megatron.core.__version__}, transformers {transformers.__version__}")
+    return machine_info("torch", "megatron-core", "transformers")
 
 
 def main() -> int:

