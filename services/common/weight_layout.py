@@ -37,71 +37,23 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+
+from services.common.model_spec import ModelSpec
 
 ShardKey = tuple[int, int]  # (tp_rank, pp_rank)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
-class ModelFacts(Protocol):
-    """The architecture facts the layout depends on (services.trainer.model.ModelSpec has them)."""
-
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    qk_norm: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class LayoutFacts:
-    """`ModelFacts` read from a raw HF config dict (for callers without the trainer's ModelSpec)."""
-
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    qk_norm: bool
-
-    @classmethod
-    def from_hf_config(cls, raw: Mapping[str, Any]) -> LayoutFacts:
-        heads = int(raw["num_attention_heads"])
-        model_type = raw.get("model_type", "")
-        return cls(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
-            intermediate_size=int(raw["intermediate_size"]),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; the others say so in the config.
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-        )
-
-
-def padded_vocab_size(spec: ModelFacts, tp: int) -> int:
+def padded_vocab_size(spec: ModelSpec, tp: int) -> int:
     """Vocabulary rounded up to a multiple of the TP size (VocabParallelEmbedding needs it)."""
     return -(-spec.vocab_size // tp) * tp
 
 
-def layers_of_stage(spec: ModelFacts, pp: int, pp_rank: int) -> range:
+def layers_of_stage(spec: ModelSpec, pp: int, pp_rank: int) -> range:
     per = spec.num_hidden_layers // pp
     return range(pp_rank * per, (pp_rank + 1) * per)
 
@@ -188,7 +140,7 @@ def split(recipe: TensorRecipe, hf: torch.Tensor) -> list[torch.Tensor]:
     return list(hf.split(sizes, dim=recipe.concat_dim))
 
 
-def recipes(spec: ModelFacts, tp: int, pp: int) -> list[TensorRecipe]:
+def recipes(spec: ModelSpec, tp: int, pp: int) -> list[TensorRecipe]:
     """Every HF tensor of the model in HF order, with the shard slices of a TP x PP Megatron layout."""
     if spec.num_hidden_layers % pp:
         raise ValueError(f"num_hidden_layers={spec.num_hidden_layers} is not divisible by pipeline size {pp}")
@@ -267,7 +219,7 @@ def recipes(spec: ModelFacts, tp: int, pp: int) -> list[TensorRecipe]:
     return out
 
 
-def shard_shapes(spec: ModelFacts, tp: int, pp: int) -> dict[ShardKey, dict[str, tuple[int, ...]]]:
+def shard_shapes(spec: ModelSpec, tp: int, pp: int) -> dict[ShardKey, dict[str, tuple[int, ...]]]:
     """Every rank's Megatron parameter names (stage-local) and shapes, as the layout implies them."""
     out: dict[ShardKey, dict[str, tuple[int, ...]]] = {(t, p): {} for t in range(tp) for p in range(pp)}
     for r in recipes(spec, tp, pp):

@@ -8,7 +8,7 @@
   fused names (`qkv_proj`, `gate_up_proj`) and its padded vocabulary rows are accepted and mapped to the HF
   checkpoint names and shapes that `UpdateWeights` takes; plain HF names are taken as they are. The replica
   receives full, unsharded HF tensors and shards them itself, so its own TP size does not change the plan.
-- `model_config`: the architecture (a raw HF config dict, or any object with the `ModelFacts` fields).
+- `model_config`: the architecture (a raw HF config dict, or any object with the `ModelSpec` fields).
 
 The plan lists, per HF tensor in send order, the trainer shard slices that compose it and how (concat dim,
 QKV / gate-up re-lay, vocabulary padding cut); the layout knowledge itself lives in
@@ -25,8 +25,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from services.common import weight_layout
+from services.common.model_spec import ModelSpec, spec_from_hf_config
 from services.common.reshard_plan import ReshardError, ReshardPlan
-from services.common.weight_layout import ModelFacts
 
 # vLLM fuses these HF tensors into one parameter (rows concatenated in this order).
 _VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -51,16 +51,16 @@ class TrainerShard:
         return cls(str(get("name")), tuple(int(n) for n in get("shape")), int(get("tp_rank")), int(get("pp_rank")))
 
 
-def model_facts(model_config: Mapping[str, Any] | ModelFacts) -> ModelFacts:
+def model_facts(model_config: Mapping[str, Any] | ModelSpec) -> ModelSpec:
     if isinstance(model_config, Mapping):
-        return weight_layout.LayoutFacts.from_hf_config(model_config)
+        return spec_from_hf_config(dict(model_config))
     return model_config
 
 
 def plan_resharding(
     trainer_shards: Iterable[Any],
     rollout_params: Mapping[str, Sequence[int]] | Iterable[Any],
-    model_config: Mapping[str, Any] | ModelFacts,
+    model_config: Mapping[str, Any] | ModelSpec,
     *,
     dtype: str | None = None,
 ) -> ReshardPlan:
@@ -100,7 +100,7 @@ def plan_resharding(
     return ReshardPlan(tp, pp, tensors, dtype)
 
 
-def _check_trainer_shards(shards: list[TrainerShard], spec: ModelFacts, tp: int, pp: int) -> None:
+def _check_trainer_shards(shards: list[TrainerShard], spec: ModelSpec, tp: int, pp: int) -> None:
     per_stage = spec.num_hidden_layers // pp
     expected = weight_layout.shard_shapes(spec, tp, pp)
     seen: set[tuple[str, int, int]] = set()
@@ -124,7 +124,7 @@ def _check_trainer_shards(shards: list[TrainerShard], spec: ModelFacts, tp: int,
                                    f"was not reported")
 
 
-def _rollout_hf_shapes(params: Any, spec: ModelFacts) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+def _rollout_hf_shapes(params: Any, spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """HF name -> shape the rollout loads (vLLM fusions split, vocab padding dropped), and the dtypes seen."""
     items: list[tuple[str, tuple[int, ...], Any]]
     if isinstance(params, Mapping):

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from services.common import weight_layout
+from services.common.model_spec import ModelSpec, read_hf_config
 from services.trainer import ckpt_layout
-from services.trainer.model import ModelSpec, read_hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def convert_mcore_to_hf(
     """Write a complete HF folder (config, model.safetensors, tokenizer) from a Megatron checkpoint."""
     import json
 
-    from services.trainer.model import spec_from_hf_config
+    from services.common.model_spec import spec_from_hf_config
 
     t0 = time.monotonic()
     root, out = Path(mcore_dir), Path(out_dir)

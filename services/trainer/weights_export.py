@@ -15,7 +15,8 @@ from collections.abc import Iterator
 
 import torch
 
-from services.trainer.model import ModelSpec, canonical_name
+from services.common.model_spec import ModelSpec
+from services.trainer.model import canonical_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 

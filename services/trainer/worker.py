@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from services.common.model_spec import ModelSpec, read_hf_config, spec_from_hf_config
 from services.trainer import checkpoint, convert, megatron_compat
-from services.trainer.model import ModelSpec, build_gpt_model, read_hf_config, spec_from_hf_config
+from services.trainer.model import build_gpt_model
 from services.trainer.parallel import Layout, current_layout
 from services.trainer.step import SequenceRows
 from services.trainer.update import Experience, OptimizerOptions, UpdateOptions, build_optimizer, grpo_update

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.common.model_spec import spec_from_hf_config
 from services.trainer import ckpt_layout
 from services.trainer.convert import hf_to_mcore, load_hf_state, mcore_to_hf
-from services.trainer.model import spec_from_hf_config
 
 
 def test_cli_round_trip_tp2_pp2_is_bitwise_identical(tiny_model_dir: Path, tmp_path: Path, capsys):

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.common import weight_layout
+from services.common.model_spec import read_hf_config, spec_from_hf_config
 from services.coordinator.resharding import ReshardError, ReshardPlan, TrainerShard, plan_resharding
 from services.trainer.convert import hf_to_mcore, load_hf_state, mcore_to_hf
-from services.trainer.model import read_hf_config, spec_from_hf_config
 
 FAMILIES = {
     # Qwen2-like: QKV bias, tied embeddings, a vocabulary TP 4 must pad.
