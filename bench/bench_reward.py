@@ -8,7 +8,9 @@ A. Accuracy and speed on the 341 strict cases of `../shared/data/verifier_cases.
    `parse(\\boxed{label})` vs `parse(response)` with MindSpeed-RL's extraction settings (timeouts off).
 B. Throughput: `python -m services.reward` workers (one pool process each) as separate processes, fed by
    `RewardClientPool` from this process with the 800 real Qwen2.5-Math responses; fresh workers for every
-   repeat, 1 and 2 workers alternating. Verifiers: math_equiv, and `busy_3ms` (bench/busy_verifier.py,
+   repeat, 1 and 2 workers alternating, first on shared cores, then with each worker pinned to a core of
+   its own (the client is never pinned). math_equiv streams 10 passes over the responses (8,000 samples,
+   a few seconds), busy_3ms one pass. Verifiers: math_equiv, and `busy_3ms` (bench/busy_verifier.py,
    3 ms of CPU per sample, math-verify's cost) to show scaling when verification is the cost.
    scores/s = samples / wall time of the stream.
 Prints a markdown table; figures are medians with min-max over repeats.
@@ -47,7 +49,7 @@ def accuracy_child(which: str) -> None:
     """Runs in a fresh process; prints one JSON line."""
     import sympy.core.cache
 
-    from services.reward.verifiers import symbolic
+    from services.reward.verifiers import expressions, symbolic
     from services.reward.verifiers.math_equiv import math_equiv
 
     def run(response: str, label: str) -> bool:
@@ -60,6 +62,7 @@ def accuracy_child(which: str) -> None:
     def clear_caches() -> None:
         symbolic._parse_gold.cache_clear()
         symbolic.answers_equal_symbolic.cache_clear()
+        expressions._parse.cache_clear()
         sympy.core.cache.clear_cache()
 
     def timed_pass() -> dict:
@@ -106,13 +109,25 @@ def bench_accuracy(repeats: int) -> dict[str, list[dict]]:
 
 BUSY_PLUGIN = f"busy_3ms={REPO / 'bench' / 'busy_verifier.py'}:busy_3ms"
 WORKLOADS = ("math_equiv", "busy_3ms")
+# Passes over the 800 real responses per timed stream (each sample gets its own id; the worker's
+# label cache is warm after the first pass, as it is in training where a group shares its label).
+STREAM_PASSES = {"math_equiv": 10, "busy_3ms": 1}
 
 
-def start_workers(count: int, redis_url: str, tag: str) -> list[subprocess.Popen]:
+def _pin_to(core: int | None):  # noqa: ANN202
+    if core is None:
+        return None
+    return lambda: os.sched_setaffinity(0, {core})  # inherited by the worker's forkserver and pool process
+
+
+def start_workers(count: int, redis_url: str, tag: str, pin: bool = False) -> list[subprocess.Popen]:
+    """`count` workers; with `pin`, worker i (its gRPC process and its pool process) runs on core i only."""
+    cores = sorted(os.sched_getaffinity(0))
     return [subprocess.Popen([sys.executable, "-m", "services.reward", "--redis-url", redis_url,
                               "--worker-id", f"{tag}-{i}", "--processes", "1", "--log-level", "ERROR",
                               "--verifier-plugin", BUSY_PLUGIN],
-                             cwd=REPO, stdout=subprocess.DEVNULL) for i in range(count)]
+                             cwd=REPO, stdout=subprocess.DEVNULL,
+                             preexec_fn=_pin_to(cores[i % len(cores)] if pin else None)) for i in range(count)]
 
 
 def stop_workers(processes: list[subprocess.Popen]) -> None:
@@ -152,13 +167,14 @@ def _worker_tree(pids: list[int]) -> dict[str, list[int]]:
     return {"server": list(pids), "pool": pool}
 
 
-def one_throughput_run(workers: int, raw: list[tuple[str, str]], redis_url: str, tag: str) -> dict[str, float]:
+def one_throughput_run(workers: int, raw: list[tuple[str, str]], redis_url: str, tag: str,
+                       pin: bool = False) -> dict[str, float]:
     from rlfabric.v1 import reward_pb2
     from services.common.redis_store import Registry, connect
     from services.reward.client_pool import RewardClientPool
 
     registry = Registry(connect(redis_url))
-    processes = start_workers(workers, redis_url, tag)
+    processes = start_workers(workers, redis_url, tag, pin)
     try:
         deadline = time.monotonic() + 120
         while len([m for m in registry.members("reward") if m.instance_id.startswith(tag)]) < workers:
@@ -181,35 +197,64 @@ def one_throughput_run(workers: int, raw: list[tuple[str, str]], redis_url: str,
             # Warm-up on a few unrelated samples (connections, first calls), not timed.
             warm = [(f"\\boxed{{{i}}}", "7") for i in range(64)]
             assert sum(1 for _ in pool.score(requests(f"warm-{verifier}", warm, verifier))) == len(warm)
+            # Enough samples for a few seconds of stream: at thousands of scores/s, one pass over the
+            # 800 responses lasts a quarter of a second, shorter than the other jobs' scheduling noise.
+            stream = raw * STREAM_PASSES[verifier]
+            # Built before the clock starts: making requests is the producer's (rollout's) work, not the
+            # reward path's, and would otherwise be counted as client CPU.
+            prebuilt = list(requests(f"run-{verifier}", stream, verifier))
             before = {part: _process_cpu_s(pids) for part, pids in tree.items()}
             usage = resource.getrusage(resource.RUSAGE_SELF)
             client_before = usage.ru_utime + usage.ru_stime
             started = time.perf_counter()
-            answered = sum(1 for _ in pool.score(requests(f"run-{verifier}", raw, verifier)))
+            answered = sum(1 for _ in pool.score(prebuilt))
             rates[verifier] = answered / (time.perf_counter() - started)
-            assert answered == len(raw)
+            assert answered == len(stream)
             usage = resource.getrusage(resource.RUSAGE_SELF)
             rates[f"{verifier}/cpu_ms_client"] = 1e3 * (usage.ru_utime + usage.ru_stime - client_before) / answered
             for part, pids in tree.items():
                 rates[f"{verifier}/cpu_ms_{part}"] = 1e3 * (_process_cpu_s(pids) - before[part]) / answered
+        rates["load1"] = os.getloadavg()[0]
         return rates
     finally:
         stop_workers(processes)
 
 
-def bench_throughput(repeats: int) -> dict[int, list[dict[str, float]]]:
+# (workers, pinned): unpinned processes share all cores with the client and everything else on the box;
+# pinned, each worker (gRPC process + pool process) gets one core of its own, the client floats.
+PLACEMENTS = ((1, False), (2, False), (1, True), (2, True))
+
+
+def bench_throughput(repeats: int) -> dict[tuple[int, bool], list[dict[str, float]]]:
     from services.common.redis_store import start_private_redis
 
     raw = load_raw()
     redis = start_private_redis()
-    results: dict[int, list[dict[str, float]]] = {1: [], 2: []}
+    results: dict[tuple[int, bool], list[dict[str, float]]] = {placement: [] for placement in PLACEMENTS}
     try:
         for repeat in range(repeats):
-            for workers in results:
-                results[workers].append(one_throughput_run(workers, raw, redis.url, f"b{repeat}w{workers}"))
+            for workers, pin in PLACEMENTS:  # alternate, side by side
+                tag = f"b{repeat}w{workers}{'p' if pin else ''}"
+                results[(workers, pin)].append(one_throughput_run(workers, raw, redis.url, tag, pin))
     finally:
         redis.stop()
     return results
+
+
+def scaling_ceiling(client: float, server: float, pool: float, cores: int, pinned: bool) -> float:
+    """The best 2-worker / 1-worker ratio the measured CPU per sample (ms) allows on `cores` cores.
+
+    Each process is single-threaded for this work; all of them share `cores` with the client.
+    Unpinned, one worker is limited by its busiest process; pinned, by its one core (server + pool).
+    """
+    total = client + server + pool
+    if pinned:
+        one = min(1 / (server + pool), 1 / client, cores / total)
+        two = min(2 / (server + pool), 1 / client, cores / total)
+    else:
+        one = min(1 / server, 1 / pool, 1 / client, cores / total)
+        two = min(2 / server, 2 / pool, 1 / client, cores / total)
+    return two / one
 
 
 # -- report -------------------------------------------------------------------------------------------
@@ -267,20 +312,28 @@ def main() -> int:
     if not args.skip_throughput:
         tp = bench_throughput(args.repeats)
         print("### Reward workers on the 800 real responses (client pool over gRPC, 1 pool process per worker)\n")
-        print("| verifier | 1 worker, scores/s | 2 workers, scores/s | 2 / 1 (same repeat) |")
-        print("|---|---|---|---|")
+        print("| verifier | placement | 1 worker, scores/s | 2 workers, scores/s | 2 / 1 (same repeat) |")
+        print("|---|---|---|---|---|")
         for verifier in WORKLOADS:
-            one = [r[verifier] for r in tp[1]]
-            two = [r[verifier] for r in tp[2]]
-            ratio = [b / a for a, b in zip(one, two, strict=True)]
-            print(f"| {verifier} | {fmt(one, 0)} | {fmt(two, 0)} | {fmt(ratio)}x |")
-        print("\nCPU per sample with 1 worker (ms; client = this process, server = the worker's gRPC process, "
-              "pool = its verifier process):\n")
-        print("| verifier | client | server | pool |")
-        print("|---|---|---|---|")
+            for pin, placement in ((False, "shared cores"), (True, "one core per worker")):
+                one = [r[verifier] for r in tp[(1, pin)]]
+                two = [r[verifier] for r in tp[(2, pin)]]
+                ratio = [b / a for a, b in zip(one, two, strict=True)]
+                print(f"| {verifier} | {placement} | {fmt(one, 0)} | {fmt(two, 0)} | {fmt(ratio)}x |")
+        loads = [r["load1"] for runs in tp.values() for r in runs]
+        print(f"\n1-minute load average after each run: {fmt(loads, 1)}.")
+        print("\nCPU per sample with 1 worker on shared cores (ms; client = this process, server = the worker's "
+              "gRPC process, pool = its verifier process), and the best 2/1 ratio that CPU allows on "
+              f"{os.cpu_count()} cores with the client on the same box:\n")
+        print("| verifier | client | server | pool | ceiling, shared | ceiling, one core per worker |")
+        print("|---|---|---|---|---|---|")
         for verifier in WORKLOADS:
-            cells = [fmt([r[f"{verifier}/cpu_ms_{part}"] for r in tp[1]], 3) for part in ("client", "server", "pool")]
-            print(f"| {verifier} | {' | '.join(cells)} |")
+            parts = {part: [r[f"{verifier}/cpu_ms_{part}"] for r in tp[(1, False)]] for part in ("client", "server", "pool")}
+            medians = {part: statistics.median(values) for part, values in parts.items()}
+            ceilings = [scaling_ceiling(medians["client"], medians["server"], medians["pool"], os.cpu_count() or 1, pin)
+                        for pin in (False, True)]
+            cells = [fmt(values, 3) for values in parts.values()]
+            print(f"| {verifier} | {' | '.join(cells)} | {ceilings[0]:.2f}x | {ceilings[1]:.2f}x |")
         print()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"Took {time.monotonic() - started:.0f} s; load average at the end {load}.")

@@ -33,6 +33,18 @@ class ScoreRequest(_message.Message):
     deadline_s: float
     def __init__(self, sample_id: _Optional[str] = ..., response: _Optional[str] = ..., ground_truth: _Optional[str] = ..., verifiers: _Optional[_Iterable[_Union[VerifierSpec, _Mapping]]] = ..., response_length: _Optional[int] = ..., prompt: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
+class ScoreRequestBatch(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[ScoreRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[ScoreRequest, _Mapping]]] = ...) -> None: ...
+
+class ScoreResponseBatch(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[ScoreResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[ScoreResponse, _Mapping]]] = ...) -> None: ...
+
 class ScoreResponse(_message.Message):
     __slots__ = ("sample_id", "scores", "reward", "worker_id")
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]

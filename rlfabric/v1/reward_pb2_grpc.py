@@ -40,6 +40,11 @@ class RewardStub:
                 request_serializer=rlfabric_dot_v1_dot_reward__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_reward__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.ScoreBatches = channel.stream_stream(
+                '/rlfabric.v1.Reward/ScoreBatches',
+                request_serializer=rlfabric_dot_v1_dot_reward__pb2.ScoreRequestBatch.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_reward__pb2.ScoreResponseBatch.FromString,
+                _registered_method=True)
         self.ListVerifiers = channel.unary_unary(
                 '/rlfabric.v1.Reward/ListVerifiers',
                 request_serializer=rlfabric_dot_v1_dot_reward__pb2.ListVerifiersRequest.SerializeToString,
@@ -66,6 +71,15 @@ class RewardServicer:
         (not input order). A verification that hangs, crashes or returns a non-finite value costs that
         sample only: its VerifierScore carries score 0 and an error. Errors: INVALID_ARGUMENT for an
         unknown verifier name (listing the known ones). Retry-safe: results are keyed by sample_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScoreBatches(self, request_iterator, context):
+        """Score with several samples per message each way (same semantics and errors as Score). One gRPC
+        message and one protobuf parse then serve a whole batch, which is most of a sample's cost on both
+        ends when verification itself is cheap. The client pool uses this.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -102,6 +116,11 @@ def add_RewardServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=rlfabric_dot_v1_dot_reward__pb2.ScoreRequest.FromString,
                     response_serializer=rlfabric_dot_v1_dot_reward__pb2.ScoreResponse.SerializeToString,
+            ),
+            'ScoreBatches': grpc.stream_stream_rpc_method_handler(
+                    servicer.ScoreBatches,
+                    request_deserializer=rlfabric_dot_v1_dot_reward__pb2.ScoreRequestBatch.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_reward__pb2.ScoreResponseBatch.SerializeToString,
             ),
             'ListVerifiers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListVerifiers,
@@ -147,6 +166,33 @@ class Reward:
             '/rlfabric.v1.Reward/Score',
             rlfabric_dot_v1_dot_reward__pb2.ScoreRequest.SerializeToString,
             rlfabric_dot_v1_dot_reward__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreBatches(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/rlfabric.v1.Reward/ScoreBatches',
+            rlfabric_dot_v1_dot_reward__pb2.ScoreRequestBatch.SerializeToString,
+            rlfabric_dot_v1_dot_reward__pb2.ScoreResponseBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,8 +45,16 @@ class ClientPoolStats:
     per_worker: dict[str, int] = field(default_factory=dict)
 
 
+# Most samples one ScoreRequestBatch carries: what is waiting in the link's outbox, up to this.
+_MAX_REQUESTS_PER_BATCH = 64
+
+
 class _Link:
-    """One open `Score` stream to one worker."""
+    """One open `ScoreBatches` stream to one worker.
+
+    Samples and answers travel in batches of whatever is ready together, so one gRPC message (and one
+    thread wake-up on each end) serves many samples when the stream is busy and one when it is not.
+    """
 
     def __init__(self, instance_id: str, endpoint: str, events: queue.SimpleQueue, token: str | None) -> None:
         self.instance_id = instance_id
@@ -54,7 +62,7 @@ class _Link:
         self.inflight: dict[str, float] = {}  # sample_id -> time sent
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._channel = make_channel(endpoint, token=token)
-        self._call = reward_pb2_grpc.RewardStub(self._channel).Score(self._requests())
+        self._call = reward_pb2_grpc.RewardStub(self._channel).ScoreBatches(self._requests())
         self._events = events
         self.alive = True
         # Set when a sample sent here ran past the deadline; cleared by the next answer. A stalled worker
@@ -62,17 +70,26 @@ class _Link:
         self.stalled = False
         threading.Thread(target=self._read, name=f"reward-link-{instance_id}", daemon=True).start()
 
-    def _requests(self) -> Iterator[reward_pb2.ScoreRequest]:
+    def _requests(self) -> Iterator[reward_pb2.ScoreRequestBatch]:
         while True:
-            request = self._outbox.get()
-            if request is None:
+            batch = [self._outbox.get()]
+            while batch[-1] is not None and len(batch) < _MAX_REQUESTS_PER_BATCH:
+                try:
+                    batch.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            done = batch[-1] is None
+            if done:
+                batch.pop()
+            if batch:
+                yield reward_pb2.ScoreRequestBatch(requests=batch)
+            if done:
                 return
-            yield request
 
     def _read(self) -> None:
         try:
-            for response in self._call:
-                self._events.put(("result", self, response))
+            for batch in self._call:
+                self._events.put(("results", self, batch.responses))
             self._events.put(("lost", self, "stream ended"))
         except grpc.RpcError as e:
             self._events.put(("lost", self, f"{e.code().name}: {e.details()}"))
@@ -159,22 +176,26 @@ class _Session:
                     kind, link, payload = self.events.get(timeout=self.pool._refresh_s)
                 except queue.Empty:
                     continue
-                answer = self._handle(kind, link, payload)
-                if answer is not None:
-                    yield answer
+                yield from self._handle_all(kind, link, payload)
                 # Drain whatever else is ready before the (slower) refresh/dispatch round.
                 while True:
                     try:
                         kind, link, payload = self.events.get_nowait()
                     except queue.Empty:
                         break
-                    answer = self._handle(kind, link, payload)
-                    if answer is not None:
-                        yield answer
+                    yield from self._handle_all(kind, link, payload)
                     self._dispatch()
         finally:
             for link in self.links.values():
                 link.close()
+
+    def _handle_all(self, kind: str, link: _Link | None, payload) -> list[reward_pb2.ScoreResponse]:  # noqa: ANN001
+        """The answers an event brings: a batch of results, or what `_handle` makes of one event."""
+        if kind == "results":
+            answers = [self._handle("result", link, response) for response in payload]
+            return [answer for answer in answers if answer is not None]
+        answer = self._handle(kind, link, payload)
+        return [] if answer is None else [answer]
 
     def _handle(self, kind: str, link: _Link | None, payload) -> reward_pb2.ScoreResponse | None:  # noqa: ANN001
         if kind == "request":

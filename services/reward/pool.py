@@ -8,6 +8,10 @@ whose process dies (even `os._exit` or SIGKILL from inside) is reported as a cra
 non-finite score is reported as such. In every case that sample scores 0 with an error, and the pool
 keeps serving.
 
+A slot hands its process every task already queued (up to its share) in one pipe message and reads
+the verdicts one by one, so the pipe costs one pickle and one write per batch, not per sample, while
+each verdict still has its own deadline.
+
 Processes come from a forkserver that has already imported and warmed the verifiers, so a replacement
 starts in milliseconds and never inherits the parent's gRPC threads. As with any non-fork start method,
 a script that creates a pool must guard its entry point with `if __name__ == "__main__":` (children
@@ -15,13 +19,15 @@ re-import the main module); `python -m ...` entry points and pytest are fine.
 """
 
 import logging
+import math
 import multiprocessing as mp
 import os
 import queue
+import select
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -33,6 +39,9 @@ from services.reward.verifiers.registry import VERIFIERS
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 120.0  # first start imports sympy/math-verify in the forkserver
+# Most tasks one pipe message carries. Small enough that a batch of slow verifications does not hold
+# work another slot could take (a slot takes at most its share of the queue anyway).
+_MAX_BATCH = 32
 
 
 class SampleClock:
@@ -59,11 +68,21 @@ class SampleClock:
 
 @dataclass
 class _Task:
+    """One queued verification. `start()` is False when its caller gave up on it (then `done(None)` is
+    called, so the caller can account for it); otherwise `done(outcome)` is called exactly once."""
+
     verifier: str
     response: str
     ground_truth: str
     clock: SampleClock
-    future: "Future[Outcome]"
+    start: Callable[[], bool]
+    done: Callable[[Outcome | None], None]
+    finished: bool = False
+
+    def finish(self, outcome: Outcome | None) -> None:
+        if not self.finished:
+            self.finished = True
+            self.done(outcome)
 
 
 class _Slot:
@@ -74,6 +93,7 @@ class _Slot:
         self._pool = pool
         self._process: mp.process.BaseProcess | None = None
         self._conn = None
+        self._poller: select.poll | None = None
         self.restarts = 0
         self._start_process()
         self._thread = threading.Thread(target=self._run, name=f"reward-pool-{index}", daemon=True)
@@ -86,7 +106,10 @@ class _Slot:
         )
         process.start()
         child_conn.close()  # so that the child's death reads as EOF here
-        self._process, self._conn = process, parent_conn
+        # One poll object per pipe: Connection.poll() builds a selector on every call.
+        poller = select.poll()
+        poller.register(parent_conn.fileno(), select.POLLIN)
+        self._process, self._conn, self._poller = process, parent_conn, poller
 
     def wait_ready(self, timeout_s: float) -> None:
         try:
@@ -126,45 +149,95 @@ class _Slot:
         return self._process.exitcode
 
     def _run(self) -> None:
+        tasks = self._pool._tasks
         while True:
-            task = self._pool._tasks.get()
-            metrics.QUEUE_DEPTH.set(self._pool._tasks.qsize())
+            task = tasks.get()
             if task is None:
                 return
-            if not task.future.set_running_or_notify_cancel():
+            # Hand the child everything already queued (up to this slot's share) in one pipe message:
+            # one pickle and one write per batch instead of per sample. Replies still come one per task.
+            share = min(_MAX_BATCH, max(1, tasks.qsize() // len(self._pool._slots)))
+            batch, stop = [task], False
+            while len(batch) < share:
+                try:
+                    extra = tasks.get_nowait()
+                except queue.Empty:
+                    break
+                if extra is None:
+                    stop = True  # close(): finish this batch, then end
+                    break
+                batch.append(extra)
+            metrics.QUEUE_DEPTH.set(tasks.qsize())
+            runnable = []
+            for t in batch:
+                if t.start():
+                    runnable.append(t)
+                else:
+                    t.finish(None)  # given up by its caller (a cancelled stream): not run
+            if runnable:
+                try:
+                    self._verify_batch(runnable)
+                except Exception as e:  # noqa: BLE001 (a pool bug must cost its samples, not the slot)
+                    logger.exception("reward pool slot %d failed on a batch of %d", self.index, len(runnable))
+                    for t in runnable:
+                        t.finish(Outcome.failed(CRASH, f"reward pool error: {e}", 0.0))
+            if stop:
+                return
+
+    def _verify_batch(self, batch: list[_Task]) -> None:
+        """Runs `batch` in order in the pool process; every task gets its Outcome.
+
+        Each task's deadline clock starts when the previous task's verdict arrives (when it starts to
+        run). A task that runs past its deadline, or whose process dies, costs only itself: the process
+        is replaced and the rest of the batch is sent again to the new one.
+        """
+        pending = batch
+        while pending:
+            if self._process is None or not self._process.is_alive():
+                self._replace_process("died while idle")  # not these samples' fault: a fresh process
+                if self._process is None:
+                    for task in pending:
+                        task.finish(Outcome.failed(CRASH, "no verifier process could be started", 0.0))
+                    return
+            if pending[0].clock.deadline() <= time.monotonic():
+                pending[0].finish(Outcome.failed(
+                    TIMEOUT, "the sample's deadline passed before this verification started", 0.0))
+                pending = pending[1:]
                 continue
             try:
-                outcome = self._verify(task)
-            except Exception as e:  # noqa: BLE001 (a pool bug must cost one sample, not the slot)
-                logger.exception("reward pool slot %d failed on %s", self.index, task.verifier)
-                outcome = Outcome.failed(CRASH, f"reward pool error: {e}", 0.0)
-            task.future.set_result(outcome)
+                self._conn.send([(t.verifier, t.response, t.ground_truth) for t in pending])
+            except (OSError, BrokenPipeError):
+                self._replace_process(f"died with exit code {self._exit_code()} while idle")
+                continue
+            pending = self._collect(pending)
 
-    def _verify(self, task: _Task) -> Outcome:
-        deadline = task.clock.deadline()
-        started = time.monotonic()
-        if started >= deadline:
-            return Outcome.failed(TIMEOUT, "the sample's deadline passed before this verification started", 0.0)
-        if self._process is None or not self._process.is_alive():
-            self._replace_process("died while idle")  # not this sample's fault: give it a fresh process
-            if self._process is None:
-                return Outcome.failed(CRASH, "no verifier process could be started", 0.0)
-        try:
-            self._conn.send((task.verifier, task.response, task.ground_truth))
-            ready = self._conn.poll(max(0.0, deadline - time.monotonic()))
-            reply = self._conn.recv() if ready else None
-        except (EOFError, OSError, BrokenPipeError):
-            code = self._exit_code()
-            self._replace_process(f"died with exit code {code} during {task.verifier}")
-            return Outcome.failed(CRASH, f"verifier process died (exit code {code})", time.monotonic() - started)
-        elapsed = time.monotonic() - started
-        if reply is None:
-            self._replace_process(f"{task.verifier} ran past its deadline")
-            return Outcome.failed(TIMEOUT, f"no verdict within the {task.clock.budget_s:g} s sample deadline", elapsed)
-        kind, value = reply
-        if kind == "ok":
-            return Outcome(score=float(value), latency_s=elapsed)
-        return Outcome.failed(NON_FINITE if kind == "non_finite" else EXCEPTION, str(value), elapsed)
+    def _collect(self, pending: list[_Task]) -> list[_Task]:
+        """Reads the verdicts of `pending` (just sent); returns the tasks to send again, if any."""
+        for index, task in enumerate(pending):
+            deadline = task.clock.deadline()
+            started = time.monotonic()
+            try:
+                ready = self._poller.poll(max(0, math.ceil((deadline - started) * 1000)))
+                reply = self._conn.recv() if ready else None
+            except (EOFError, OSError, BrokenPipeError):
+                code = self._exit_code()
+                self._replace_process(f"died with exit code {code} during {task.verifier}")
+                task.finish(Outcome.failed(CRASH, f"verifier process died (exit code {code})",
+                                           time.monotonic() - started))
+                return pending[index + 1 :]
+            elapsed = time.monotonic() - started
+            if reply is None:
+                self._replace_process(f"{task.verifier} ran past its deadline")
+                task.finish(Outcome.failed(
+                    TIMEOUT, f"no verdict within the {task.clock.budget_s:g} s sample deadline", elapsed))
+                return pending[index + 1 :]
+            kind, value = reply
+            if kind == "ok":
+                task.finish(Outcome(score=float(value), latency_s=elapsed))
+            else:
+                task.finish(
+                    Outcome.failed(NON_FINITE if kind == "non_finite" else EXCEPTION, str(value), elapsed))
+        return []
 
 
 class VerifierPool:
@@ -216,14 +289,28 @@ class VerifierPool:
 
     def submit(self, verifier: str, response: str, ground_truth: str, clock: SampleClock) -> "Future[Outcome]":
         """Queues one verification; the future always resolves to an Outcome (never raises)."""
+        future: Future[Outcome] = Future()
+
+        def done(outcome: Outcome | None) -> None:
+            if outcome is not None:
+                future.set_result(outcome)
+
+        self.submit_callback(verifier, response, ground_truth, clock, done, future.set_running_or_notify_cancel)
+        return future
+
+    def submit_callback(self, verifier: str, response: str, ground_truth: str, clock: SampleClock,
+                        done: Callable[[Outcome | None], None], start: Callable[[], bool] = lambda: True) -> None:
+        """Queues one verification without a Future (the worker's hot path: a Future costs a Condition).
+
+        `done(outcome)` is called exactly once from a pool thread, or `done(None)` when `start()` said
+        no (the caller gave up on it before it ran).
+        """
         if verifier not in VERIFIERS and verifier not in self.plugins:
             raise ValueError(f"unknown verifier {verifier!r}; this pool runs: {', '.join(self.names)}")
         if self.closed:
             raise RuntimeError("the verifier pool is closed")
-        future: Future[Outcome] = Future()
-        self._tasks.put(_Task(verifier, response, ground_truth, clock, future))
+        self._tasks.put(_Task(verifier, response, ground_truth, clock, start, done))
         metrics.QUEUE_DEPTH.set(self._tasks.qsize())
-        return future
 
     def verify(self, verifier: str, response: str, ground_truth: str, deadline_s: float) -> Outcome:
         """Blocking convenience: one verification with its own deadline."""

@@ -59,7 +59,7 @@ def warm_up() -> None:
 
 
 def child_main(conn: Connection, plugins: Mapping[str, str]) -> None:
-    """Serves (name, response, ground_truth) requests until the pipe closes or None arrives."""
+    """Serves batches of (name, response, ground_truth) until the pipe closes or None arrives."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     table: dict[str, Verifier] = {name: entry.fn for name, entry in VERIFIERS.items()}
     for name, spec in plugins.items():
@@ -74,13 +74,17 @@ def child_main(conn: Connection, plugins: Mapping[str, str]) -> None:
         if message == PING:
             conn.send(("ok", 0.0))
             continue
-        name, response, ground_truth = message
-        try:
-            score = float(table[name](response, ground_truth))
-        except Exception as e:  # noqa: BLE001 (any verifier failure costs this sample only)
-            conn.send(("exception", f"{type(e).__name__}: {e}"[:500]))
-            continue
-        if math.isfinite(score):
-            conn.send(("ok", score))
-        else:
-            conn.send(("non_finite", f"verifier returned {score!r}"))
+        # A batch of (name, response, ground_truth); one reply per item, sent as soon as it is known,
+        # so the parent can tell which item ran past its deadline.
+        for name, response, ground_truth in message:
+            conn.send(_run_one(table, name, response, ground_truth))
+
+
+def _run_one(table: Mapping[str, Verifier], name: str, response: str, ground_truth: str) -> tuple[str, object]:
+    try:
+        score = float(table[name](response, ground_truth))
+    except Exception as e:  # noqa: BLE001 (any verifier failure costs this sample only)
+        return "exception", f"{type(e).__name__}: {e}"[:500]
+    if math.isfinite(score):
+        return "ok", score
+    return "non_finite", f"verifier returned {score!r}"

@@ -1,12 +1,15 @@
 """The `rlfabric.v1.Reward` servicer: protos in, pool/remote verifications out, nothing else.
 
-`Score` reads the request stream in a helper thread, starts every sample's verifications as soon as it
+`Score` (one sample per message) and `ScoreBatches` (several per message, the same semantics) read the
+request stream in a helper thread, start every sample's verifications as soon as it
 arrives (built-ins in the process pool, registered names through `remote.py`) and yields each
-`ScoreResponse` when the sample's last verification ends, so responses come in completion order. A failed
+`ScoreResponse` when the sample's last verification ends, so responses come in completion order
+(`ScoreBatches` sends the responses that are ready together in one message). A failed
 verification is a 0 score with an error inside the response; only a malformed request (unknown verifier,
 empty sample id) ends the stream, with INVALID_ARGUMENT.
 """
 
+import functools
 import logging
 import queue
 import threading
@@ -50,6 +53,8 @@ class _InputEnded:
 
 
 _CANCELLED = object()
+# Most responses one ScoreResponseBatch carries (what was ready together, up to this).
+_MAX_RESPONSES_PER_BATCH = 256
 
 
 class _Stream:
@@ -108,6 +113,18 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
 
     def Score(self, request_iterator: Iterator[reward_pb2.ScoreRequest],
               context: grpc.ServicerContext) -> Iterator[reward_pb2.ScoreResponse]:
+        for responses in self._serve(request_iterator, context):
+            yield from responses
+
+    def ScoreBatches(self, request_iterator: Iterator[reward_pb2.ScoreRequestBatch],
+                     context: grpc.ServicerContext) -> Iterator[reward_pb2.ScoreResponseBatch]:
+        requests = (request for batch in request_iterator for request in batch.requests)
+        for responses in self._serve(requests, context):
+            yield reward_pb2.ScoreResponseBatch(responses=responses)
+
+    def _serve(self, requests: Iterator[reward_pb2.ScoreRequest],
+               context: grpc.ServicerContext) -> Iterator[list[reward_pb2.ScoreResponse]]:
+        """The responses of one stream, in completion order, grouped as they were ready together."""
         results: queue.SimpleQueue = queue.SimpleQueue()
         stream = _Stream()
 
@@ -116,22 +133,33 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             results.put(_CANCELLED)  # wake the handler; it must not wait for answers nobody reads
 
         context.add_callback(on_rpc_done)
-        reader = threading.Thread(target=self._read, args=(request_iterator, results, stream),
+        reader = threading.Thread(target=self._read, args=(requests, results, stream),
                                   name="reward-score-reader", daemon=True)
         reader.start()
         answered, expected = 0, None
         while expected is None or answered < expected:
-            item = results.get()
-            if item is _CANCELLED:
-                return
-            if isinstance(item, _StreamError):
-                stream.cancel()
-                context.abort(item.code, item.message)
-            if isinstance(item, _InputEnded):
-                expected = item.samples
-                continue
-            answered += 1
-            yield item
+            ready = [results.get()]
+            while len(ready) < _MAX_RESPONSES_PER_BATCH:
+                try:
+                    ready.append(results.get_nowait())
+                except queue.Empty:
+                    break
+            responses = []
+            for item in ready:
+                if item is _CANCELLED:
+                    return
+                if isinstance(item, _StreamError):
+                    if responses:
+                        yield responses  # answers that were ready before the bad request still count
+                    stream.cancel()
+                    context.abort(item.code, item.message)
+                if isinstance(item, _InputEnded):
+                    expected = item.samples
+                    continue
+                responses.append(item)
+            if responses:
+                answered += len(responses)
+                yield responses
 
     def _read(self, request_iterator: Iterator[reward_pb2.ScoreRequest], results: queue.SimpleQueue,
               stream: "_Stream") -> None:
@@ -171,44 +199,55 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
                       stream: "_Stream") -> None:
         specs = list(request.verifiers) or self._default_verifiers
         clock = SampleClock(request.deadline_s if request.deadline_s > 0 else self._default_deadline_s)
-        jobs: list[tuple[reward_pb2.VerifierSpec, str, Future[Outcome]]] = []
-        for spec in specs:
-            remote = None if spec.name in self._local_names else self._remote.get(spec.name)
-            if remote is None:
-                future = self._pool.submit(spec.name, request.response, request.ground_truth, clock)
-                version = BUILTIN_VERSION
-            else:
-                future = remote.submit(request.sample_id, request.response, request.ground_truth, request.prompt,
-                                       clock)
-                version = remote.entry.version
-            jobs.append((spec, version, future))
         metrics.IN_FLIGHT_SAMPLES.inc()
-        pending = [len(jobs)]
-        lock = threading.Lock()
+        versions: list[str] = []
+        outcomes: list[Outcome | None] = [None] * len(specs)
+        pending = [len(specs)]
+        lock = threading.Lock() if len(specs) > 1 else None
+        given_up = [False]
 
-        def finished(_future: Future) -> None:
-            with lock:
-                pending[0] -= 1
-                if pending[0]:
-                    return
-            for _, _, future in jobs:
-                stream.forget(future)
-            if any(future.cancelled() for _, _, future in jobs):
+        def finished(index: int, outcome: Outcome | None) -> None:
+            # Called once per verification, from a pool thread or a remote call's thread.
+            if outcome is None:
+                given_up[0] = True  # the stream was cancelled before it ran
+            outcomes[index] = outcome
+            if lock is not None:
+                with lock:
+                    pending[0] -= 1
+                    if pending[0]:
+                        return
+            if given_up[0] or stream.cancelled:
                 metrics.IN_FLIGHT_SAMPLES.dec()
                 return  # the stream is gone; nobody reads this answer
-            results.put(self._response(request, jobs))
+            results.put(self._response(request, specs, versions, outcomes))
 
-        for _, _, future in jobs:
+        def not_cancelled() -> bool:
+            return not stream.cancelled
+
+        remotes = [None if spec.name in self._local_names else self._remote.get(spec.name) for spec in specs]
+        # Every version is known before the first verification starts (a fast one may finish at once).
+        versions.extend(BUILTIN_VERSION if remote is None else remote.entry.version for remote in remotes)
+        for index, (spec, remote) in enumerate(zip(specs, remotes, strict=True)):
+            if remote is None:
+                self._pool.submit_callback(spec.name, request.response, request.ground_truth, clock,
+                                           functools.partial(finished, index), not_cancelled)
+                continue
+            future = remote.submit(request.sample_id, request.response, request.ground_truth, request.prompt,
+                                   clock)
             stream.track(future)
-            future.add_done_callback(finished)
 
-    def _response(self, request: reward_pb2.ScoreRequest,
-                  jobs: list[tuple[reward_pb2.VerifierSpec, str, "Future[Outcome]"]]) -> reward_pb2.ScoreResponse:
+            def remote_done(done: Future, index: int = index) -> None:
+                stream.forget(done)
+                finished(index, None if done.cancelled() else done.result())
+
+            future.add_done_callback(remote_done)
+
+    def _response(self, request: reward_pb2.ScoreRequest, specs: list[reward_pb2.VerifierSpec],
+                  versions: list[str], outcomes: list[Outcome]) -> reward_pb2.ScoreResponse:
         metrics.IN_FLIGHT_SAMPLES.dec()
         response = reward_pb2.ScoreResponse(sample_id=request.sample_id, worker_id=self._worker_id)
         reward = 0.0
-        for spec, version, future in jobs:
-            outcome = future.result()
+        for spec, version, outcome in zip(specs, versions, outcomes, strict=True):
             metrics.record_outcome(spec.name, outcome.latency_s, outcome.reason)
             response.scores.add(verifier=spec.name, version=version, score=outcome.score, error=outcome.error,
                                 latency_s=outcome.latency_s)

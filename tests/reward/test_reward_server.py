@@ -200,3 +200,31 @@ def test_overlong_shaping_is_added_to_the_reward():
         rewards = {r.sample_id: r.reward for r in stub_for(worker).Score(iter(requests), timeout=60)}
     # expected length 768: 896 exceeds by 128 of 256 -> -0.5; 2000 is capped at -1; 0 means unknown length
     assert rewards == {"o0": 1.0, "o700": 1.0, "o896": 0.5, "o2000": 0.0}
+
+
+def test_score_batches_answers_every_sample_of_every_batch_once(reward_worker):
+    # Batches of 1..9 samples, a hanging one among them: one answer per sample id, the same verdicts
+    # as Score gives, and answers grouped as they were ready (never more than were asked).
+    sizes = [1, 9, 3, 7, 5]
+    batches, number = [], 0
+    for size in sizes:
+        batch = []
+        for _ in range(size):
+            batch.append(request(f"b{number}", f"\\boxed{{{number % 6}}}"))
+            number += 1
+        batches.append(reward_pb2.ScoreRequestBatch(requests=batch))
+    batches[2].requests.append(request("hang", "hang", verifiers=(("sleep_forever", 1.0),), deadline_s=1.0))
+    replies = list(stub_for(reward_worker).ScoreBatches(iter(batches), timeout=60))
+    answers = [response for reply in replies for response in reply.responses]
+    assert all(len(reply.responses) >= 1 for reply in replies)
+    assert sorted(a.sample_id for a in answers) == sorted([f"b{i}" for i in range(number)] + ["hang"])
+    by_id = {a.sample_id: a for a in answers}
+    assert [by_id[f"b{i}"].reward for i in range(number)] == [1.0 if i % 6 == 4 else 0.0 for i in range(number)]
+    assert by_id["hang"].scores[0].error.startswith("timeout:")
+
+
+def test_score_batches_rejects_an_unknown_verifier(reward_worker):
+    batch = reward_pb2.ScoreRequestBatch(requests=[request("x", "\\boxed{1}", verifiers=(("nope", 1.0),))])
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub_for(reward_worker).ScoreBatches(iter([batch]), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

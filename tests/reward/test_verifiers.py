@@ -207,3 +207,73 @@ def test_algebra_equal(left, right, verdict):
     from services.reward.verifiers.algebra import algebra_equal
 
     assert algebra_equal(left, right) is verdict
+
+
+@pytest.mark.parametrize(("answer", "label", "equal"), [
+    # inequalities and intervals: solution sets
+    ("-2 \\le x \\le 7", "x \\in [-2,7]", True),  # a chain against a membership
+    ("x \\in [-2,7]", "-2 \\\\le x \\\\le 7", True),  # an over-escaped label still reads as \le
+    ("(0,1)", "0<f(x)<1", True),  # a pair against a chain reads as an open interval (math-verify too)
+    ("(-793, 10)", "-793 < a < 10", True),
+    ("[0,1)", "0<x<1", False),  # closed against open end
+    ("5 \\geq x", "x \\leq 5", True),  # flipped sides
+    ("-x > -1", "x < 1", True),  # a negated variable flips the relation
+    ("x > -1", "x < 1", False),
+    ("x \\geq 3", "[3, \\infty)", True),  # a ray
+    ("x > 3", "x \\geq 3", False),
+    ("2x < 2", "x < 1", None),  # coefficients other than +-1: math-verify compares the sides
+    ("x < 1", "x^2 < 1", None),  # not a one-variable linear inequality
+    # plus-minus
+    ("{-2021, 2021}", "\\pm 2021", True),
+    ("2021", "\\pm 2021", False),  # one number is not two
+    ("-2021, 2020", "\\pm 2021", False),
+    # lists of named values
+    ("a_{37} = 19, \\quad a_3 = 2", "a_3 = 2, a_{37} = 19", True),  # order does not matter
+    ("a_{37} = 18, a_3 = 2", "a_3 = 2, a_{37} = 19", False),
+    ("p = 5, q = 2, p = 7, q = 3", "p=5,q=3;p=7,q=2", None),  # a repeated name: grouped solutions
+    # numbers in a base
+    ("1112122_3", "1112112_3", False),
+    ("0101_2", "101_2", True),  # leading zeros
+    ("12_3", "5", None),  # a base against a decimal number: math-verify's call
+    # matrices: cells compared one by one
+    ("\\begin{bmatrix} 0 & 1 \\\\ 2 & 3 \\end{bmatrix}", "\\begin{pmatrix}0&1\\\\2&3\\end{pmatrix}", True),
+    ("\\begin{pmatrix}0&1\\\\2&4\\end{pmatrix}", "\\begin{pmatrix}0&1\\\\2&3\\end{pmatrix}", False),
+    ("\\begin{pmatrix}\\frac{1}{3x^{2/3}}&0\\end{pmatrix}", "\\begin{pmatrix}\\frac{1}{3\\sqrt[3]{x}^2}&0\\\\\\end{pmatrix}",
+     True),  # a root cell, and a trailing row break
+    ("\\begin{vmatrix}1&0\\\\0&1\\end{vmatrix}", "\\begin{pmatrix}1&0\\\\0&1\\end{pmatrix}", None),  # a determinant
+    # an equation that assigns nothing against a value: never equal (math-verify compares them as they are)
+    ("0", "a^2 + b = 0", False),
+    ("1", "2x + z = 1", False),
+    ("5", "x = 5", True),  # but an assignment is unwrapped
+])
+def test_math_equiv_structured_answers(answer, label, equal):
+    from services.reward.verifiers.math_equiv import decide
+
+    assert decide(normalize_answer(answer), normalize_answer(label)) is equal
+
+
+@pytest.mark.parametrize(("left", "right", "verdict"), [
+    # roots
+    ("\\frac{\\sqrt{\\sqrt{11}+\\sqrt{194}}}{2\\sqrt{33}+15}", "\\frac{\\sqrt{\\sqrt{11}+\\sqrt{194}}}{15+2\\sqrt{33}}", True),
+    ("\\sqrt{34}+3\\sqrt{10}", "28", False),  # 15.3 is not 28
+    ("\\frac{1+\\sqrt{5}}{2}", "2", False),
+    ("1\\sqrt{19}", "1", False),
+    ("\\sqrt{8}", "2\\sqrt{2}", True),
+    ("\\sqrt{5+2\\sqrt{6}}", "\\sqrt{2}+\\sqrt{3}", None),  # equal, but not provably here: math-verify
+    ("1.414", "\\sqrt{2}", None),  # agrees to 3 digits: math-verify's rounding decides
+    ("x^{2/3}", "\\sqrt[3]{x}^2", True),
+    # sequences and finite sums
+    ("F_n = \\sum_{k=0}^{n-1} F_{n-k-1} F_k", "F_n = \\sum_{k=0}^{n-1} F_k F_{n-k-1}", True),  # factors commute
+    ("F_n = \\sum_{k=0}^{n-2} F_k F_{n-k-2}", "F_n = \\sum_{k=0}^{n-1} F_k F_{n-k-1}", False),  # other bounds
+    ("\\sum_{k=1}^{n} k", "\\frac{n(n+1)}{2}", None),  # equal by a theorem, not by form: math-verify
+    ("\\sum_{k=1}^{n} k", "\\frac{n(n-1)}{2}", False),
+    ("a_{n+1}", "a_{n}+1", False),  # a sequence value is not a sum
+    # not ours
+    ("\\sin(x)", "\\sin(x)", None),
+    ("e^{x}", "e^{x}", None),  # e is Euler's number for math-verify
+    ("x < 1", "x < 1", None),
+])
+def test_expressions_equal(left, right, verdict):
+    from services.reward.verifiers.expressions import expressions_equal
+
+    assert expressions_equal(normalize_answer(left), normalize_answer(right)) is verdict

@@ -35,6 +35,8 @@ _MIXED = re.compile(r"^([+-]?)(\d+)\\frac\{(\d+)\}\{(\d+)\}$")
 _MEMBER = re.compile(r"^([A-Za-z])\\in(?![A-Za-z])(.+)$")
 # A label escaped twice (`\\\\left`) reads as a line break before a command; undo the escaping.
 _DOUBLE_ESCAPE = re.compile(r"\\\\(?=[A-Za-z])")
+# A row break followed by spaces (`\\\\ 0 & 1`): the spaces go first, so `\\ ` (a TeX space) cannot eat it.
+_ROW_BREAK_SPACES = re.compile(r"\\\\\s+")
 # The left side of a named value: a name, not an expression (no operators, not a number).
 _NAME = re.compile(r"^(?=.*[A-Za-z])[A-Za-z0-9_{}()|:,\\']+$")
 _SPACED_LIST_WORD = re.compile(r",?\s+(?:and|or)\s+")
@@ -45,6 +47,7 @@ _LIST_WORDS = re.compile(r",?(?:\\text\{(?:and|or)\}|\b(?:and|or)\b)")
 def normalize_answer(answer: str) -> str:
     """Canonical string for an answer, using only rewrites that keep its value."""
     text = _DOUBLE_ESCAPE.sub(r"\\", answer.strip())
+    text = _ROW_BREAK_SPACES.sub(r"\\\\", text)
     for old, new in _REPLACE:
         text = text.replace(old, new)
     text = _DEGREES.sub("", text).strip()
