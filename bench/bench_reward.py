@@ -171,7 +171,7 @@ def one_throughput_run(workers: int, raw: list[tuple[str, str]], redis_url: str,
                        pin: bool = False) -> dict[str, float]:
     from rlfabric.v1 import reward_pb2
     from services.common.redis_store import Registry, connect
-    from services.reward.client_pool import RewardClientPool
+    from services.coordinator.reward_pool import RewardClientPool
 
     registry = Registry(connect(redis_url))
     processes = start_workers(workers, redis_url, tag, pin)

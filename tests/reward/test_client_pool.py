@@ -13,7 +13,7 @@ import pytest
 
 from rlfabric.v1 import reward_pb2
 from services.common.redis_store import Registry, connect
-from services.reward.client_pool import RewardClientPool
+from services.coordinator.reward_pool import RewardClientPool
 
 
 class WorkerProcess:
