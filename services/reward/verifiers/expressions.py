@@ -20,19 +20,13 @@ import re
 
 import sympy
 from sympy.core.function import AppliedUndef
-from sympy.parsing.sympy_parser import (
-    convert_xor,
-    implicit_multiplication_application,
-    parse_expr,
-    rationalize,
-    standard_transformations,
-)
+from sympy.parsing.sympy_parser import parse_expr
 
-_TRANSFORMS = standard_transformations + (convert_xor, rationalize, implicit_multiplication_application)
+# The same parser settings and letter rules as the plain-algebra path.
+from services.reward.verifiers.algebra import _CONSTANT_LETTERS, _TRANSFORMS, _WORD
+
 _PLAIN = re.compile(r"^[0-9a-zA-Z+\-*/().=,]+$")
 _HUGE = re.compile(r"\*\*\(?\d{3,}|\d{40,}")
-_WORD = re.compile(r"[A-Za-z]{2,}")
-_CONSTANT_LETTERS = frozenset("eiEI")
 _RELATIVE_TOLERANCE = 1e-3
 # Positive integer points: sums need integer bounds, roots stay real.
 _POINTS = ((2, 3, 5, 7, 11, 13), (3, 7, 2, 11, 5, 4), (6, 4, 9, 3, 8, 2))
