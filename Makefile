@@ -2,17 +2,28 @@
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup proto lint test soak bench lock clean help
+.PHONY: setup proto lint test soak bench lock clean help up demo
 
 help:
 	@echo "make setup   create .venv with the pinned CPU stack (idempotent)"
 	@echo "make test    lint + the default test suite (what CI runs)"
+	@echo "make demo    a whole GRPO run on this machine: tiny model, arithmetic prompts, every service"
+	@echo "make up CONFIG=configs/x.yaml [ARGS='-o k=v ...']   rlfabric up: Redis + every service, then train"
 	@echo "make proto   regenerate the gRPC stubs from protos/"
 	@echo "make soak    the slow suites"
 	@echo "make bench   run the benchmarks (results in bench/RESULTS.md)"
 
 setup:
 	@bash deploy/local/setup_cpu.sh
+
+CONFIG ?= configs/grpo_tiny_cpu.yaml
+ARGS ?=
+
+up:
+	.venv/bin/rlfabric up $(CONFIG) $(ARGS)
+
+demo:
+	bash examples/grpo/grpo_trainer_tiny_cpu.sh
 
 proto:
 	$(PY) -m services.common.protogen
