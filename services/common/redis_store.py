@@ -90,7 +90,8 @@ def start_private_redis(workdir: str | None = None, *, appendonly: bool = False,
     """
     binary = find_redis_server()
     owns = workdir is None
-    path = Path(workdir or tempfile.mkdtemp(prefix="rlfabric-redis-"))
+    # Absolute: redis-server changes into --dir before it opens --logfile, so a relative path would break.
+    path = Path(workdir or tempfile.mkdtemp(prefix="rlfabric-redis-")).resolve()
     path.mkdir(parents=True, exist_ok=True)
     last_error = ""
     for _attempt in range(5):

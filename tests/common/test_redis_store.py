@@ -29,6 +29,21 @@ def test_private_redis_starts_and_stops() -> None:
     assert not server.workdir.exists()
 
 
+def test_private_redis_in_a_relative_directory_keeps_its_journal(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    server = start_private_redis("run/redis", appendonly=True)
+    try:
+        RunJournal(connect(server.url), "r").write(phase="done")
+    finally:
+        server.stop()
+    assert (tmp_path / "run" / "redis" / "redis.log").is_file()  # a given directory is kept (for resume)
+    again = start_private_redis("run/redis", appendonly=True)
+    try:
+        assert RunJournal(connect(again.url), "r").read() == {"phase": "done"}  # the append-only file came back
+    finally:
+        again.stop()
+
+
 def test_heartbeats_keep_a_registration_alive_past_its_lease(redis_url: str) -> None:
     registry = Registry(connect(redis_url), prefix="t-alive")
     with registry.register("reward", "w1", "127.0.0.1:1", lease_s=0.6, metadata={"slots": 4}):
