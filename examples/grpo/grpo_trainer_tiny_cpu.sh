@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GRPO on one CPU machine with a tiny random Qwen2 model and arithmetic prompts: the whole system
-# (Redis, reward worker, vLLM rollout, Megatron actor and reference, coordinator) in about a minute.
+# (Redis, reward worker, vLLM rollout, Megatron actor and reference, coordinator) in about two minutes.
 # Usage: bash examples/grpo/grpo_trainer_tiny_cpu.sh [WORK_DIR] [extra `rlfabric up` flags...]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
