@@ -50,6 +50,15 @@ class Sequences:
         return cls(list(sample_ids), tokens, np.array([len(p) for p in prompts], dtype=np.int32),
                    np.array([len(r) for r in responses], dtype=np.int32), weights_version)
 
+    def take(self, start: int, stop: int) -> Sequences:
+        """Sequences `start` to `stop` (exclusive) as a batch of their own."""
+        stop = min(stop, len(self))
+        ends = np.cumsum(self.prompt_lengths.astype(np.int64) + self.response_lengths)
+        begin = int(ends[start - 1]) if start > 0 else 0
+        end = int(ends[stop - 1]) if stop > 0 else 0
+        return Sequences(self.sample_ids[start:stop], self.token_ids[begin:end], self.prompt_lengths[start:stop],
+                         self.response_lengths[start:stop], self.weights_version)
+
     def split(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """(prompt, response) token arrays of each sequence."""
         out = []

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -81,8 +81,6 @@ class Replica:
 class IterationResult:
     metrics: dict[str, float]
     weights_version: int
-    samples: list[common_pb2.Sample] = field(default_factory=list)
-    rewards: np.ndarray | None = None
 
 
 class IterationError(RuntimeError):
@@ -179,8 +177,7 @@ class GrpoIteration:
         return t
 
     def _log_probs(self, stub: Any, seqs: Sequences, micro: int) -> dict[str, np.ndarray]:
-        requests = [trainer_pb2.LogProbRequest(batch=Sequences(seqs.sample_ids[i:i + micro], *_slice(seqs, i, micro),
-                                                               seqs.weights_version).to_proto(),
+        requests = [trainer_pb2.LogProbRequest(batch=seqs.take(i, i + micro).to_proto(),
                                                temperature=self.settings.temperature)
                     for i in range(0, len(seqs), micro)]
         lengths = dict(zip(seqs.sample_ids, seqs.response_lengths.tolist(), strict=True))
@@ -250,10 +247,10 @@ class GrpoIteration:
             if s.use_reference and item.response_length:
                 pending_ref.append(item)
                 if len(pending_ref) >= s.ref_forward_micro_batch_size:
-                    ref_q.put(self._ref_request(pending_ref, prompts, group_pos))
+                    ref_q.put(self._ref_request(_sequences(pending_ref, prompts, group_pos, weights_version)))
                     pending_ref = []
         if pending_ref:
-            ref_q.put(self._ref_request(pending_ref, prompts, group_pos))
+            ref_q.put(self._ref_request(_sequences(pending_ref, prompts, group_pos, weights_version)))
         reward_q.put(_DONE)
         ref_q.put(_DONE)
         for t in rollout_threads:
@@ -276,9 +273,7 @@ class GrpoIteration:
                                              s.overlong_buffer_penalty_factor)
 
         trained = [x for x in order if x.response_length > 0 and not x.error]
-        seqs = Sequences.from_lists([x.sample_id for x in trained],
-                                    [prompts[group_pos[x.group_id]] for x in trained],
-                                    [to_numpy(x.response_token_ids) for x in trained], weights_version)
+        seqs = _sequences(trained, prompts, group_pos, weights_version)
         old_lp: dict[str, np.ndarray] = {}
         if not s.skip_old_log_probs and len(seqs):
             start = time.perf_counter()
@@ -311,12 +306,9 @@ class GrpoIteration:
             global_batch_size=len(groups), n_samples_per_prompt=n, world_size=s.world_size, timings=timings,
             log_max_throughput=s.log_max_throughput))
         metrics["failed_samples"] = float(sum(1 for x in order if x.error))
-        return IterationResult(metrics, new_version, order, rewards)
+        return IterationResult(metrics, new_version)
 
-    def _ref_request(self, batch: list[common_pb2.Sample], prompts: Sequence[np.ndarray],
-                     group_pos: dict[str, int]) -> trainer_pb2.LogProbRequest:
-        seqs = Sequences.from_lists([x.sample_id for x in batch], [prompts[group_pos[x.group_id]] for x in batch],
-                                    [to_numpy(x.response_token_ids) for x in batch], batch[0].weights_version)
+    def _ref_request(self, seqs: Sequences) -> trainer_pb2.LogProbRequest:
         return trainer_pb2.LogProbRequest(batch=seqs.to_proto(), temperature=self.settings.temperature)
 
     def _update(self, seqs: Sequences, adv_of: dict[str, float], old_lp: dict[str, np.ndarray],
@@ -324,8 +316,8 @@ class GrpoIteration:
         s = self.settings
         requests = []
         for i in range(0, len(seqs), s.update_chunk_size):
-            ids = seqs.sample_ids[i:i + s.update_chunk_size]
-            chunk = Sequences(ids, *_slice(seqs, i, s.update_chunk_size), seqs.weights_version)
+            chunk = seqs.take(i, i + s.update_chunk_size)
+            ids = chunk.sample_ids
             req = trainer_pb2.UpdateRequest(
                 batch=chunk.to_proto(),
                 advantages=to_proto(np.array([adv_of[x] for x in ids], dtype=np.float32)),
@@ -348,12 +340,14 @@ class GrpoIteration:
             self.kl_controller.update(metrics.get("actor/kl_loss", 0.0), len(seqs))
         return metrics
 
+
 class WeightSync:
     """Pushes the actor's weights to the rollout replicas, with the resharding plan this coordinator computes.
 
-    The plan comes from `Trainer.Info` and `Rollout.Info` (both with parameters) and is cached per layout;
-    replicas that load different parameter sets get their own plan. Every replica must acknowledge the
-    version, or the push fails naming the ones that did not.
+    The plan comes from `Trainer.Info` and `Rollout.Info` (both with parameters); replicas that load different
+    parameter sets get their own plan. Plans are computed once and reused for every push: layouts do not change
+    during a run, and a failed push drops them so the next push asks the services again. Every replica must
+    acknowledge the version, or the push fails naming the ones that did not.
     """
 
     def __init__(self, actor: Any, replicas: Sequence[Replica], hf_config: dict[str, Any], deadline_s: float) -> None:
@@ -361,30 +355,30 @@ class WeightSync:
         self.replicas = list(replicas)
         self.hf_config = hf_config
         self.deadline_s = deadline_s
-        self._plans: dict[tuple, bytes] = {}
+        self._plans: list[tuple[list[str], bytes]] | None = None  # (targets, plan) per replica layout
 
-    def _groups(self) -> dict[tuple, tuple[list[str], Any]]:
+    def _plan(self) -> list[tuple[list[str], bytes]]:
+        from services.coordinator.resharding import plan_resharding
+
         groups: dict[tuple, tuple[list[str], Any]] = {}
         for r in self.replicas:
             params = r.stub.Info(rollout_pb2.RolloutInfoRequest(include_parameters=True), timeout=60).parameters
             signature = tuple((p.name, tuple(p.shape), p.dtype) for p in params)
             groups.setdefault(signature, ([], params))[0].append(r.address)
-        return groups
+        shards = self.actor.Info(trainer_pb2.TrainerInfoRequest(include_parameters=True), timeout=60).shards
+        return [(targets, plan_resharding(shards, params, self.hf_config).to_json())
+                for targets, params in groups.values()]
 
     def push(self, version: int) -> None:
-        from services.coordinator.resharding import plan_resharding
-
         try:
-            groups = self._groups()
-            shards = None
-            for signature, (targets, params) in groups.items():
-                if signature not in self._plans:
-                    if shards is None:
-                        shards = self.actor.Info(trainer_pb2.TrainerInfoRequest(include_parameters=True),
-                                                 timeout=60).shards
-                    self._plans[signature] = plan_resharding(shards, params, self.hf_config).to_json()
-                self._push(targets, version, self._plans[signature])
-        except grpc.RpcError as e:
+            if self._plans is None:
+                self._plans = self._plan()
+            for targets, plan in self._plans:
+                self._push(targets, version, plan)
+        except (grpc.RpcError, IterationError) as e:
+            self._plans = None  # a replica may have restarted with another layout: plan afresh next time
+            if isinstance(e, IterationError):
+                raise
             raise IterationError(f"weight sync: {e.code().name}: {e.details()}") from e
 
     def _push(self, targets: list[str], version: int, plan: bytes) -> None:
@@ -398,12 +392,11 @@ class WeightSync:
             raise IterationError(f"weight sync: replicas {missing} did not acknowledge version {version}")
 
 
-def _slice(seqs: Sequences, start: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    ends = np.cumsum(seqs.prompt_lengths + seqs.response_lengths)
-    begin = 0 if start == 0 else int(ends[start - 1])
-    stop = min(start + size, len(seqs))
-    end = int(ends[stop - 1]) if stop else 0
-    return seqs.token_ids[begin:end], seqs.prompt_lengths[start:stop], seqs.response_lengths[start:stop]
+def _sequences(samples: Sequence[common_pb2.Sample], prompts: Sequence[np.ndarray], group_pos: dict[str, int],
+               weights_version: int) -> Sequences:
+    """Each sample's prompt followed by its response, as one flat batch."""
+    return Sequences.from_lists([x.sample_id for x in samples], [prompts[group_pos[x.group_id]] for x in samples],
+                                [to_numpy(x.response_token_ids) for x in samples], weights_version)
 
 
 def _collect_log_probs(reply: trainer_pb2.LogProbResponse, lengths: dict[str, int],

@@ -38,3 +38,20 @@ def test_split_response_values() -> None:
     assert [p.tolist() for p in parts] == [[0.0, 1.0], [], [2.0, 3.0, 4.0]]
     with pytest.raises(ValueError, match="expected 5"):
         split_response_values(np.arange(4, dtype=np.float32), [2, 0, 3])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6)), min_size=1, max_size=7), st.data())
+def test_take_equals_a_batch_of_the_same_sequences(lengths: list[tuple[int, int]], data) -> None:
+    rng = np.random.default_rng(len(lengths))
+    prompts = [rng.integers(0, 100, p, dtype=np.int32) for p, _ in lengths]
+    responses = [rng.integers(0, 100, r, dtype=np.int32) for _, r in lengths]
+    ids = [f"s{i}" for i in range(len(lengths))]
+    start = data.draw(st.integers(0, len(lengths)))
+    stop = data.draw(st.integers(start, len(lengths) + 3))  # past the end is cut, as with list slices
+    part = Sequences.from_lists(ids, prompts, responses, 7).take(start, stop)
+    expected = Sequences.from_lists(ids[start:stop], prompts[start:stop], responses[start:stop], 7)
+    assert part.sample_ids == expected.sample_ids and part.weights_version == 7
+    np.testing.assert_array_equal(part.token_ids, expected.token_ids)
+    np.testing.assert_array_equal(part.prompt_lengths, expected.prompt_lengths)
+    np.testing.assert_array_equal(part.response_lengths, expected.response_lengths)
