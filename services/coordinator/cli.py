@@ -61,28 +61,19 @@ def _serve(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import grpc
 
-    from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
-    from services.common.client import make_channel
-    from services.coordinator.sinks import ConsoleSink
+    from rlfabric.v1 import coordinator_pb2
+    from services.coordinator.follow import FINISHED_OK, start_and_follow
 
     try:
         text = args.config.read_text()
     except OSError as e:
         print(f"error: cannot read {args.config}: {e}", file=sys.stderr)
         return 2
-    with make_channel(args.coordinator) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        try:
-            status = stub.StartRun(coordinator_pb2.StartRunRequest(
-                run_id=args.run_id, config_yaml=text, overrides=args.override, resume=args.resume), timeout=600)
-            print(f"run {status.run_id} started", flush=True)
-            sink = ConsoleSink(total=status.total_iterations or None)
-            for m in stub.StreamMetrics(coordinator_pb2.StreamMetricsRequest(run_id=status.run_id)):
-                sink.write(m.iteration, dict(m.metrics.values))
-            final = stub.GetRun(coordinator_pb2.GetRunRequest(run_id=status.run_id), timeout=30)
-        except grpc.RpcError as e:
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
-    phase = coordinator_pb2.RunPhase.Name(final.phase)
-    print(f"run {final.run_id}: {phase} at iteration {final.iteration}" + (f": {final.error}" if final.error else ""))
-    return 0 if final.phase in (coordinator_pb2.RUN_PHASE_DONE, coordinator_pb2.RUN_PHASE_STOPPED) else 1
+    request = coordinator_pb2.StartRunRequest(run_id=args.run_id, config_yaml=text, overrides=args.override,
+                                              resume=args.resume)
+    try:
+        final = start_and_follow(args.coordinator, request)
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    return 0 if final.phase in FINISHED_OK else 1

@@ -67,34 +67,27 @@ class LocalStack:
     def train(self, run_id: str = "", resume: bool = False) -> int:
         import grpc
 
-        from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
-        from services.common.client import make_channel
-        from services.coordinator.sinks import ConsoleSink
+        from rlfabric.v1 import coordinator_pb2
+        from services.coordinator.follow import FINISHED_OK, start_and_follow
 
         assert self.coordinator_address is not None
-        with make_channel(self.coordinator_address) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            try:
-                status = stub.StartRun(coordinator_pb2.StartRunRequest(
-                    run_id=run_id, config_yaml=self.config_path.read_text(), overrides=self.overrides, resume=resume),
-                    timeout=600)
-            except grpc.RpcError as e:
-                raise ServiceStartError(f"StartRun: {e.code().name}: {e.details()}") from e
-            self.run_id = status.run_id
-            print(f"run {status.run_id} started", flush=True)
-            sink = ConsoleSink(total=int(self.cfg.actor_config.train_iters or 0) or None)
-            stream = stub.StreamMetrics(coordinator_pb2.StreamMetricsRequest(run_id=status.run_id))
-            for m in stream:
-                sink.write(m.iteration, dict(m.metrics.values))
-                for p in self.processes:
-                    p.check()
-            final = stub.GetRun(coordinator_pb2.GetRunRequest(run_id=status.run_id), timeout=30)
-        phase = coordinator_pb2.RunPhase.Name(final.phase)
-        print(f"run {final.run_id}: {phase} at iteration {final.iteration}"
-              + (f": {final.error}" if final.error else ""), flush=True)
+
+        def check_services() -> None:
+            for p in self.processes:
+                p.check()
+
+        request = coordinator_pb2.StartRunRequest(run_id=run_id, config_yaml=self.config_path.read_text(),
+                                                  overrides=self.overrides, resume=resume)
+        try:
+            final = start_and_follow(self.coordinator_address, request,
+                                     total=int(self.cfg.actor_config.train_iters or 0) or None,
+                                     on_started=lambda rid: setattr(self, "run_id", rid),
+                                     after_iteration=check_services)
+        except grpc.RpcError as e:
+            raise ServiceStartError(f"coordinator: {e.code().name}: {e.details()}") from e
         if final.phase == coordinator_pb2.RUN_PHASE_FAILED:
             print(f"coordinator log tail:\n{tail(self.run_dir / 'logs' / 'coordinator.log')}", flush=True)
-        return 0 if final.phase in (coordinator_pb2.RUN_PHASE_DONE, coordinator_pb2.RUN_PHASE_STOPPED) else 1
+        return 0 if final.phase in FINISHED_OK else 1
 
     def stop_run(self) -> None:
         if not (self.coordinator_address and self.run_id):
