@@ -95,21 +95,16 @@ class RunDriver:
         self.discovery_timeout_s = discovery_timeout_s
         self.settings = settings_from_config(cfg)
         self.stop_event = threading.Event()
-        self.state: dict[str, Any] = {"phase": "starting", "iteration": 0, "weights_version": 0, "error": ""}
 
-    def _journal(self, **fields: Any) -> None:
-        self.state.update(fields)
-        self.journal.write(**fields)
-
-    def run(self, resume: bool = False) -> dict[str, Any]:
-        """Runs to `train_iters` (or until `stop_event`); returns the final state. Raises on failure."""
+    def run(self, resume: bool = False) -> None:
+        """Runs to `train_iters` (or until `stop_event`); the journal holds the outcome. Raises on failure."""
         try:
-            return self._run(resume)
+            self._run(resume)
         except Exception as e:
-            self._journal(phase="failed", error=f"{type(e).__name__}: {e}")
+            self.journal.write(phase="failed", error=f"{type(e).__name__}: {e}")
             raise
 
-    def _run(self, resume: bool) -> dict[str, Any]:
+    def _run(self, resume: bool) -> None:
         mt = self.cfg.actor_config
         train_iters = int(mt.train_iters or 1)
         previous = self.journal.read()
@@ -132,24 +127,22 @@ class RunDriver:
             iteration, consumed, version = self._starting_point(previous, actor, replicas, sync)
             loader = self.loader_factory(consumed)
             loop = GrpoIteration(replicas, self.score, actor, reference, self.decode, self.settings, sync)
-            self._journal(phase="running", iteration=iteration, weights_version=version, consumed_batches=consumed,
+            self.journal.write(phase="running", iteration=iteration, weights_version=version, consumed_batches=consumed,
                           train_iters=train_iters, rollout=endpoints.rollout, error="")
             while iteration < train_iters and not self.stop_event.is_set():
                 batch = loader.next_batch()
                 iteration += 1
-                self._journal(phase="rollout", current_iteration=iteration, batch_index=batch.batch_index)
+                self.journal.write(phase="rollout", current_iteration=iteration, batch_index=batch.batch_index)
                 result = loop.run(batch.prompts, batch.labels, iteration, version, batch.prompt_indices.tolist())
                 version = result.weights_version
                 metrics = {**result.metrics, "iteration": float(iteration), "weights_version": float(version),
                            "data/batch_index": float(batch.batch_index), "data/epoch": float(batch.epoch)}
                 self.journal.record_iteration(iteration, metrics, weights_version=version,
                                               consumed_batches=loader.consumed_batches, phase="iteration_done")
-                self.state.update(iteration=iteration, weights_version=version, phase="iteration_done")
                 self.sink.write(iteration, metrics)
                 if mt.save and ((mt.save_interval and iteration % mt.save_interval == 0) or iteration == train_iters):
                     self._checkpoint(actor, iteration, loader.consumed_batches)
-            self._journal(phase="done" if iteration >= train_iters else "stopped")
-            return dict(self.state)
+            self.journal.write(phase="done" if iteration >= train_iters else "stopped")
         finally:
             for c in channels:
                 c.close()
@@ -183,7 +176,7 @@ class RunDriver:
         return iteration, consumed, version
 
     def _checkpoint(self, actor: Any, iteration: int, consumed_batches: int) -> None:
-        self._journal(phase="checkpoint")
+        self.journal.write(phase="checkpoint")
         save = str(Path(self.cfg.actor_config.save))
         gbs = int(self.cfg.actor_config.global_batch_size)
         try:
@@ -191,6 +184,6 @@ class RunDriver:
                 dir=save, iteration=iteration, consumed_samples=consumed_batches * gbs), timeout=3600)
         except Exception as e:
             raise IterationError(f"checkpoint at iteration {iteration} failed: {e}") from e
-        self._journal(checkpoint={"iteration": iteration, "path": reply.path,
+        self.journal.write(checkpoint={"iteration": iteration, "path": reply.path,
                                   "consumed_samples": consumed_batches * gbs})
         logger.info("checkpoint %s (iteration %d) in %.2fs", reply.path, iteration, reply.duration_s)
