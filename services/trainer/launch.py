@@ -70,7 +70,7 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
 
 def serve_group(args: argparse.Namespace) -> int:
     """Spawn every rank and supervise them; returns the group's exit code."""
-    from services.trainer.parallel import free_port
+    from services.common.net import free_port
 
     tp, pp = args.tp, args.pp
     if args.config and not (tp and pp):

@@ -11,11 +11,11 @@ import dataclasses
 import datetime
 import logging
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
+from services.common.net import free_port
 from services.trainer import megatron_compat
 
 logger = logging.getLogger(__name__)
@@ -42,13 +42,6 @@ def default_backend() -> str:
     if megatron_compat.accelerator_present():
         return "hccl"
     return "gloo"
-
-
-def free_port() -> int:
-    """A free TCP port on loopback (for a local master address)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(

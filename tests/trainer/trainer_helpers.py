@@ -7,15 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from services.common.net import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_env() -> dict[str, str]:
