@@ -1,6 +1,6 @@
 """Preprocessing throughput (rows/s) on the 7,474-row DeepScaleR MATH file, `workers` 1 vs 2.
 
-Each run is a fresh `python -m services.coordinator.data_cli configs/datasets/deepscaler.yaml` process (as a
+Each run is a fresh `python -m services.data.cli configs/datasets/deepscaler.yaml` process (as a
 user runs it), with the tiny model's tokenizer; runs alternate between the worker counts so machine noise
 hits both alike. Two rates per run: overall (rows / whole wall time, imports and tokenizer loading included)
 and after startup (rows / time from the first row read to the files renamed into place).
@@ -34,7 +34,7 @@ def _machine() -> str:
 
 def _run(input_path: Path, tokenizer: Path, workers: int, workdir: Path) -> dict:
     summary = workdir / f"summary_w{workers}.json"
-    cmd = [sys.executable, "-m", "services.coordinator.data_cli", "configs/datasets/deepscaler.yaml", "--quiet",
+    cmd = [sys.executable, "-m", "services.data.cli", "configs/datasets/deepscaler.yaml", "--quiet",
            "--set", f"input={input_path}", "--set", f"tokenizer_name_or_path={tokenizer}",
            "--set", f"output_prefix={workdir / f'w{workers}' / 'data'}", "--set", f"workers={workers}",
            "--summary-json", str(summary)]

@@ -15,7 +15,7 @@ import sys
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "services.common.cli",
     "services.common.config_cli",
-    "services.coordinator.data_cli",
+    "services.data.cli",
     "services.trainer.cli",
     "services.rollout.cli",
     "services.reward.cli",

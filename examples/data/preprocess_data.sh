@@ -23,4 +23,4 @@ python="${PYTHON:-}"
 if [[ -z "$python" ]]; then
   if [[ -x .venv/bin/python ]]; then python=.venv/bin/python; else python=python3; fi
 fi
-exec "$python" -m services.coordinator.data_cli "$config" "$@"
+exec "$python" -m services.data.cli "$config" "$@"

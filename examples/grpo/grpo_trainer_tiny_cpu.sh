@@ -9,7 +9,7 @@ shift || true
 RLF=".venv/bin/rlfabric"
 [ -f "$WORK/tiny_model/config.json" ] || "$RLF" tiny-model "$WORK/tiny_model" >/dev/null
 if [ ! -f "$WORK/dataset/arith_packed_input_ids_document.idx" ]; then
-  .venv/bin/python -c "from services.coordinator.data.synthetic import write_arithmetic_jsonl as w; w('$WORK/arith.jsonl', 512)"
+  .venv/bin/python -c "from services.data.synthetic import write_arithmetic_jsonl as w; w('$WORK/arith.jsonl', 512)"
   "$RLF" preprocess configs/datasets/deepscaler.yaml --set input="$WORK/arith.jsonl" \
     --set tokenizer_name_or_path="$WORK/tiny_model" --set output_prefix="$WORK/dataset/arith" \
     --set prompt_type=empty --set workers=1 --quiet

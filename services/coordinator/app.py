@@ -45,7 +45,7 @@ def build_driver(config_yaml: str, overrides: list[str], run_id: str, *, redis_c
     mt = cfg.actor_config
     from transformers import AutoTokenizer
 
-    from services.coordinator.data.loader import PromptLoader
+    from services.coordinator.prompt_loader import PromptLoader
     from services.coordinator.reward_pool import RewardClientPool
 
     tokenizer_path = cfg.derived.rollout_tokenizer_name_or_path or mt.tokenizer_name_or_path

@@ -35,7 +35,7 @@ def decode(tiny_tokenizer):
 @pytest.fixture(scope="session")
 def deepscaler_prefix(shared_data: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The 803-row DeepScaleR file preprocessed once with deepscaler.yaml's settings."""
-    from services.coordinator.data.preprocess import preprocess
+    from services.data.preprocess import preprocess
 
     prefix = tmp_path_factory.mktemp("deepscaler") / "data"
     summary = preprocess(deepscaler_config(shared_data, tiny_model_dir, prefix))

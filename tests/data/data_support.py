@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.coordinator.data.dataset_config import DatasetConfig
+from services.data.dataset_config import DatasetConfig
 
 DEEPSCALER_803 = "deepscaler/deepscaler_subset803_meta-reason.json"
 DEEPSCALER_MATH_7474 = "deepscaler/deepscaler_component_train_math.json"

@@ -88,7 +88,7 @@ def big_jsonl(shared_data, tmp_path_factory) -> Path:
 
 def _start_and_wait_for_progress(repo_root, big_jsonl, tiny_model_dir, prefix) -> tuple[subprocess.Popen, Path]:
     log = prefix.parent / "stderr.log"
-    cmd = [sys.executable, "-m", "services.coordinator.data_cli", "configs/datasets/deepscaler.yaml",
+    cmd = [sys.executable, "-m", "services.data.cli", "configs/datasets/deepscaler.yaml",
            "--set", f"input={big_jsonl}", "--set", f"tokenizer_name_or_path={tiny_model_dir}",
            "--set", f"output_prefix={prefix}", "--set", "workers=2", "--set", "log_interval=500"]
     with open(log, "w") as err:
@@ -126,7 +126,7 @@ def test_sigkill_mid_run_leaves_no_dataset_files(repo_root, shared_data, big_jso
 
     from data_support import deepscaler_config
 
-    from services.coordinator.data.preprocess import preprocess
+    from services.data.preprocess import preprocess
 
     preprocess(deepscaler_config(shared_data, tiny_model_dir, prefix, input=str(shared_data / DEEPSCALER_803)))
     assert not leftovers[0].exists()  # ...is removed by the next run into the same place

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator.data.dataset_config import load_dataset_config
-from services.coordinator.data.errors import DataError
+from services.common.errors import DataError
+from services.data.dataset_config import load_dataset_config
 
 
 @pytest.mark.parametrize("name", ["deepscaler.yaml", "math_17k.yaml"])

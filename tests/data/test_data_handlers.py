@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator.data.errors import DataError
-from services.coordinator.data.handlers import Dropped, RowTexts, get_handler
-from services.coordinator.data.readers import Row
+from services.common.errors import DataError
+from services.data.handlers import Dropped, RowTexts, get_handler
+from services.data.readers import Row
 
 DEEPSCALER_KEYS = {"prompt": "problem", "query": "", "response": "answer", "system": ""}
 MATH17K_KEYS = {"prompt": "prompt", "query": "", "response": "reward_model", "system": ""}

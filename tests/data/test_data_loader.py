@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.coordinator.data.errors import DataError
-from services.coordinator.data.loader import PromptLoader
+from services.common.errors import DataError
+from services.coordinator.prompt_loader import PromptLoader
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from data_support import DAPO_106, DEEPSCALER_803, DEEPSCALER_MATH_7474, deepscaler_config
 
-from services.coordinator.data.dataset_config import load_dataset_config
-from services.coordinator.data.errors import DataError
-from services.coordinator.data.preprocess import preprocess
+from services.common.errors import DataError
+from services.data.dataset_config import load_dataset_config
+from services.data.preprocess import preprocess
 
 FIELDS = ("input_ids", "attention_mask", "labels")
 
@@ -147,8 +147,8 @@ def test_configuration_errors(shared_data, tiny_model_dir, tmp_path, change, mat
 
 def test_backend_encoder_gives_the_ids_of_tokenizer_encode(deepscaler_prefix, shared_data, tiny_tokenizer):
     # Preprocessing calls the Rust backend directly for speed; the ids must be those of the public encode.
-    from services.coordinator.data.preprocess import make_encoder
-    from services.coordinator.data.templates import get_template
+    from services.data.preprocess import make_encoder
+    from services.data.templates import get_template
 
     rows = json.loads((shared_data / DEEPSCALER_803).read_text())
     tpl = get_template("qwen_r1")

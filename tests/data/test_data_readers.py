@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from services.coordinator.data.errors import DataError
-from services.coordinator.data.readers import open_rows
+from services.common.errors import DataError
+from services.data.readers import open_rows
 
 ROWS = [{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": "4"}, {"problem": "é?", "answer": None}]
 

@@ -7,8 +7,8 @@ import json
 import pytest
 from data_support import R1_FRAME_HEAD, R1_FRAME_TAIL
 
-from services.coordinator.data.errors import DataError
-from services.coordinator.data.templates import (
+from services.common.errors import DataError
+from services.data.templates import (
     DEFAULT_TEMPLATES_PATH,
     get_template,
     load_templates,

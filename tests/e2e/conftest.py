@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.coordinator.data.synthetic import write_arithmetic_jsonl
+from services.data.synthetic import write_arithmetic_jsonl
 
 
 @pytest.fixture(scope="session")

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from services.coordinator.data.errors import DataError
+from services.common.errors import DataError
 
-DEFAULT_TEMPLATES_PATH = Path(__file__).resolve().parents[3] / "configs" / "model" / "templates.json"
+DEFAULT_TEMPLATES_PATH = Path(__file__).resolve().parents[2] / "configs" / "model" / "templates.json"
 
 _PLACEHOLDER = re.compile(r"\{\{([a-zA-Z_][a-zA-Z0-9_]*)\}\}")
 _FORMATTER_KEYS = (

@@ -1,6 +1,6 @@
 """`rlfabric preprocess CONFIG.yaml`: MindSpeed-RL dataset preprocessing from a dataset YAML.
 
-Also runnable as `python -m services.coordinator.data_cli CONFIG.yaml`, which is what
+Also runnable as `python -m services.data.cli CONFIG.yaml`, which is what
 `examples/data/preprocess_data.sh NAME` calls. Progress goes to stderr (every `log_interval` rows), the final
 summary to stdout. Bad input exits with status 2 and one message naming the file, row, key or field.
 """
@@ -39,12 +39,12 @@ def run_preprocess(args: argparse.Namespace) -> int:
     import json
     import signal
 
-    from services.coordinator.data.dataset_config import load_dataset_config
-    from services.coordinator.data.errors import DataError
-    from services.coordinator.data.preprocess import preprocess
+    from services.common.errors import DataError
+    from services.data.dataset_config import load_dataset_config
+    from services.data.preprocess import preprocess
 
     if not args.quiet:
-        logging.getLogger("services.coordinator.data").setLevel(logging.INFO)
+        logging.getLogger("services.data").setLevel(logging.INFO)
 
     def _on_sigterm(signum: int, frame: object) -> None:
         # Turn SIGTERM into an exception so the temporary output is removed on the way out.

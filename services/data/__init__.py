@@ -1,15 +1,18 @@
-"""Training data: MindSpeed-RL style preprocessing into Megatron indexed datasets, and the prompt loader.
+"""Offline training data: MindSpeed-RL style preprocessing into Megatron indexed datasets (`rlfabric preprocess`).
 
 - `dataset_config`: the dataset YAML (`configs/datasets/*.yaml`) as a strict dataclass.
 - `readers`: raw rows from JSON, JSON arrays, JSONL and parquet, with row-numbered errors.
 - `templates`: chat templates from `configs/model/templates.json`, rendered to prompt token ids.
 - `handlers`: MindSpeed-RL's handlers (`R1AlpacaStyleInstructionHandler`, ...) turning a raw row into texts.
 - `preprocess`: the parallel, atomic writer of `{output_prefix}_packed_{field}_document.{bin,idx}`.
-- `loader`: `PromptLoader`, the coordinator's seeded, resumable batches of prompt and label token ids.
+- `synthetic`: arithmetic prompt sets for the demo, tests and benchmarks.
+- `cli`: `rlfabric preprocess`.
+
+The coordinator reads the output with its own `services/coordinator/prompt_loader.py`.
 
 Modules import torch/megatron/transformers lazily so the CLI's `--help` stays fast.
 """
 
-from services.coordinator.data.errors import DataError
+from services.common.errors import DataError
 
 __all__ = ["DataError"]

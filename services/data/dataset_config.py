@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.coordinator.data.errors import DataError
+from services.common.errors import DataError
 
 SUPPORTED_TOKENIZER_TYPES = ("HuggingFaceTokenizer",)
 MAP_KEY_SLOTS = ("prompt", "query", "response", "system")

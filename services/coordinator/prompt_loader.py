@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.coordinator.data.errors import DataError
+from services.common.errors import DataError
 
 logger = logging.getLogger(__name__)
 

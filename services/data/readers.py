@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.coordinator.data.errors import DataError
+from services.common.errors import DataError
 
 SUPPORTED_SUFFIXES = (".json", ".jsonl", ".parquet")
 _PARQUET_BATCH_ROWS = 1024

@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.coordinator.data.errors import DataError
-from services.coordinator.data.readers import Row
+from services.common.errors import DataError
+from services.data.readers import Row
 
 DROP_NULL_PROMPT = "null_prompt"  # the prompt field is null (or an optional field is absent)
 DROP_EMPTY_PROMPT = "empty_prompt"  # the prompt text is empty or whitespace

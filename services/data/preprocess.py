@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from services.coordinator.data.dataset_config import DatasetConfig
-from services.coordinator.data.errors import DataError
-from services.coordinator.data.handlers import (
+from services.common.errors import DataError
+from services.data.dataset_config import DatasetConfig
+from services.data.handlers import (
     DROP_REASONS,
     DROP_TOO_LONG,
     LABELS_KEY,
@@ -44,8 +44,8 @@ from services.coordinator.data.handlers import (
     RowTexts,
     get_handler,
 )
-from services.coordinator.data.readers import open_rows
-from services.coordinator.data.templates import Template, get_template
+from services.data.readers import open_rows
+from services.data.templates import Template, get_template
 
 logger = logging.getLogger(__name__)
 
