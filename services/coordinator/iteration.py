@@ -50,6 +50,8 @@ class IterationSettings:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    # The run's sampling seed (sampling_config.seed, or one drawn for the run and journaled; see RunDriver).
+    seed: int | None = None
     verifiers: tuple[tuple[str, float], ...] = (("math_17k_acc", 1.0),)
     use_reference: bool = True
     skip_old_log_probs: bool = True
@@ -128,7 +130,8 @@ class GrpoIteration:
                  out: queue.Queue) -> list[threading.Thread]:
         s = self.settings
         sampling = common_pb2.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, has_temperature=True,
-                                             top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
+                                             top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                                             seed=s.seed or 0, has_seed=s.seed is not None)
         threads = []
         for r, replica in enumerate(self.replicas):
             mine = groups[r::len(self.replicas)]
@@ -417,6 +420,7 @@ def settings_from_config(cfg: Any) -> IterationSettings:
         top_p=sampling.top_p,
         top_k=sampling.top_k,
         min_p=sampling.min_p,
+        seed=sampling.seed,
         verifiers=tuple(zip(rl.verifier_function, (float(w) for w in rl.verifier_weight), strict=True)),
         use_reference=rl.init_kl_coef > 0,
         skip_old_log_probs=derived.skip_old_log_probs,

@@ -9,7 +9,9 @@ re-synced to a fresh weights version before anything is generated, so no stale w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -126,9 +128,11 @@ class RunDriver:
             sync = WeightSync(actor, replicas, self.hf_config, self.settings.deadline_s)
             iteration, consumed, version = self._starting_point(previous, actor, replicas, sync)
             loader = self.loader_factory(consumed)
-            loop = GrpoIteration(replicas, self.score, actor, reference, self.decode, self.settings, sync)
+            seed = self._sampling_seed(previous)
+            settings = dataclasses.replace(self.settings, seed=seed)
+            loop = GrpoIteration(replicas, self.score, actor, reference, self.decode, settings, sync)
             self.journal.write(phase="running", iteration=iteration, weights_version=version, consumed_batches=consumed,
-                          train_iters=train_iters, rollout=endpoints.rollout, error="")
+                               train_iters=train_iters, rollout=endpoints.rollout, sampling_seed=seed, error="")
             while iteration < train_iters and not self.stop_event.is_set():
                 batch = loader.next_batch()
                 iteration += 1
@@ -146,6 +150,17 @@ class RunDriver:
         finally:
             for c in channels:
                 c.close()
+
+    def _sampling_seed(self, previous: dict[str, Any]) -> int:
+        """The run's sampling seed: the config's, else the one journaled by an earlier start, else fresh entropy.
+
+        Journaling a drawn seed makes a resumed run redraw exactly the samples the uninterrupted run would have.
+        """
+        if self.settings.seed is not None:
+            return int(self.settings.seed)
+        if previous.get("sampling_seed") is not None:
+            return int(previous["sampling_seed"])
+        return secrets.randbits(63)
 
     def _starting_point(self, previous: dict[str, Any], actor: Any, replicas: list[Replica],
                         sync: WeightSync) -> tuple[int, int, int]:

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from services.common.seeds import sample_seed
 from services.common.server import ServiceServer, ServiceSpec, create_server
 from services.common.tensors import TensorDecodeError, to_numpy, to_proto
 from services.rollout import metrics
@@ -174,7 +175,7 @@ class _GenerateStream:
             return
         too_long = len(prompt) >= engine.max_model_len
         for i in range(group.n):
-            seed = None if sampling.seed is None else sampling.seed + i
+            seed = None if sampling.seed is None else sample_seed(sampling.seed, group.group_id, i)
             engine_id = f"{self.uid}:{next(self._seq)}"
             with self._lock:
                 if self.cancelled.is_set():

@@ -57,7 +57,7 @@ def test_n8_temperature1_streams_each_sample_as_it_finishes(rollout_stub) -> Non
         assert sorted(s.sample_id for s in group) == [f"{gid}/{i}" for i in range(8)]
         assert sorted(s.index for s in group) == list(range(8))
     long_responses = {tuple(tokens(s)) for s in samples if s.group_id == "long"}
-    assert len(long_responses) == 8, "seeds seed+i must give 8 different samples"
+    assert len(long_responses) == 8, "per-sample seeds must give 8 different samples"
     # The server received the stream no earlier than `sent_at`, so the last sample finished no earlier
     # than sent_at + its latency (measured from the group's arrival at the server).
     last_finished_no_earlier_than = sent_at + max(s.latency_s for s in samples)
@@ -144,3 +144,20 @@ def test_seeded_samples_with_more_prompt_tokens_than_one_step_holds(rollout_stub
                                       for k, p in enumerate(batch)])
     assert len(samples) == 24
     assert all(s.finish_reason == common_pb2.FINISH_REASON_LENGTH and s.response_length == 4 for s in samples)
+
+
+def test_seeded_groups_draw_distinct_streams_and_redraw_the_same_group_identically(rollout_stub) -> None:
+    """A run seed gives each (group, sample) its own stream: the same prompt in two iterations (two group ids)
+    samples differently, and asking for the same group id again (a retry, a resumed run) redraws it exactly."""
+    (prompt,) = prompts(1, seed=5)
+
+    def draw(group_id: str) -> list[tuple[int, ...]]:
+        samples = generate(rollout_stub, [group_request(group_id, prompt, n=8, temperature=1.0, max_tokens=12,
+                                                        seed=1)])
+        return [tuple(tokens(s)) for s in sorted(samples, key=lambda s: s.index)]
+
+    first, second, first_again = draw("it1/p0"), draw("it2/p0"), draw("it1/p0")
+    assert first == first_again
+    assert len(set(first)) == 8
+    # Same prompt, next iteration: no sample repeats its counterpart's stream.
+    assert sum(a == b for a, b in zip(first, second, strict=True)) == 0

@@ -174,7 +174,9 @@ class SamplingConfig:
     min_p: float = setting(0.0, "Minimum probability relative to the most likely token.")
     temperature: float = setting(0.2, "Sampling temperature; training log-probs divide logits by it too.")
     detokenize: bool = setting(False, "Return response text as well as token ids.")
-    seed: int | None = setting(None, "Sampling seed; unset means random.")
+    seed: int | None = setting(
+        None, "Run sampling seed; each sample draws its own stream from (seed, iteration, prompt, index). Unset: a "
+              "seed drawn once per run and journaled, so a resumed run redraws the same samples.")
 
 
 @dataclass(kw_only=True)
