@@ -94,6 +94,7 @@ def run_keys(args: argparse.Namespace) -> int:
     import dataclasses
 
     from services.common.config import (
+        FabricConfig,
         GenerateConfig,
         MegatronConfig,
         ModelConfig,
@@ -107,10 +108,11 @@ def run_keys(args: argparse.Namespace) -> int:
         "megatron_training": MegatronConfig, "actor_config": MegatronConfig, "ref_config": MegatronConfig,
         "model": ModelConfig, "rl_config": RLConfig, "generate_config": GenerateConfig,
         "sampling_config": SamplingConfig, "generate_config.sampling_config": SamplingConfig,
-        "profiler_config": ProfilerConfig, "msprobe_config": MsprobeConfig,
+        "profiler_config": ProfilerConfig, "msprobe_config": MsprobeConfig, "rlfabric": FabricConfig,
     }
     wanted = [args.section] if args.section else ["megatron_training", "rl_config", "generate_config",
-                                                  "sampling_config", "profiler_config", "msprobe_config"]
+                                                  "sampling_config", "profiler_config", "msprobe_config",
+                                                  "rlfabric"]
     for name in wanted:
         cls = sections.get(name)
         if cls is None:

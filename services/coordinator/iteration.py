@@ -64,7 +64,7 @@ class IterationSettings:
     rollout_max_tokens: int = 0
     world_size: int = 1
     log_max_throughput: bool = False
-    deadline_s: float = 600.0
+    deadline_s: float = 600.0  # rlfabric.rpc_deadline_s
     kl_ctrl_type: str = "fixed"
     init_kl_coef: float = 0.001
     kl_target: float | None = None
@@ -422,7 +422,7 @@ def settings_from_config(cfg: Any) -> IterationSettings:
         min_p=sampling.min_p,
         seed=sampling.seed,
         verifiers=tuple(zip(rl.verifier_function, (float(w) for w in rl.verifier_weight), strict=True)),
-        use_reference=rl.init_kl_coef > 0,
+        use_reference=derived.use_kl_loss,
         skip_old_log_probs=derived.skip_old_log_probs,
         ref_forward_micro_batch_size=rl.ref_forward_micro_batch_size,
         actor_forward_micro_batch_size=rl.actor_forward_micro_batch_size,
@@ -434,6 +434,7 @@ def settings_from_config(cfg: Any) -> IterationSettings:
         log_max_throughput=rl.log_max_throughput,
         kl_ctrl_type=rl.kl_ctrl_type,
         init_kl_coef=rl.init_kl_coef,
+        deadline_s=cfg.rlfabric.rpc_deadline_s,
         kl_target=rl.kl_target,
         kl_horizon=rl.kl_horizon,
     )

@@ -50,7 +50,7 @@ class LocalStack:
         self._spawn("rollout-0", ["rollout", "serve", *cfg_args, *rollout_overrides, "--address", "127.0.0.1:0", *url])
         trainer_overrides = [a for o in self.overrides for a in ("--override", o)]
         self._spawn("trainer-actor", ["trainer", "serve", *cfg_args, *trainer_overrides, "--role", "actor", *url])
-        if self.cfg.rl_config.init_kl_coef > 0:
+        if self.cfg.derived.use_kl_loss:
             self._spawn("trainer-reference", ["trainer", "serve", *cfg_args, *trainer_overrides, "--role", "reference",
                                               *url])
         self._spawn("coordinator", ["coordinator", "serve", *url, "--runs-dir", str(self.run_dir / "runs")])

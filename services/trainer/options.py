@@ -32,7 +32,7 @@ def worker_options_from_config(cfg, role: str = "actor", *, hf_dir: str | None =
         clip_ratio_low=rl.clip_ratio_low if rl.clip_higher_enable else None,
         clip_ratio_high=rl.clip_ratio_high if rl.clip_higher_enable else None,
         kl_penalty=rl.kl_penalty,
-        use_kl=not rl.use_kl_in_reward and rl.init_kl_coef != 0,
+        use_kl=cfg.derived.use_kl_loss,
         entropy_coeff=rl.entropy_coeff,
         token_level_loss=rl.token_level_loss,
     )

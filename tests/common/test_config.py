@@ -349,7 +349,7 @@ def test_load_config_dict_without_file(repo_root: Path):
 def test_to_dict_has_every_section_and_derived(upstream_7b: Path):
     out = load_config(upstream_7b).to_dict()
     assert list(out) == ["model_name", "model", "megatron_training", "actor_config", "ref_config", "rl_config",
-                         "generate_config", "profiler_config", "msprobe_config", "derived"]
+                         "generate_config", "profiler_config", "msprobe_config", "rlfabric", "derived"]
     assert out["generate_config"]["sampling_config"]["max_tokens"] == 2048
     assert out["derived"]["actor_data_parallel_size"] == 4
 
@@ -412,3 +412,11 @@ def test_resolved_sections_round_trip_through_yaml(upstream_7b: Path):
     assert again.actor_config == dataclasses.replace(cfg.actor_config, model=None)
     assert again.rl_config == cfg.rl_config and again.generate_config == cfg.generate_config
     assert again.derived == dataclasses.replace(cfg.derived, prompt_type_path=None)
+
+
+def test_rlfabric_section_is_optional_and_strict(upstream_7b: Path):
+    assert load_config(upstream_7b).rlfabric.rpc_deadline_s == 600.0
+    cfg = load_config(upstream_7b, overrides=["rlfabric.rpc_deadline_s=30"])
+    assert cfg.rlfabric.rpc_deadline_s == 30.0
+    with pytest.raises(ConfigError, match="rpc_deadline_s"):
+        load_config(upstream_7b, overrides=["rlfabric.rpc_deadline=30"])

@@ -14,6 +14,7 @@ from services.common.config.loader import load_config, load_config_dict
 from services.common.config.megatron import MegatronConfig, ModelConfig
 from services.common.config.resolved import RLFabricConfig
 from services.common.config.sections import (
+    FabricConfig,
     GenerateConfig,
     IntegratedModeConfig,
     MsprobeConfig,
@@ -31,6 +32,7 @@ __all__ = [
     "IntegratedModeConfig",
     "MegatronConfig",
     "ModelConfig",
+    "FabricConfig",
     "MsprobeConfig",
     "ProfilerConfig",
     "RLConfig",

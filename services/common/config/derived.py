@@ -61,6 +61,7 @@ class Derived:
     adv_dispatch_size: int | None
     actor_update_dispatch_size: int | None
     skip_old_log_probs: bool
+    use_kl_loss: bool
     params_dtype: str
     rollout_dtype: str
     max_response_length: int
@@ -152,6 +153,8 @@ def compute_derived(
         actor_update_dispatch_size=rl.actor_update_dispatch_size or _div(train_samples, actor_dp),
         # Fully on-policy: one optimizer step per iteration, so old log-probs equal current ones.
         skip_old_log_probs=rl.mini_batch_size == gbs and rl.epochs == 1,
+        # The KL term (and so a reference model) exists iff its coefficient is non-zero.
+        use_kl_loss=rl.init_kl_coef != 0,
         params_dtype="bfloat16" if actor.bf16 else "float32",
         rollout_dtype=gen.dtype,
         max_response_length=max_tokens,

@@ -30,6 +30,7 @@ from services.common.config.schema import (
     parse_section,
 )
 from services.common.config.sections import (
+    FabricConfig,
     GenerateConfig,
     MsprobeConfig,
     ProfilerConfig,
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 MEGATRON_SECTIONS = ("megatron_training", "actor_config", "ref_config")
 TOP_LEVEL_KEYS = ("defaults", "model", *MEGATRON_SECTIONS, "reward_config", "rl_config", "generate_config",
-                  "profiler_config", "msprobe_config")
+                  "profiler_config", "msprobe_config", "rlfabric")
 
 # Keys of each section, to tell a user that a key belongs in another section.
 _SECTION_KEYS: dict[str, Iterable[str]] = {
@@ -151,6 +152,8 @@ def load_config_dict(
     profilers = _profilers(top.get("profiler_config"), raw, issues, bad)
     msprobe = MsprobeConfig(**parse_section(MsprobeConfig, top.get("msprobe_config"), section="msprobe_config",
                                             issues=issues, source=sourcer(top.get("msprobe_config")), bad=bad))
+    fabric = FabricConfig(**parse_section(FabricConfig, top.get("rlfabric"), section="rlfabric", issues=issues,
+                                          source=sourcer(top.get("rlfabric"), _src(raw, "rlfabric")), bad=bad))
     _check_worker_sections(sections, rl, raw, issues)
 
     provenance = Provenance(
@@ -167,6 +170,7 @@ def load_config_dict(
         generate_config=gen,
         profiler_config=profilers,
         msprobe_config=msprobe,
+        rlfabric=fabric,
         derived=compute_derived(actor, ref, rl, gen, config_dir=config_dir),
         path=path,
         provenance=provenance,

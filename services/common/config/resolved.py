@@ -15,11 +15,17 @@ from typing import Any
 
 from services.common.config.derived import Derived
 from services.common.config.megatron import MegatronConfig, ModelConfig
-from services.common.config.sections import GenerateConfig, MsprobeConfig, ProfilerConfig, RLConfig
+from services.common.config.sections import (
+    FabricConfig,
+    GenerateConfig,
+    MsprobeConfig,
+    ProfilerConfig,
+    RLConfig,
+)
 
 # Sections printed by `rlfabric config check`, in order.
 SECTION_NAMES = ("model", "megatron_training", "actor_config", "ref_config", "rl_config", "generate_config",
-                 "profiler_config", "msprobe_config")
+                 "profiler_config", "msprobe_config", "rlfabric")
 
 
 @dataclass
@@ -48,6 +54,7 @@ class RLFabricConfig:
     generate_config: GenerateConfig
     profiler_config: dict[str, ProfilerConfig]
     msprobe_config: MsprobeConfig
+    rlfabric: FabricConfig
     derived: Derived
     path: Path | None = None
     warnings: list[str] = field(default_factory=list)

@@ -225,6 +225,16 @@ class ProfilerConfig:
 
 
 @dataclass(kw_only=True)
+class FabricConfig:
+    """rlfabric's own keys (`rlfabric:`), for what MindSpeed-RL, one Ray program, has no setting: the services
+    talk over a network. Optional; upstream YAMLs have no such section and load unchanged."""
+
+    rpc_deadline_s: float = setting(
+        600.0, "Longest one coordinator call to a service (a Generate stream, an Update, a weight push) may take, "
+               "in seconds; a call past it fails the iteration naming the service.")
+
+
+@dataclass(kw_only=True)
 class MsprobeConfig:
     """MindStudio msprobe data-dump options (`msprobe_config`; accepted, ignored by rlfabric)."""
 
