@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import grpc
@@ -10,26 +11,44 @@ from services.common.server import MAX_MESSAGE_BYTES
 
 DEFAULT_DEADLINE_S = 30.0
 
-# Transparent retries for calls that never reached a handler (UNAVAILABLE). Streaming calls are only
-# retried before the first response, which gRPC guarantees; callers re-send idempotent work themselves.
-_SERVICE_CONFIG = json.dumps(
-    {
-        "methodConfig": [
-            {
-                "name": [{"service": "rlfabric.v1.Rollout"}, {"service": "rlfabric.v1.Trainer"},
-                         {"service": "rlfabric.v1.Reward"}, {"service": "rlfabric.v1.Verifier"},
-                         {"service": "rlfabric.v1.Coordinator"}],
-                "retryPolicy": {
-                    "maxAttempts": 4,
-                    "initialBackoff": "0.1s",
-                    "maxBackoff": "2s",
-                    "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE"],
-                },
-            }
-        ]
-    }
-)
+# How fast a dead peer is noticed on an open call: a ping after KEEPALIVE_TIME_MS of silence, the connection
+# dropped when no answer comes within KEEPALIVE_TIMEOUT_MS. A SIGKILLed peer on the same host fails the call at
+# once (the kernel resets the connection); a hung or partitioned one within about 15 s.
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+
+
+def _unary_methods() -> list[dict[str, str]]:
+    """Every unary rpc of the rlfabric.v1 services, as service-config method names."""
+    from rlfabric.v1 import coordinator_pb2, reward_pb2, rollout_pb2, trainer_pb2, verifier_pb2
+
+    names = []
+    for module in (coordinator_pb2, reward_pb2, rollout_pb2, trainer_pb2, verifier_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            names += [{"service": service.full_name, "method": m.name} for m in service.methods
+                      if not m.client_streaming and not m.server_streaming]
+    return names
+
+
+@functools.cache
+def _service_config() -> str:
+    """Transparent retries of UNAVAILABLE (the call never reached a handler), for unary rpcs only.
+
+    Streaming rpcs get no retry policy: with one, grpc-core keeps a stream whose server died before its first
+    reply waiting for a retry that never comes, past its deadline (a SIGKILLed server hung the caller for good,
+    tests/common/test_client_liveness.py). A failed stream fails at once; callers re-send idempotent work
+    (sample ids make that safe).
+    """
+    return json.dumps({"methodConfig": [{
+        "name": _unary_methods(),
+        "retryPolicy": {
+            "maxAttempts": 4,
+            "initialBackoff": "0.1s",
+            "maxBackoff": "2s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }]})
 
 
 class _TokenAuth(grpc.AuthMetadataPlugin):
@@ -71,10 +90,15 @@ def channel_options() -> list[tuple[str, object]]:
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # grpc-core 1.85 times keepalive pings out with this (60 s by default), not keepalive_timeout_ms alone.
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # Keep pinging a silent connection (the default stops after two pings without data, and a long
+        # Generate or Update call can stay silent far longer than that).
+        ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_retries", 1),
-        ("grpc.service_config", _SERVICE_CONFIG),
+        ("grpc.service_config", _service_config()),
     ]
 
 

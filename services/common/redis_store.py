@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from services.common.net import free_port
 
@@ -56,6 +58,16 @@ class RedisServer:
     process: subprocess.Popen
     workdir: Path
     _owns_dir: bool = True
+    args: list[str] = field(default_factory=list)
+
+    def restart(self, timeout_s: float = 10.0) -> None:
+        """Starts the server again on the same port and directory (its append-only file, if any, is replayed)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.process = _spawn_redis(self.args)
+        if not _wait_for_ping(self.process, self.url, timeout_s):
+            raise RuntimeError(f"redis at {self.url} did not come back; log: {self.workdir / 'redis.log'}")
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -94,29 +106,52 @@ def start_private_redis(workdir: str | None = None, *, appendonly: bool = False,
         args = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
                 "--appendonly", "yes" if appendonly else "no", "--dir", str(path),
                 "--daemonize", "no", "--logfile", str(path / "redis.log")]
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        proc = _spawn_redis(args)
         url = f"redis://127.0.0.1:{port}/0"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                last_error = (proc.stderr.read() or b"").decode(errors="replace") if proc.stderr else ""
-                break
-            try:
-                if redis.Redis.from_url(url, socket_timeout=0.5).ping():
-                    logger.info("private redis at %s (%s)", url, binary)
-                    return RedisServer(url, proc, path, owns)
-            except redis.exceptions.ConnectionError:
-                time.sleep(0.02)
+        if _wait_for_ping(proc, url, timeout_s):
+            logger.info("private redis at %s (%s)", url, binary)
+            return RedisServer(url, proc, path, owns, args)
+        if proc.poll() is not None:
+            last_error = (proc.stderr.read() or b"").decode(errors="replace") if proc.stderr else ""
         else:
             proc.kill()
             last_error = f"did not answer PING within {timeout_s}s"
     raise RuntimeError(f"could not start {binary}: {last_error or 'port race'}; log: {path / 'redis.log'}")
 
 
+# How long a command keeps retrying while Redis is unreachable: long enough for a restart (a process restart
+# takes well under a second; a rescheduled pod, tens of seconds), short enough that a Redis that is gone for
+# good fails the caller with a message rather than hanging it.
+REDIS_RETRY_WINDOW_S = 60.0
+
+
+def _spawn_redis(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _wait_for_ping(proc: subprocess.Popen, url: str, timeout_s: float) -> bool:
+    """True once the server at `url` answers PING; False if `proc` exits or `timeout_s` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if redis.Redis.from_url(url, socket_timeout=0.5).ping():
+                return True
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.02)
+    return False
+
+
 def connect(url: str) -> redis.Redis:
-    """A client with string decoding and short socket timeouts, suitable for heartbeats."""
+    """A client with string decoding, short socket timeouts, and retries that ride out a Redis restart.
+
+    Every write rlfabric makes is idempotent (whole-field HSET, SET of a registration), so re-sending a command
+    whose reply was lost with the connection changes nothing.
+    """
+    backoff = ExponentialBackoff(cap=2.0, base=0.1)
+    retry = Retry(backoff, retries=int(REDIS_RETRY_WINDOW_S / 2.0) + 5)
     return redis.Redis.from_url(url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5,
-                                health_check_interval=10)
+                                health_check_interval=10, retry=retry,
+                                retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError])
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,16 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 GRPC_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    # Clients ping at most every 30 s (services/common/client.py); allow that without a GOAWAY.
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    # Clients ping every 10 s of silence (services/common/client.py KEEPALIVE_TIME_MS); allow that without a
+    # GOAWAY ("too_many_pings").
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # The server pings silent clients too, so the calls of a dead caller (a killed coordinator) end within
+    # about 15 s instead of holding their handler threads and engine work for hours.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 
 

@@ -100,3 +100,30 @@ def test_run_journal_round_trip_and_idempotent_replay(redis_url: str) -> None:
     assert journal.iterations() == {3: {"timing/all": 1.5}}
     journal.delete()
     assert not journal.exists()
+
+
+def test_journal_and_registrations_ride_out_a_redis_restart(tmp_path) -> None:
+    """Redis SIGKILLed and started again on the same port and append-only file: a journal write made while it
+    is down waits and lands, earlier writes survive, and a registration comes back with its next heartbeat."""
+    import threading
+
+    server = start_private_redis(str(tmp_path / "redis"), appendonly=True)
+    try:
+        client = connect(server.url)
+        journal = RunJournal(client, "restart")
+        journal.write(phase="running", iteration=3)
+        client.execute_command("BGREWRITEAOF")  # the AOF holds everything so far, whatever fsync timing does
+        assert wait_until(lambda: client.info("persistence")["aof_rewrite_in_progress"] == 0, 10)
+        registration = Registry(client).register("reward", "w0", "127.0.0.1:1", lease_s=1.5)
+        server.process.kill()
+        server.process.wait()
+        restarter = threading.Timer(1.0, server.restart)
+        restarter.start()
+        journal.write(phase="rollout", current_iteration=4)  # blocks until Redis is back, then lands
+        restarter.join()
+        state = journal.read()
+        assert (state["phase"], state["iteration"], state["current_iteration"]) == ("rollout", 3, 4)
+        assert wait_until(lambda: [m.instance_id for m in Registry(client).members("reward")] == ["w0"], 10)
+        registration.close()
+    finally:
+        server.stop()
