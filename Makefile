@@ -20,7 +20,15 @@ CONFIG ?= configs/grpo_tiny_cpu.yaml
 ARGS ?=
 
 up:
+ifeq ($(TARGET),k8s)
+	@# make up TARGET=k8s [OVERLAY=cpu|cuda|ascend] [KUBECTL=...]: secrets if missing, then the rendered overlay
+	KUBECTL=$(or $(KUBECTL),.venv/bin/kubectl) bash deploy/k8s/secrets.sh
+	manifest=$$(mktemp) && trap 'rm -f "$$manifest"' EXIT && \
+	  $(or $(KUBECTL),.venv/bin/kubectl) kustomize --load-restrictor LoadRestrictionsNone deploy/k8s/overlays/$(or $(OVERLAY),cpu) > "$$manifest" && \
+	  $(or $(KUBECTL),.venv/bin/kubectl) apply -f "$$manifest"
+else
 	.venv/bin/rlfabric up $(CONFIG) $(ARGS)
+endif
 
 demo:
 	bash examples/grpo/grpo_trainer_tiny_cpu.sh
