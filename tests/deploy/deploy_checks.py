@@ -21,6 +21,15 @@ def load_json(name: str) -> dict[str, Any]:
     return json.loads((SCHEMAS / name).read_text())
 
 
+def grpc_service(component: str) -> str:
+    """The full gRPC service name a component serves, from the generated stubs (the contract)."""
+    from rlfabric.v1 import coordinator_pb2, reward_pb2, rollout_pb2, trainer_pb2
+
+    module = {"coordinator": coordinator_pb2, "rollout": rollout_pb2, "reward": reward_pb2, "trainer": trainer_pb2}
+    (service,) = module[component].DESCRIPTOR.services_by_name.values()
+    return service.full_name
+
+
 def substitute(value: str, env: dict[str, str]) -> str:
     """Expands Kubernetes-style $(VAR) references, failing on one that is not defined."""
     def one(m: re.Match) -> str:

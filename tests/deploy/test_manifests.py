@@ -22,7 +22,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from deploy_checks import CONFIGS_MOUNT, DEPLOY_DIR, JEMALLOC, check_argv, load_json, substitute
+from deploy_checks import CONFIGS_MOUNT, DEPLOY_DIR, JEMALLOC, check_argv, grpc_service, load_json, substitute
 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is not installed: `make setup` installs it (dev extra)")
@@ -39,15 +39,6 @@ GANG = {"cpu": False, "cuda": True, "ascend": True}
 LWS_ENV = {"LWS_LEADER_ADDRESS": "trainer-actor-0.trainer-actor", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}
 SECRETS = {"rlfabric-redis": "password", "rlfabric-auth": "token"}  # created by deploy/k8s/secrets.sh
 OPTIONAL_SECRETS = {"rlfabric-tls"}
-
-
-def grpc_service(component: str) -> str:
-    """The full gRPC service name a component serves, from the generated stubs (the contract)."""
-    from rlfabric.v1 import coordinator_pb2, reward_pb2, rollout_pb2, trainer_pb2
-
-    module = {"coordinator": coordinator_pb2, "rollout": rollout_pb2, "reward": reward_pb2, "trainer": trainer_pb2}
-    (service,) = module[component].DESCRIPTOR.services_by_name.values()
-    return service.full_name
 
 
 # ---------------------------------------------------------------------------------------------- walking
