@@ -454,8 +454,11 @@ def test_reward_autoscaler(overlay):
 
 def test_make_up_target_k8s_applies_the_rendered_overlay(repo_root):
     """`make up TARGET=k8s` renders then applies the chosen overlay; plain `make up` is unchanged."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # under `make test`
+
     def dry(*args: str) -> str:
-        done = subprocess.run(["make", "-n", "up", *args], cwd=repo_root, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(["make", "--no-print-directory", "-n", "up", *args], cwd=repo_root, env=env,
+                              capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         return done.stdout
 

@@ -38,7 +38,7 @@ def test_lws_trainer_command_forms_a_two_pod_group(render, redis_url, tiny_model
     try:
         for index, key in enumerate(("leaderTemplate", "workerTemplate")):
             container = lws["spec"]["leaderWorkerTemplate"][key]["spec"]["containers"][0]
-            env = {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": str(index), "LWS_LEADER_ADDRESS": "localhost",
+            env = {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": str(index), "LWS_LEADER_ADDRESS": "127.0.0.1",
                    "POD_IP": "127.0.0.1", "POD_NAME": f"trainer-actor-0{'-1' if index else ''}",
                    "REDIS_URL": redis_url, "RUN_CONFIG": "grpo_tiny_cpu.yaml"}
             argv = []
