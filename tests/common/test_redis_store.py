@@ -119,8 +119,10 @@ def test_journal_and_registrations_ride_out_a_redis_restart(tmp_path) -> None:
         server.process.wait()
         restarter = threading.Timer(1.0, server.restart)
         restarter.start()
-        journal.write(phase="rollout", current_iteration=4)  # blocks until Redis is back, then lands
-        restarter.join()
+        try:
+            journal.write(phase="rollout", current_iteration=4)  # blocks until Redis is back, then lands
+        finally:
+            restarter.join()  # never leave a restarted server behind
         state = journal.read()
         assert (state["phase"], state["iteration"], state["current_iteration"]) == ("rollout", 3, 4)
         assert wait_until(lambda: [m.instance_id for m in Registry(client).members("reward")] == ["w0"], 10)
