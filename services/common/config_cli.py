@@ -1,11 +1,15 @@
 """`rlfabric config ...`: check a MindSpeed-RL YAML and list the keys each section accepts.
 
     rlfabric config check FILE [--override section.key=value ...] [--json]
-    rlfabric config keys [SECTION]
+    rlfabric config keys [SECTION] [--markdown]
 
-`check` prints the resolved configuration (every section, then the derived values) and exits 0, or
-prints every error to stderr and exits 2. With --json it prints one JSON document on stdout either
-way: {"ok": true, "config": {...}, "warnings": [...]} or {"ok": false, "errors": [...]}.
+`check` prints the resolved configuration (every section, then the derived values), the algorithm and
+device count it resolves to, the model block's check against the `config.json` it will load (when the
+model folder is there), and the keys the file sets that rlfabric accepts but does not act on: inert keys
+with their reason, keys only another platform acts on (vllm-ascend's), keys the algorithm does not read.
+It exits 0, or prints every error to stderr and exits 2. With --json it prints one JSON document on
+stdout either way: {"ok": true, "config": {...}, "keys": {...}, "model_checked": [...], "warnings": [...]}
+or {"ok": false, "errors": [...]}.
 """
 
 from __future__ import annotations
@@ -37,24 +41,33 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     keys.add_argument("section", nargs="?", metavar="SECTION",
                       help="megatron_training, actor_config, model, rl_config, generate_config, sampling_config, "
                            "profiler_config or msprobe_config (default: all)")
+    keys.add_argument("--markdown", action="store_true",
+                      help="print every key's status (read / refused / inert) as the table of docs/config.md")
     keys.set_defaults(func=run_keys)
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from services.common.config import ConfigError, load_config
+    import dataclasses
+
+    from services.common.config import ConfigError, check_model_files, load_config
+    from services.common.config.catalog import key_report
 
     try:
         cfg = load_config(args.file, overrides=args.override)
+        checked = check_model_files(cfg)
     except ConfigError as exc:
         if args.json:
             print(json.dumps({"ok": False, "errors": [i.to_dict() for i in exc.issues]}, indent=2))
         else:
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    report = key_report(cfg)
     if args.json:
-        print(json.dumps({"ok": True, "config": cfg.to_dict(), "warnings": cfg.warnings}, indent=2))
+        print(json.dumps({"ok": True, "config": cfg.to_dict(), "keys": dataclasses.asdict(report),
+                          "model_checked": [str(d / "config.json") for d in checked], "warnings": cfg.warnings},
+                         indent=2))
         return 0
-    print(_render(cfg))
+    print(_render(cfg, report, checked))
     return 0
 
 
@@ -69,7 +82,7 @@ def _dump(data: dict) -> str:
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120).rstrip()
 
 
-def _render(cfg: Any) -> str:
+def _render(cfg: Any, report: Any, checked: list) -> str:
     data = cfg.to_dict()
     derived = data.pop("derived")
     d = cfg.derived
@@ -79,7 +92,11 @@ def _render(cfg: Any) -> str:
              "",
              "# derived values (sizes in samples unless named prompts)",
              _dump({"derived": derived}),
-             ""]
+             "",
+             *_key_lines(report),
+             *(f"model block checked against {p / 'config.json'}: it matches" for p in checked),
+             *([] if checked else ["model block not checked: no config.json in the tokenizer or load folder"]),
+             _algorithm_line(cfg)]
     # Warnings are already logged by the loader (stderr); they are in the --json document too.
     lines.append(
         f"OK: actor DP = {d.actor_data_parallel_size} ({d.actor_world_size} devices / TP {a.tensor_model_parallel_size}"
@@ -90,26 +107,47 @@ def _render(cfg: Any) -> str:
     return "\n".join(lines)
 
 
+def _key_lines(report: Any) -> list[str]:
+    lines = []
+    if report.inert:
+        lines.append("# keys this file sets that rlfabric accepts and does not act on (inert), by reason:")
+        for reason, keys in report.inert.items():
+            lines.append(f"#   {reason}:")
+            lines.append(f"#     {', '.join(keys)}")
+    if report.inactive_here:
+        platforms = sorted(set(report.inactive_here.values()))
+        lines.append(f"# keys inactive on this platform (only {', '.join(platforms)} acts on them): "
+                     f"{', '.join(report.inactive_here)}")
+    for key, why in report.inactive_for_algorithm.items():
+        lines.append(f"# {key} is not read: {why}")
+    return [*lines, ""] if lines else []
+
+
+def _algorithm_line(cfg: Any) -> str:
+    d, rl = cfg.derived, cfg.rl_config
+    stage = cfg.actor_config.stage or "ray_grpo (unset)"
+    kl = (f"KL term {rl.kl_penalty} x {rl.init_kl_coef} ({rl.kl_ctrl_type}), reference world size {d.ref_world_size}"
+          if d.use_kl_loss else "no KL term, no reference model")
+    clip = (f"clip [1 - {rl.clip_ratio_low}, 1 + {rl.clip_ratio_high}]" if rl.clip_higher_enable
+            else f"clip {rl.clip_ratio}")
+    loss = "token-level loss" if rl.token_level_loss or d.algorithm != "dapo" else "sequence-mean-token-mean loss"
+    extras = [f"overlong shaping (buffer {rl.overlong_buffer})" if rl.overlong_buffer_enable else "",
+              f"dynamic sampling to {rl.filter_groups_train_batch_size} prompts" if d.dynamic_sampling else ""]
+    mode = "integrated: actor, reference and rollout share" if rl.use_integrated_worker else "disaggregated"
+    return (f"algorithm: {(d.algorithm or '?').upper()} (stage: {stage}): {kl}; {loss}, {clip}"
+            f"{''.join(', ' + e for e in extras if e)}; world size {d.world_size} devices ({mode})")
+
+
 def run_keys(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from services.common.config import (
-        FabricConfig,
-        GenerateConfig,
-        MegatronConfig,
-        ModelConfig,
-        MsprobeConfig,
-        ProfilerConfig,
-        RLConfig,
-        SamplingConfig,
-    )
+    from services.common.config import SECTIONS
+    from services.common.config.catalog import render_status_table
 
-    sections = {
-        "megatron_training": MegatronConfig, "actor_config": MegatronConfig, "ref_config": MegatronConfig,
-        "model": ModelConfig, "rl_config": RLConfig, "generate_config": GenerateConfig,
-        "sampling_config": SamplingConfig, "generate_config.sampling_config": SamplingConfig,
-        "profiler_config": ProfilerConfig, "msprobe_config": MsprobeConfig, "rlfabric": FabricConfig,
-    }
+    if args.markdown:
+        sys.stdout.write(render_status_table())
+        return 0
+    sections = {**SECTIONS, "sampling_config": SECTIONS["generate_config.sampling_config"]}
     wanted = [args.section] if args.section else ["megatron_training", "rl_config", "generate_config",
                                                   "sampling_config", "profiler_config", "msprobe_config",
                                                   "rlfabric"]
@@ -128,7 +166,8 @@ def run_keys(args: argparse.Namespace) -> int:
             else:
                 default = "(required)"
             shown = repr(default) if isinstance(default, str) else json.dumps(default)
-            print(f"  {f.name}: {shown}  # {f.metadata.get('help', '')}")
+            status = f.metadata.get("status")
+            print(f"  {f.name}: {shown}  # {f.metadata.get('help', '')} [{status.kind if status else 'no status'}]")
     return 0
 
 

@@ -33,10 +33,11 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from services.common.config import ConfigError, load_config
+    from services.common.config import ConfigError, check_model_files, load_config
 
     try:
         cfg = load_config(args.config, args.override)
+        check_model_files(cfg)  # the model block against the config.json the services load, before any starts
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2

@@ -86,6 +86,10 @@ class EngineOptions:
     cache_root: str | None = None
     # CPU only: torch threads for the engine (vLLM forbids changing them once the worker started).
     num_threads: int | None = None
+    # vllm-ascend's options as MindSpeed-RL passes them (`generate_config.vllm_additional_config()`, expert
+    # parallelism); vLLM hands `additional_config` to its platform plugin, so other platforms ignore it.
+    additional_config: dict[str, Any] = field(default_factory=dict)
+    enable_expert_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,8 @@ def options_from_config(generate_config: Any, model: str, **extra: Any) -> tuple
         enforce_eager=bool(g.enforce_eager),
         enable_prefix_caching=bool(g.enable_prefix_caching),
         trust_remote_code=bool(g.trust_remote_code),
+        additional_config=g.vllm_additional_config(),
+        enable_expert_parallel=bool(g.enable_expert_parallel),
         **extra,
     )
     sampling = SamplingOptions(
@@ -254,6 +260,8 @@ class RolloutEngine:
             logprobs_mode=options.logprobs_mode,
             enable_sleep_mode=self.sleep_mode_native,
             disable_log_stats=True,
+            additional_config=options.additional_config or None,
+            enable_expert_parallel=options.enable_expert_parallel,
         )
         with keep_torch_set_num_threads():
             self._engine = LLMEngine.from_engine_args(args)

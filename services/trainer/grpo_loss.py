@@ -42,8 +42,8 @@ Contract with the caller (the trainer's update loop):
   averages micro-batch losses over the mini-batch, e.g. backward on `loss / num_micro_batches`,
   and averages the metrics the same way; that reproduces MindSpeed-RL's "token mean per
   micro-batch, averaged over the mini-batch".
-- Old log-probs may be None when the update is fully on-policy (`can_skip_old_log_probs`): the
-  ratio is then exp(log p - detach(log p)) == 1 with the correct gradient.
+- Old log-probs may be None when the update is fully on-policy (the config's
+  `derived.skip_old_log_probs`): the ratio is then exp(log p - detach(log p)) == 1 with the correct gradient.
 - With tensor parallelism the logits are vocab-sharded; `compute_log_probs` expects full-vocab
   logits, so a TP trainer gathers them first or applies the same formula with all-reduces.
 
@@ -240,17 +240,6 @@ def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str = "token-mean") ->
             f"unsupported loss aggregation mode {mode!r}; supported: {sorted(LOSS_AGG_MODES)}"
         ) from None
     return fn(per_token, mask)
-
-
-def can_skip_old_log_probs(global_batch_size: int, mini_batch_size: int, epochs: int) -> bool:
-    """Whether the update is fully on-policy, so the old log-probs equal the current ones.
-
-    True when one iteration makes exactly one optimizer step over its batch: a single mini-batch
-    (`rl_config.mini_batch_size` == `megatron_training.global_batch_size`, both in prompts) and
-    `rl_config.epochs` == 1. The trainer may then skip `ComputeLogProbs` for the actor and pass
-    `old_log_probs=None`.
-    """
-    return mini_batch_size == global_batch_size and epochs == 1
 
 
 def grpo_loss(

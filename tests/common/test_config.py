@@ -170,7 +170,7 @@ def test_defaults_fill_sections_the_yaml_omits(tmp_path: Path, repo_root: Path):
 defaults:
   - model: [tiny_qwen2]
 megatron_training: {model: tiny_qwen2, global_batch_size: 4, micro_batch_size: 1, seq_length: 64, train_iters: 1,
-                    lr: 1.0e-5, bf16: false}
+                    lr: 1.0e-5, bf16: false, attention_dropout: 0.0, hidden_dropout: 0.0}
 rl_config: {actor_resource: {num_npus: 1}}
 generate_config: {infer_tensor_parallel_size: 1, max_model_len: 1024, dtype: float32, max_num_batched_tokens: 1024}
 """)
@@ -229,7 +229,8 @@ def test_all_errors_reported_together(upstream_7b: Path):
     errors = _issues(exc)
     assert len(exc.value.issues) == 5, errors
     for needle in ("`clip_ration`", "`bf16` in section `megatron_training` must be boolean",
-                   "`temprature`", "infer_pipeline_parallel_size is 2", "verifier_weight has 2"):
+                   "`temprature`", "`generate_config.infer_pipeline_parallel_size` is 2",
+                   "verifier_weight has 2"):
         assert needle in errors
     assert str(exc.value).startswith("5 configuration errors in ")
 
@@ -260,7 +261,7 @@ def test_overrides_parse_yaml_scalars(upstream_7b: Path):
         "generate_config.sampling-config.top-k=20",  # dashes in overrides too
         "rl_config.integrated_mode_config.ref_model_load_path=./base",  # creates a missing nested section
         "actor_config.lr=2e-6",
-        "profiler_config.integrated.profile=true",
+        "profiler_config.integrated.profile_level=level1",
     ])
     assert cfg.rl_config.clip_ratio == 0.3 and cfg.rl_config.use_tensorboard is False
     assert cfg.rl_config.verifier_function == ["math_17k_acc", "format"]
@@ -269,7 +270,7 @@ def test_overrides_parse_yaml_scalars(upstream_7b: Path):
     assert cfg.sampling_config.max_tokens == 2048  # untouched siblings keep their values
     assert cfg.rl_config.integrated_mode_config.ref_model_load_path == "./base"
     assert cfg.actor_config.lr == 2e-6
-    assert cfg.profiler_config["integrated"].profile is True
+    assert cfg.profiler_config["integrated"].profile_level == "level1"
     assert cfg.source("rl_config.clip_ratio") == "--override rl_config.clip_ratio=0.3"
 
 

@@ -97,3 +97,36 @@ def test_keys_lists_defaults_and_help(repo_root: Path):
 def test_help_lists_config_command(repo_root: Path):
     out = _rlfabric(repo_root, "--help")
     assert out.returncode == 0 and "config" in out.stdout
+
+
+def test_check_dapo_resolves_no_kl_and_lists_inert_keys(repo_root: Path):
+    out = _rlfabric(repo_root, "config", "check", "../shared/reference/mindspeed_rl/configs/dapo_qwen25_32b_A3.yaml")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "  use_kl_loss: false\n" in text and "  ref_world_size: null\n" in text and "  algorithm: dapo\n" in text
+    assert "algorithm: DAPO (stage: ray_dapo): no KL term, no reference model; token-level loss, " \
+           "clip [1 - 0.2, 1 + 0.28]" in text
+    assert "# keys this file sets that rlfabric accepts and does not act on (inert), by reason:" in text
+    assert "not yet implemented (issue 10): nothing is offloaded:\n#     generate_config.offload_train_optimizer" in text
+    assert "megatron_training.use_flash_attn" in text
+    assert "# rl_config.ref_forward_micro_batch_size is not read: ray_dapo has no KL term" in text
+
+
+def test_check_lists_vllm_ascend_keys_as_inactive_here(repo_root: Path):
+    out = _rlfabric(repo_root, "config", "check", "../shared/reference/mindspeed_rl/configs/grpo_qwen25_32b_A3.yaml")
+    assert out.returncode == 0, out.stderr
+    assert ("# keys inactive on this platform (only ascend acts on them): "
+            "generate_config.ascend_scheduler_config_enabled") in out.stdout
+
+
+def test_check_refuses_ppo_naming_it(repo_root: Path):
+    out = _rlfabric(repo_root, "config", "check", "configs/grpo_qwen25_7b_A3.yaml", "-o", "megatron_training.stage=ray_ppo")
+    assert out.returncode == 2 and out.stdout == ""
+    assert "1 configuration error" in out.stderr and "rlfabric does not support PPO" in out.stderr
+
+
+def test_keys_markdown_prints_the_status_table(repo_root: Path):
+    out = _rlfabric(repo_root, "config", "keys", "--markdown")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("| key | default | status | read by / reason |")
+    assert "| `rl_config.init_kl_coef` | 0.01 | read |" in out.stdout

@@ -18,7 +18,6 @@ from services.trainer.grpo_loss import (
     KL_PENALTIES,
     LOSS_AGG_MODES,
     aggregate_loss,
-    can_skip_old_log_probs,
     compute_log_probs,
     grpo_loss,
     kl_penalty,
@@ -461,12 +460,6 @@ def test_empty_rows_contribute_zero_not_nan():
     for mode in LOSS_AGG_MODES:
         assert torch.isfinite(aggregate_loss(logp + 1, mask, mode))
     assert aggregate_loss(logp + 1, mask, "seq-mean-token-mean").item() == pytest.approx(0.5)
-
-
-def test_can_skip_old_log_probs():
-    assert can_skip_old_log_probs(global_batch_size=32, mini_batch_size=32, epochs=1)
-    assert not can_skip_old_log_probs(global_batch_size=32, mini_batch_size=16, epochs=1)
-    assert not can_skip_old_log_probs(global_batch_size=32, mini_batch_size=32, epochs=2)
 
 
 # ----------------------------------------------------------------------------- properties

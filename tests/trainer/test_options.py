@@ -1,4 +1,4 @@
-"""Trainer options from a MindSpeed-RL YAML (configs/grpo_tiny_cpu.yaml)."""
+"""Trainer options from a MindSpeed-RL YAML (configs/{grpo,dapo}_tiny_cpu.yaml): keys and derived values."""
 
 from __future__ import annotations
 
@@ -6,34 +6,44 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import load_config
+from services.common.config import ConfigError, load_config
 from services.trainer import ckpt_layout
 from services.trainer.options import worker_options_from_config
 
 
 def test_actor_options_follow_the_yaml_keys(repo_root: Path, tiny_model_dir: Path):
-    cfg = load_config(repo_root / "configs/grpo_tiny_cpu.yaml", overrides=[
-        f"actor_config.load={tiny_model_dir}", "rl_config.clip_higher_enable=true", "rl_config.clip_ratio_high=0.28",
-        "rl_config.shuffle_mini_batch=true", "rl_config.mini_batch_size=4"])
+    cfg = load_config(repo_root / "configs/dapo_tiny_cpu.yaml", overrides=[
+        f"actor_config.load={tiny_model_dir}", "rl_config.clip_ratio_high=0.3", "rl_config.shuffle_mini_batch=true",
+        "rl_config.mini_batch_size=4", "rl_config.actor_forward_micro_batch_size=8"])
     opts, kl_coef = worker_options_from_config(cfg, "actor")
     assert kl_coef == cfg.rl_config.init_kl_coef
+    assert opts.update.use_kl is False  # DAPO: no KL term
     assert opts.update.mini_batch_rows == 4 * cfg.rl_config.n_samples_per_prompt
     assert opts.update.micro_batch_size == cfg.actor_config.micro_batch_size
     assert opts.update.shuffle_mini_batch is True
-    assert (opts.update.clip_ratio_low, opts.update.clip_ratio_high) == (cfg.rl_config.clip_ratio_low, 0.28)
+    assert (opts.update.clip_ratio_low, opts.update.clip_ratio_high) == (cfg.rl_config.clip_ratio_low, 0.3)
     assert opts.optimizer.lr == cfg.actor_config.lr and opts.optimizer.adam_beta2 == cfg.actor_config.adam_beta2
-    assert opts.params_dtype == "float32"
-    assert opts.forward_micro_batch_size == cfg.rl_config.actor_forward_micro_batch_size
+    assert opts.params_dtype == cfg.derived.params_dtype == "float32"
+    assert opts.forward_micro_batch_size == cfg.derived.actor_forward_micro_batch_size == 8
+    assert opts.load == str(tiny_model_dir) and opts.hf_dir == cfg.actor_config.tokenizer_name_or_path
+
+
+def test_reference_options_come_from_the_derived_values(repo_root: Path, tmp_path: Path):
+    cfg = load_config(repo_root / "configs/grpo_tiny_cpu.yaml", overrides=[
+        f"ref_config.load={tmp_path / 'initial'}", "ref_config.micro_batch_size=4", "ref_config.bf16=true",
+        "rl_config.ref_forward_micro_batch_size=null"])
+    opts, _ = worker_options_from_config(cfg, "reference")
+    assert opts.load == cfg.derived.ref_model_load_path == str(tmp_path / "initial")
+    assert opts.forward_micro_batch_size == cfg.derived.ref_forward_micro_batch_size == 4  # ref micro_batch_size
+    assert opts.params_dtype == cfg.derived.ref_params_dtype == "bfloat16"
+    assert opts.finetune is True and opts.role == "reference"
 
 
 def test_reference_refuses_a_resumed_actor_checkpoint(repo_root: Path, tmp_path: Path):
-    from services.common.config import ConfigError
-
     run = tmp_path / "run"
     run.mkdir()
     ckpt_layout.write_tracker(run, 12)
-    # The config loader refuses first; the trainer's own check (test_checkpoint_layout.py) covers
-    # options built without it.
+    # The config loader refuses: the reference would load the trained actor.
     with pytest.raises(ConfigError, match="ref_model_load_path"):
         load_config(repo_root / "configs/grpo_tiny_cpu.yaml",
                     overrides=[f"actor_config.load={run}", "actor_config.finetune=false"])

@@ -5,6 +5,15 @@ missing or not divisible (validation.py reports why), so derivation never raises
 
 Units: `*_batch_size` and `*_dispatch_size` values here are in SAMPLES (one prompt x one response)
 unless the name says prompts; `global_batch_size` and `rl_config.mini_batch_size` are in prompts.
+
+The algorithm (`megatron_training.stage`, see algorithm.py) decides `use_kl_loss` (a KL term and a
+reference model: GRPO with a non-zero `init_kl_coef`; never DAPO) and `dynamic_sampling`; under dynamic
+sampling an iteration trains `filter_groups_train_batch_size` prompts, which is what the update-side sizes
+and the skip-old-log-probs rule (MindSpeed-RL's `set_actor_log_prob_skip_flag`) count.
+
+`world_size` is the number of devices the run uses, as MindSpeed-RL's `world_size` metric counts them
+(utils.compute_tps): in integrated mode the actor's devices, which the reference and rollout share;
+disaggregated, rlfabric's actor, reference (when there is one) and rollout each hold their own.
 """
 
 from __future__ import annotations
@@ -12,8 +21,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from services.common.config.algorithm import DAPO, GRPO, algorithm_of
 from services.common.config.megatron import MegatronConfig
-from services.common.config.sections import GenerateConfig, RLConfig
+from services.common.config.rl import RLConfig
+from services.common.config.sections import GenerateConfig
 
 
 def _div(a: int | None, b: int | None) -> int | None:
@@ -36,6 +47,8 @@ def _mul(*values: int | None) -> int | None:
 class Derived:
     """Values every service derives the same way from the YAML (see module docstring for units)."""
 
+    algorithm: str | None
+    world_size: int | None
     actor_world_size: int | None
     actor_model_parallel_size: int | None
     actor_data_parallel_size: int | None
@@ -44,7 +57,9 @@ class Derived:
     ref_data_parallel_size: int | None
     rollout_engine_size: int | None
     rollout_data_parallel_size: int | None
+    rollout_world_size: int | None
     prompts_per_iteration: int | None
+    train_prompts_per_iteration: int | None
     samples_per_iteration: int | None
     samples_per_actor_dp_rank: int | None
     mini_batch_size_samples: int | None
@@ -62,7 +77,9 @@ class Derived:
     actor_update_dispatch_size: int | None
     skip_old_log_probs: bool
     use_kl_loss: bool
+    dynamic_sampling: bool
     params_dtype: str
+    ref_params_dtype: str
     rollout_dtype: str
     max_response_length: int
     max_sequence_length: int
@@ -75,6 +92,10 @@ class Derived:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _params_dtype(view: MegatronConfig) -> str:
+    return "bfloat16" if view.bf16 else "float32"
 
 
 def _world(resource_npus: int | None) -> int | None:
@@ -92,23 +113,33 @@ def compute_derived(
     """Compute the derived values (None where inputs are missing or do not divide)."""
     n = rl.n_samples_per_prompt
     gbs = actor.global_batch_size
+    algorithm = algorithm_of(actor.stage)
+    # The KL term (and so a reference model) exists iff GRPO's coefficient is non-zero; DAPO has none.
+    use_kl = (algorithm or GRPO) == GRPO and rl.init_kl_coef != 0
+    dynamic_sampling = algorithm == DAPO and rl.filter_groups_enable
     actor_world = _world(rl.actor_resource.num_npus)
     actor_mp = _mul(actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size,
                     actor.context_parallel_size)
     actor_dp = _div(actor_world, actor_mp)
     ref_resource = rl.reference_resource if rl.reference_resource is not None else rl.actor_resource
-    ref_world = _world(ref_resource.num_npus)
+    ref_world = _world(ref_resource.num_npus) if use_kl else None
     ref_mp = _mul(ref.tensor_model_parallel_size, ref.pipeline_model_parallel_size, ref.context_parallel_size)
     ref_dp = _div(ref_world, ref_mp)
     engine = _mul(gen.infer_tensor_parallel_size, gen.infer_pipeline_parallel_size)
     rollout_dp = _div(actor_world, engine)
+    rollout_world = _mul(rollout_dp, engine)
+    if rl.use_integrated_worker:
+        world = actor_world
+    else:
+        world = None if None in (actor_world, rollout_world) else actor_world + rollout_world + (ref_world or 0)
 
     samples = _mul(gbs, n)
     mini_samples = _mul(rl.mini_batch_size, n)
     mini_batches = _div(gbs, rl.mini_batch_size)
     mini_per_rank = _div(mini_samples, actor_dp)
     # DAPO dynamic sampling trains on filter_groups_train_batch_size prompts instead of gbs.
-    train_samples = _mul(rl.filter_groups_train_batch_size, n) if rl.filter_groups_enable else samples
+    train_prompts = rl.filter_groups_train_batch_size if dynamic_sampling else gbs
+    train_samples = _mul(train_prompts, n)
 
     actor_micro = actor.micro_batch_size
     kv_heads = None
@@ -127,6 +158,8 @@ def compute_derived(
         ref_load = ref.load
     max_tokens = gen.sampling_config.max_tokens
     return Derived(
+        algorithm=algorithm,
+        world_size=world,
         actor_world_size=actor_world,
         actor_model_parallel_size=actor_mp,
         actor_data_parallel_size=actor_dp,
@@ -135,7 +168,9 @@ def compute_derived(
         ref_data_parallel_size=ref_dp,
         rollout_engine_size=engine,
         rollout_data_parallel_size=rollout_dp,
+        rollout_world_size=rollout_world,
         prompts_per_iteration=gbs,
+        train_prompts_per_iteration=train_prompts,
         samples_per_iteration=samples,
         samples_per_actor_dp_rank=_div(samples, actor_dp),
         mini_batch_size_samples=mini_samples,
@@ -151,11 +186,13 @@ def compute_derived(
         reward_dispatch_size=rl.reward_dispatch_size or samples,
         adv_dispatch_size=rl.adv_dispatch_size or train_samples,
         actor_update_dispatch_size=rl.actor_update_dispatch_size or _div(train_samples, actor_dp),
-        # Fully on-policy: one optimizer step per iteration, so old log-probs equal current ones.
-        skip_old_log_probs=rl.mini_batch_size == gbs and rl.epochs == 1,
-        # The KL term (and so a reference model) exists iff its coefficient is non-zero.
-        use_kl_loss=rl.init_kl_coef != 0,
-        params_dtype="bfloat16" if actor.bf16 else "float32",
+        # Fully on-policy: one optimizer step per iteration over the trained prompts, so old log-probs equal the
+        # current ones and the actor's old-log-prob pass is skipped (MindSpeed-RL's set_actor_log_prob_skip_flag).
+        skip_old_log_probs=rl.mini_batch_size == train_prompts and rl.epochs == 1,
+        use_kl_loss=use_kl,
+        dynamic_sampling=dynamic_sampling,
+        params_dtype=_params_dtype(actor),
+        ref_params_dtype=_params_dtype(ref),
         rollout_dtype=gen.dtype,
         max_response_length=max_tokens,
         max_sequence_length=rl.max_prompt_length + max_tokens,

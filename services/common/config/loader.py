@@ -7,7 +7,8 @@ Steps, each collecting problems instead of stopping at the first:
    keyed by name; an inline top-level `model:` mapping may add or override blocks;
 4. parse every section strictly (unknown keys name the section and the closest valid key);
 5. merge the Megatron views: model block < `megatron_training` < `actor_config` (and `ref_config`);
-6. derive sizes (derived.py) and run the cross-field rules (validation.py).
+6. refuse a config of a feature rlfabric does not have (PPO, DPO, LoRA, MoE, ...) with one message per
+   feature (refusals.py), then derive sizes (derived.py) and run the cross-field rules (validation.py).
 All problems are raised together as one `ConfigError`.
 """
 
@@ -19,9 +20,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from services.common.config.architecture import ModelConfig
+from services.common.config.catalog import MEGATRON_SECTIONS, SECTIONS, TOP_LEVEL_KEYS
 from services.common.config.derived import compute_derived
 from services.common.config.errors import ConfigError, ConfigIssue
-from services.common.config.megatron import MegatronConfig, ModelConfig
+from services.common.config.megatron import MegatronConfig
+from services.common.config.refusals import feature_issues, refused_values, section_refusals
 from services.common.config.resolved import Provenance, RLFabricConfig
 from services.common.config.schema import (
     closest_key,
@@ -29,35 +33,30 @@ from services.common.config.schema import (
     normalize_key,
     parse_section,
 )
-from services.common.config.sections import (
-    FabricConfig,
-    GenerateConfig,
-    MsprobeConfig,
-    ProfilerConfig,
-    RLConfig,
-    SamplingConfig,
-)
 from services.common.config.validation import RULES, WARNINGS, Problem, run_rules
 from services.common.config.yaml_io import SourcedDict, parse_yaml, read_yaml
 
 logger = logging.getLogger(__name__)
 
-MEGATRON_SECTIONS = ("megatron_training", "actor_config", "ref_config")
-TOP_LEVEL_KEYS = ("defaults", "model", *MEGATRON_SECTIONS, "reward_config", "rl_config", "generate_config",
-                  "profiler_config", "msprobe_config", "rlfabric")
-
 # Keys of each section, to tell a user that a key belongs in another section.
 _SECTION_KEYS: dict[str, Iterable[str]] = {
-    "megatron_training": field_types(MegatronConfig),
-    "rl_config": field_types(RLConfig),
-    "generate_config": field_types(GenerateConfig),
-    "generate_config.sampling_config": field_types(SamplingConfig),
+    name: field_types(SECTIONS[name])
+    for name in ("megatron_training", "rl_config", "generate_config", "generate_config.sampling_config")
 }
 
 
 def _elsewhere(own: str) -> dict[str, Iterable[str]]:
     own_family = "megatron_training" if own in MEGATRON_SECTIONS or own.startswith("model.") else own
     return {name: keys for name, keys in _SECTION_KEYS.items() if name != own_family}
+
+
+def _parse(name: str, raw_section: Any, raw: Mapping, issues: list[ConfigIssue], bad: set[str]) -> Any:
+    """One single-level section (rl_config, generate_config, msprobe_config, rlfabric) as its dataclass."""
+    cls = SECTIONS[name]
+    sources = getattr(raw_section, "key_sources", {})
+    return cls(**parse_section(cls, raw_section, section=name, issues=issues,
+                               source=lambda key: sources.get(key, _src(raw, name)),
+                               elsewhere=_elsewhere(name), bad=bad))
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RLFabricConfig:
@@ -106,7 +105,7 @@ def load_config_dict(
         return lambda key: sources.get(key, fallback)
 
     sections: dict[str, dict[str, Any]] = {}
-    for name in (*MEGATRON_SECTIONS, "reward_config"):
+    for name in MEGATRON_SECTIONS:
         if name in top:
             sections[name] = parse_section(MegatronConfig, top[name], section=name, issues=issues,
                                            source=sourcer(top[name], _src(raw, name)), elsewhere=_elsewhere(name),
@@ -142,18 +141,9 @@ def load_config_dict(
     if "ref_config" in sections:
         ref_kw = {**mt, **sections["ref_config"]}
         ref = MegatronConfig(**{**block(ref_kw.get("model"), "ref_config"), **ref_kw})
-    rl = RLConfig(**parse_section(RLConfig, top.get("rl_config"), section="rl_config", issues=issues,
-                                  source=sourcer(top.get("rl_config"), _src(raw, "rl_config")),
-                                  elsewhere=_elsewhere("rl_config"), bad=bad))
-    gen = GenerateConfig(**parse_section(GenerateConfig, top.get("generate_config"), section="generate_config",
-                                         issues=issues,
-                                         source=sourcer(top.get("generate_config"), _src(raw, "generate_config")),
-                                         elsewhere=_elsewhere("generate_config"), bad=bad))
+    rl, gen, msprobe, fabric = (_parse(name, top.get(name), raw, issues, bad)
+                                for name in ("rl_config", "generate_config", "msprobe_config", "rlfabric"))
     profilers = _profilers(top.get("profiler_config"), raw, issues, bad)
-    msprobe = MsprobeConfig(**parse_section(MsprobeConfig, top.get("msprobe_config"), section="msprobe_config",
-                                            issues=issues, source=sourcer(top.get("msprobe_config")), bad=bad))
-    fabric = FabricConfig(**parse_section(FabricConfig, top.get("rlfabric"), section="rlfabric", issues=issues,
-                                          source=sourcer(top.get("rlfabric"), _src(raw, "rlfabric")), bad=bad))
     _check_worker_sections(sections, rl, raw, issues)
 
     provenance = Provenance(
@@ -175,6 +165,10 @@ def load_config_dict(
         path=path,
         provenance=provenance,
     )
+    # A config of a feature rlfabric does not have gets one message per feature, not a list of its symptoms.
+    features = feature_issues(cfg, refused_values(cfg) + section_refusals(list(top)))
+    if features:
+        raise ConfigError(features, label)
     suppressed = {_canonical(key) for key in bad}
     # With a misspelled or misplaced section, rule results would only repeat "not set" for its keys.
     structure_ok = set(map(normalize_key, raw)) <= set(TOP_LEVEL_KEYS)
@@ -262,10 +256,6 @@ def _check_top_level(raw: SourcedDict, issues: list[ConfigIssue]) -> dict[str, A
         guess = closest_key(name, TOP_LEVEL_KEYS)
         hint = f"did you mean `{guess}`?" if guess else f"valid sections are: {', '.join(TOP_LEVEL_KEYS)}"
         issues.append(ConfigIssue(name, f"unknown top-level section `{name}`; {hint}", raw.key_sources.get(key)))
-    if "reward_config" in top:
-        issues.append(ConfigIssue("reward_config", "reward models are not supported: rlfabric scores with rule "
-                                                   "verifiers; remove `reward_config` and list verifiers in "
-                                                   "`rl_config.verifier_function`", _src(raw, "reward_config")))
     return top
 
 
@@ -325,7 +315,7 @@ def _model_blocks(defaults: Any, inline: Any, config_dir: Path | None, raw: Mapp
     return blocks
 
 
-def _profilers(raw_section: Any, raw: Mapping, issues: list[ConfigIssue], bad: set[str]) -> dict[str, ProfilerConfig]:
+def _profilers(raw_section: Any, raw: Mapping, issues: list[ConfigIssue], bad: set[str]) -> dict[str, Any]:
     if raw_section is None:
         return {}
     if not isinstance(raw_section, Mapping):
@@ -336,13 +326,13 @@ def _profilers(raw_section: Any, raw: Mapping, issues: list[ConfigIssue], bad: s
     for role, options in raw_section.items():
         role = normalize_key(role)
         sources = getattr(options, "key_sources", {})
-        out[role] = ProfilerConfig(**parse_section(
-            ProfilerConfig, options, section=f"profiler_config.{role}", issues=issues,
-            source=lambda key, s=sources: s.get(key), bad=bad))
+        cls = SECTIONS["profiler_config"]
+        out[role] = cls(**parse_section(cls, options, section=f"profiler_config.{role}", issues=issues,
+                                        source=lambda key, s=sources: s.get(key), bad=bad))
     return out
 
 
-def _check_worker_sections(sections: Mapping[str, Any], rl: RLConfig, raw: Mapping,
+def _check_worker_sections(sections: Mapping[str, Any], rl: Any, raw: Mapping,
                            issues: list[ConfigIssue]) -> None:
     if rl.use_integrated_worker and "ref_config" in sections:
         issues.append(ConfigIssue("ref_config", "ref_config is set while rl_config.use_integrated_worker is true; "

@@ -1,226 +1,257 @@
-"""The Megatron sections: `ModelConfig` (a `configs/model/*.yaml` block) and `MegatronConfig`.
+"""`MegatronConfig`: the keys of `megatron_training`, `actor_config` and `ref_config`.
 
-`MegatronConfig` holds every key MindSpeed-RL accepts in `megatron_training`, `actor_config` and
-`ref_config` (Megatron-LM / MindSpeed argument names, dashes read as underscores). It extends
-`ModelConfig`, the architecture keys a model block carries, so each default is written once.
-Defaults follow MindSpeed-RL's `MegatronConfig` (e.g. `bf16` true, `seed` 1234, `lr` unset), except
-where it points into its own source tree (`prompt_type_path` resolves next to the config file).
-Keys that only matter on Ascend (CoC, swap, msprobe-style switches) are accepted so upstream YAMLs
-load; rlfabric ignores them.
+Every key MindSpeed-RL accepts there (Megatron-LM / MindSpeed argument names, dashes read as
+underscores), on top of the architecture keys of `ModelConfig` (architecture.py), so each default is
+written once. Defaults follow MindSpeed-RL's `MegatronConfig` (e.g. `bf16` true, `seed` 1234, `lr`
+unset), except where it points into its own source tree (`prompt_type_path`). Each key's status
+(read / refused / inert) sits beside it; docs/config.md lists them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config.schema import setting
+from services.common.config.architecture import ModelConfig
+from services.common.config.schema import inert, read, refused, setting
+from services.common.config.statuses import (
+    ALGORITHM,
+    ASCEND,
+    COORDINATOR_APP,
+    COORDINATOR_RUN,
+    DERIVED,
+    DPO,
+    KERNEL,
+    LOADER,
+    LORA,
+    MEMORY,
+    MOE,
+    MULTIMODAL,
+    RESUME,
+    TRAINER_LAUNCH,
+    TRAINER_OPTIONS,
+    UPSTREAM_UNUSED,
+    VALIDATION,
+)
 
 _Layers = int | str | list[int] | None  # Megatron accepts "4,4,4", a list, or a pattern string.
+_LOADER_ONLY = inert("worker processes of the data loader: no effect on which prompts a batch holds")
+_SAVES_ALL = inert("rlfabric always saves the optimizer and RNG state, so any checkpoint can resume a run")
 
 
-@dataclass(kw_only=True)
-class ModelConfig:
-    """Model architecture: the keys of one block in `configs/model/<name>.yaml`."""
+def _lora() -> object:
+    return refused("rlfabric trains full weights", feature=LORA)
 
-    num_layers: int | None = setting(None, "Number of transformer layers.")
-    hidden_size: int | None = setting(None, "Hidden (model) dimension.")
-    ffn_hidden_size: int | None = setting(None, "MLP inner dimension (per gate for SwiGLU).")
-    num_attention_heads: int | None = setting(None, "Number of query heads.")
-    kv_channels: int | None = setting(None, "Head dimension; unset means hidden_size / num_attention_heads.")
-    group_query_attention: bool = setting(False, "Use grouped-query attention (num_query_groups KV heads).")
-    num_query_groups: int = setting(1, "Number of key/value heads when group_query_attention is true.")
-    max_position_embeddings: int | None = setting(None, "Longest position the model was built for.")
-    position_embedding_type: str = setting("learned_absolute", "Position embedding: rope, learned_absolute or none.")
-    use_rotary_position_embeddings: bool = setting(False, "Legacy switch for rotary embeddings.")
-    rotary_base: int | float = setting(10000, "RoPE base (theta).")
-    rope_scaling_type: str | None = setting(None, "RoPE scaling variant (llama3, yarn, ...); unset means none.")
-    rope_scaling_factor: float = setting(1.0, "RoPE scaling factor.")
-    low_freq_factor: float | None = setting(None, "Llama3 RoPE scaling: low-frequency factor.")
-    high_freq_factor: float | None = setting(None, "Llama3 RoPE scaling: high-frequency factor.")
-    original_max_position_embeddings: int | None = setting(None, "Context length before RoPE scaling.")
-    beta_fast: int | float = setting(32, "YaRN RoPE: beta fast.")
-    beta_slow: int | float = setting(1, "YaRN RoPE: beta slow.")
-    rope_scaling_mscale: float = setting(1.0, "YaRN RoPE: mscale.")
-    rope_scaling_mscale_all_dim: float = setting(0.0, "YaRN RoPE: mscale for all dimensions.")
-    rope_scaling_original_max_position_embeddings: int | None = setting(
-        None, "YaRN RoPE: original maximum position embeddings.")
-    make_vocab_size_divisible_by: int = setting(128, "Pad the vocabulary to a multiple of this (times TP).")
-    padded_vocab_size: int | None = setting(None, "Vocabulary size after padding; unset means from the tokenizer.")
-    add_qkv_bias: bool = setting(False, "Bias on the Q, K and V projections only (Qwen2).")
-    disable_bias_linear: bool = setting(False, "No bias on linear layers (other than add_qkv_bias).")
-    attention_bias: bool = setting(False, "Bias on attention projections.")
-    untie_embeddings_and_output_weights: bool = setting(
-        False, "Separate output layer instead of reusing the input embedding (false = tied).")
-    normalization: str = setting("LayerNorm", "Normalization layer: LayerNorm or RMSNorm.")
-    norm_epsilon: float = setting(1e-5, "Epsilon of the normalization layers.")
-    swiglu: bool = setting(False, "SwiGLU MLP (gate and up projections).")
-    qk_layernorm: bool = setting(False, "Normalize queries and keys per head (Qwen3).")
-    attention_dropout: float = setting(0.1, "Dropout on attention probabilities.")
-    hidden_dropout: float = setting(0.1, "Dropout on hidden states.")
-    init_method_std: float = setting(0.02, "Standard deviation of the weight initialization.")
-    multi_latent_attention: bool = setting(False, "Multi-head latent attention (DeepSeek MLA).")
-    qk_pos_emb_head_dim: int | None = setting(None, "MLA: rotary part of the query/key head dimension.")
-    qk_head_dim: int | None = setting(None, "MLA: non-rotary query/key head dimension.")
-    q_lora_rank: int | None = setting(None, "MLA: low rank of the query projection.")
-    kv_lora_rank: int | None = setting(None, "MLA: low rank of the key/value projection.")
-    v_head_dim: int | None = setting(None, "MLA: value head dimension.")
-    num_experts: int | None = setting(None, "MoE: number of routed experts; unset means a dense model.")
-    n_shared_experts: int | None = setting(None, "MoE: number of shared experts.")
-    moe_ffn_hidden_size: int | None = setting(None, "MoE: expert MLP inner dimension.")
-    moe_router_topk: int = setting(2, "MoE: experts per token.")
-    moe_router_load_balancing_type: str = setting("aux_loss", "MoE: load balancing (aux_loss, seq_aux_loss, none, ...).")
-    moe_router_num_groups: int | None = setting(None, "MoE: expert groups for group-limited routing.")
-    moe_router_group_topk: int | None = setting(None, "MoE: groups chosen per token.")
-    moe_router_topk_scaling_factor: float | None = setting(None, "MoE: scaling of routed expert weights.")
-    norm_topk_prob: bool = setting(False, "MoE: renormalize the top-k routing weights.")
-    moe_router_score_function: str = setting("softmax", "MoE: routing score, softmax or sigmoid.")
-    moe_router_enable_expert_bias: bool = setting(False, "MoE: dynamic expert bias (aux-loss-free balancing).")
-    moe_aux_loss_coeff: float = setting(0.001, "MoE: auxiliary loss coefficient.")
-    first_k_dense_replace: int | None = setting(None, "MoE: the first k layers are dense.")
-    moe_layer_freq: _Layers = setting(None, "MoE: which layers are MoE layers.")
-    seq_aux: bool = setting(False, "MoE: compute the auxiliary loss per sequence.")
+
+def _dpo() -> object:
+    return refused("rlfabric trains GRPO and DAPO", feature=DPO)
+
+
+def _moe_kernel() -> object:
+    return refused("an expert-parallel kernel option; rlfabric's trainer supports dense models only", feature=MOE)
 
 
 @dataclass(kw_only=True)
 class MegatronConfig(ModelConfig):
     """Megatron training arguments (`megatron_training`, merged with `actor_config` / `ref_config`)."""
 
-    model: str | None = setting(None, "Name of the model block (from `defaults: model:`) merged in first.")
+    model: str | None = setting(None, "Name of the model block (from `defaults: model:`) merged in first.",
+                                read(LOADER))
 
-    # Implementation switches (kernels, fusions); rlfabric picks CPU-safe kernels where needed.
-    use_mcore_models: bool = setting(False, "Build megatron-core models (rlfabric always does).")
-    spec: str | list[str] | None = setting(None, "Custom layer spec: <module> <function>.")
-    transformer_impl: str = setting("local", "Transformer implementation: local or transformer_engine.")
-    sequence_parallel: bool = setting(False, "Sequence parallelism inside tensor-parallel groups.")
-    use_flash_attn: bool = setting(False, "Use a flash attention kernel.")
-    use_fused_rmsnorm: bool = setting(False, "Use a fused RMSNorm kernel.")
-    use_fused_swiglu: bool = setting(False, "Use a fused SwiGLU kernel.")
-    use_fused_rotary_pos_emb: bool = setting(False, "Use a fused rotary embedding kernel.")
-    shape_order: str = setting("SBH", "Input layout of flash attention.")
-    no_bias_dropout_fusion: bool = setting(False, "Disable bias + dropout fusion.")
-    no_masked_softmax_fusion: bool = setting(False, "Disable masked softmax fusion.")
-    attention_softmax_in_fp32: bool = setting(False, "Compute the attention softmax in fp32.")
-    no_gradient_accumulation_fusion: bool = setting(False, "Disable fused gradient accumulation into main_grad.")
-    gemm_gradient_accumulation_fusion: bool = setting(False, "Fuse GEMM and gradient accumulation (Ascend).")
-    moe_grouped_gemm: bool = setting(False, "MoE: grouped GEMM for experts.")
-    moe_permutation_async_comm: bool = setting(False, "MoE: overlap permutation all-gathers.")
-    moe_tp_extend_ep: bool = setting(False, "MoE: use the TP group to extend expert parallelism.")
-    moe_alltoall_overlap_comm: bool = setting(False, "MoE: overlap all-to-all communication.")
-    use_fused_moe_token_permute_and_unpermute: bool = setting(False, "MoE: fused token permutation.")
-    moe_token_dispatcher_type: str | None = setting(None, "MoE: token dispatcher (allgather, alltoall).")
+    # Implementation switches (kernels, fusions): the same math on every platform.
+    use_mcore_models: bool = setting(False, "Build megatron-core models (rlfabric always does).",
+                                     inert("rlfabric always builds megatron-core models"))
+    spec: str | list[str] | None = setting(None, "Custom layer spec: <module> <function>.", inert(
+        "rlfabric picks the layer spec for the model type it loads (services/trainer/model.py)"))
+    transformer_impl: str = setting("local", "Transformer implementation: local or transformer_engine.", KERNEL)
+    sequence_parallel: bool = setting(False, "Sequence parallelism inside tensor-parallel groups.", MEMORY)
+    use_flash_attn: bool = setting(False, "Use a flash attention kernel.", KERNEL)
+    use_fused_rmsnorm: bool = setting(False, "Use a fused RMSNorm kernel.", KERNEL)
+    use_fused_swiglu: bool = setting(False, "Use a fused SwiGLU kernel.", KERNEL)
+    use_fused_rotary_pos_emb: bool = setting(False, "Use a fused rotary embedding kernel.", KERNEL)
+    shape_order: str = setting("SBH", "Input layout of flash attention.", KERNEL)
+    no_bias_dropout_fusion: bool = setting(False, "Disable bias + dropout fusion.", KERNEL)
+    no_masked_softmax_fusion: bool = setting(False, "Disable masked softmax fusion.", KERNEL)
+    attention_softmax_in_fp32: bool = setting(False, "Compute the attention softmax in fp32.", KERNEL)
+    no_gradient_accumulation_fusion: bool = setting(False, "Disable fused gradient accumulation into main_grad.",
+                                                    KERNEL)
+    gemm_gradient_accumulation_fusion: bool = setting(False, "Fuse GEMM and gradient accumulation (Ascend).", KERNEL)
+    moe_grouped_gemm: bool = setting(False, "MoE: grouped GEMM for experts.", _moe_kernel())
+    moe_permutation_async_comm: bool = setting(False, "MoE: overlap permutation all-gathers.", _moe_kernel())
+    moe_tp_extend_ep: bool = setting(False, "MoE: use the TP group to extend expert parallelism.", _moe_kernel())
+    moe_alltoall_overlap_comm: bool = setting(False, "MoE: overlap all-to-all communication.", _moe_kernel())
+    use_fused_moe_token_permute_and_unpermute: bool = setting(False, "MoE: fused token permutation.", _moe_kernel())
+    moe_token_dispatcher_type: str | None = setting(None, "MoE: token dispatcher (allgather, alltoall).",
+                                                    _moe_kernel())
 
     # Precision.
-    bf16: bool = setting(True, "Train in bfloat16 (the accelerator default); false trains in fp32 (CPU).")
-    initial_loss_scale: float = setting(2.0 ** 32, "Initial loss scale (fp16 only).")
-    accumulate_allreduce_grads_in_fp32: bool = setting(False, "Accumulate and all-reduce gradients in fp32.")
-    reuse_fp32_param: bool = setting(False, "Distributed optimizer frees fp32 parameter copies (Ascend).")
+    bf16: bool = setting(True, "Train in bfloat16 (the accelerator default); false trains in fp32 (CPU).",
+                         read(DERIVED))
+    initial_loss_scale: float = setting(2.0 ** 32, "Initial loss scale (fp16 only).",
+                                        inert("fp16 loss scaling; rlfabric trains in bf16 or fp32"))
+    accumulate_allreduce_grads_in_fp32: bool = setting(False, "Accumulate and all-reduce gradients in fp32.", MEMORY)
+    reuse_fp32_param: bool = setting(False, "Distributed optimizer frees fp32 parameter copies (Ascend).", MEMORY)
 
     # Parallelism.
-    tensor_model_parallel_size: int = setting(1, "Tensor parallel size (TP) of the trainer.")
-    pipeline_model_parallel_size: int = setting(1, "Pipeline parallel size (PP) of the trainer.")
-    context_parallel_size: int = setting(1, "Context parallel size (CP) of the trainer.")
-    context_parallel_algo: str = setting("ulysses_cp_algo", "CP algorithm: ulysses_cp_algo or megatron_cp_algo.")
-    expert_model_parallel_size: int = setting(1, "Expert parallel size (EP) of the trainer.")
-    num_layers_per_virtual_pipeline_stage: int | None = setting(None, "Layers per virtual pipeline stage.")
-    num_layer_list: _Layers = setting(None, "Layers per pipeline stage, e.g. \"4,4,4,4\".")
-    noop_layers: _Layers = setting(None, "Indices of no-op layers.")
-    use_tp_pp_dp_mapping: bool = setting(False, "Order ranks TP-PP-DP instead of TP-DP-PP.")
-    distributed_backend: str = setting("nccl", "torch.distributed backend: nccl, hccl or gloo (CPU).")
-    use_distributed_optimizer: bool = setting(False, "Shard optimizer state over data-parallel ranks.")
-    overlap_grad_reduce: bool = setting(False, "Overlap the DDP gradient reduce with backward.")
-    overlap_param_gather: bool = setting(False, "Overlap the parameter all-gather with forward.")
-    ddp_bucket_size: int | None = setting(None, "DDP bucket size in parameters.")
-    no_shared_storage: bool = setting(False, "Nodes do not share a file system (each writes its own files).")
+    tensor_model_parallel_size: int = setting(1, "Tensor parallel size (TP) of the trainer.",
+                                              read(TRAINER_LAUNCH, DERIVED))
+    pipeline_model_parallel_size: int = setting(1, "Pipeline parallel size (PP) of the trainer.",
+                                                read(TRAINER_LAUNCH, DERIVED))
+    context_parallel_size: int = setting(1, "Context parallel size (CP) of the trainer.", read(
+        DERIVED, note="sizes the device layout as upstream; rlfabric's trainer does not split sequences, which "
+                      "gives the same numbers"))
+    context_parallel_algo: str = setting("ulysses_cp_algo", "CP algorithm: ulysses_cp_algo or megatron_cp_algo.",
+                                         inert("how a sequence is split over CP ranks: the same math; rlfabric "
+                                               "does not split sequences"))
+    expert_model_parallel_size: int = setting(1, "Expert parallel size (EP) of the trainer.", _moe_kernel())
+    num_layers_per_virtual_pipeline_stage: int | None = setting(None, "Layers per virtual pipeline stage.", refused(
+        "interleaved (virtual) pipeline stages are not implemented by rlfabric's trainer"))
+    num_layer_list: _Layers = setting(None, "Layers per pipeline stage, e.g. \"4,4,4,4\".", inert(
+        "balance of layers over pipeline stages (speed only); rlfabric splits layers evenly, so num_layers must "
+        "divide by pipeline_model_parallel_size"))
+    noop_layers: _Layers = setting(None, "Indices of no-op layers.",
+                                   refused("no-op layers change the model; rlfabric runs every layer"))
+    use_tp_pp_dp_mapping: bool = setting(False, "Order ranks TP-PP-DP instead of TP-DP-PP.",
+                                         inert("rank order only: the same math"))
+    distributed_backend: str = setting("nccl", "torch.distributed backend: nccl, hccl or gloo (CPU).", inert(
+        "rlfabric picks the backend of the platform it runs on (gloo on CPU); validated as upstream"))
+    use_distributed_optimizer: bool = setting(False, "Shard optimizer state over data-parallel ranks.", MEMORY)
+    overlap_grad_reduce: bool = setting(False, "Overlap the DDP gradient reduce with backward.", MEMORY)
+    overlap_param_gather: bool = setting(False, "Overlap the parameter all-gather with forward.", MEMORY)
+    ddp_bucket_size: int | None = setting(None, "DDP bucket size in parameters.", MEMORY)
+    no_shared_storage: bool = setting(False, "Nodes do not share a file system (each writes its own files).", inert(
+        "rlfabric's trainer writes checkpoints from its own rank 0 of each model-parallel position"))
 
     # Batches and data.
-    global_batch_size: int | None = setting(None, "Prompts per iteration (each gets n_samples_per_prompt samples).")
-    micro_batch_size: int | None = setting(None, "Rows (samples) per forward/backward pass.")
-    seq_length: int | None = setting(None, "Sequence length the trainer is configured for.")
-    variable_seq_lengths: bool = setting(False, "Allow variable sequence lengths between micro-batches.")
-    no_pad_to_seq_lengths: bool = setting(False, "Do not pad batches to seq_length.")
-    pad_to_multiple_of: int = setting(8, "Pad sequence lengths to a multiple of this.")
-    data_path: str | None = setting(None, "Prefix of the preprocessed dataset (…/data -> …/data_packed_*).")
-    split: str | None = setting(None, "Train/valid/test split, e.g. \"100,0,0\".")
-    dataloader_type: str | None = setting(None, "Data loader type: single or cyclic.")
-    num_workers: int = setting(2, "Data loader worker processes.")
-    no_shuffle: bool = setting(False, "Do not shuffle the prompts.")
-    full_shuffle_instruction_dataset: bool = setting(False, "Shuffle the whole instruction dataset.")
-    is_instruction_dataset: bool = setting(False, "The dataset is an instruction dataset.")
-    is_pairwise_dataset: bool = setting(False, "The dataset is pairwise (chosen/rejected).")
-    dataset_additional_keys: list[str] = setting(help="Extra dataset fields loaded with prompts (e.g. labels).",
-                                                 factory=list)
-    reset_position_ids: bool = setting(False, "Reset position ids at document boundaries.")
-    reset_attention_mask: bool = setting(False, "Reset the attention mask at document boundaries.")
-    attention_mask_type: str = setting("causal", "Attention mask type (causal).")
-    prompt_type: str | None = setting(None, "Chat template name from templates.json.")
-    prompt_type_path: str | None = setting(None, "templates.json path; unset means model/templates.json next to the config.")
-    tokenizer_type: str | None = setting(None, "Tokenizer kind, e.g. PretrainedFromHF.")
-    tokenizer_name_or_path: str | None = setting(None, "Hugging Face tokenizer folder.")
-    tokenizer_not_use_fast: bool = setting(False, "Use the slow tokenizer.")
-    tokenizer_padding_side: str = setting("right", "Tokenizer padding side.")
-    vocab_extra_ids: int = setting(0, "Extra sentinel tokens added to the vocabulary.")
+    global_batch_size: int | None = setting(None, "Prompts per iteration (each gets n_samples_per_prompt samples).",
+                                            read(COORDINATOR_APP, COORDINATOR_RUN, DERIVED))
+    micro_batch_size: int | None = setting(None, "Rows (samples) per forward/backward pass.",
+                                           read(TRAINER_OPTIONS, DERIVED))
+    seq_length: int | None = setting(None, "Sequence length the trainer is configured for.", read(
+        VALIDATION, note="bounds generate_config.max_model_len, as upstream; the trainer takes sequences at "
+                         "their own length"))
+    variable_seq_lengths: bool = setting(False, "Allow variable sequence lengths between micro-batches.", inert(
+        "rlfabric's micro-batches always have the lengths of their own sequences"))
+    no_pad_to_seq_lengths: bool = setting(False, "Do not pad batches to seq_length.", inert(
+        "padding only: rlfabric never pads to seq_length, and padding is masked out of the loss"))
+    pad_to_multiple_of: int = setting(8, "Pad sequence lengths to a multiple of this.", inert(
+        "padding only: masked out of the loss"))
+    data_path: str | None = setting(None, "Prefix of the preprocessed dataset (…/data -> …/data_packed_*).",
+                                    read(COORDINATOR_APP))
+    split: str | None = setting(None, "Train/valid/test split, e.g. \"100,0,0\".", refused(
+        "rlfabric trains on the whole dataset and evaluates nothing during training",
+        allowed=(None, "100,0,0", "100", "100,0")))
+    dataloader_type: str | None = setting(None, "Data loader type: single or cyclic.", UPSTREAM_UNUSED)
+    num_workers: int = setting(2, "Data loader worker processes.", _LOADER_ONLY)
+    no_shuffle: bool = setting(False, "Do not shuffle the prompts.", inert(
+        "not yet implemented: rlfabric's prompt loader always draws a seeded shuffle "
+        "(services/coordinator/prompt_loader.py)"))
+    full_shuffle_instruction_dataset: bool = setting(False, "Shuffle the whole instruction dataset.",
+                                                     UPSTREAM_UNUSED)
+    is_instruction_dataset: bool = setting(False, "The dataset is an instruction dataset.", UPSTREAM_UNUSED)
+    is_pairwise_dataset: bool = setting(False, "The dataset is pairwise (chosen/rejected).", _dpo())
+    dataset_additional_keys: list[str] = setting(
+        help="Extra dataset fields loaded with prompts (e.g. labels).", factory=list, status=refused(
+            "rlfabric's prompt loader reads prompts and `labels` (loaded whenever the dataset has them); other "
+            "fields are not passed to verifiers", allowed=([], ["labels"])))
+    reset_position_ids: bool = setting(False, "Reset position ids at document boundaries.", inert(
+        "packing only: rlfabric never packs two sequences into one row"))
+    reset_attention_mask: bool = setting(False, "Reset the attention mask at document boundaries.", inert(
+        "packing only: rlfabric never packs two sequences into one row, so each attends only to itself"))
+    attention_mask_type: str = setting("causal", "Attention mask type (causal).",
+                                       refused("rlfabric trains causal language models", allowed=("causal",)))
+    prompt_type: str | None = setting(None, "Chat template name from templates.json.", inert(
+        "the chat template is applied when the dataset is preprocessed (`rlfabric data preprocess`, the dataset "
+        "YAML's prompt_type); training reads token ids"))
+    prompt_type_path: str | None = setting(
+        None, "templates.json path; unset means model/templates.json next to the config.", read(DERIVED))
+    tokenizer_type: str | None = setting(None, "Tokenizer kind, e.g. PretrainedFromHF.", refused(
+        "rlfabric loads Hugging Face tokenizers", allowed=(None, "PretrainedFromHF")))
+    tokenizer_name_or_path: str | None = setting(None, "Hugging Face tokenizer folder.",
+                                                 read(COORDINATOR_APP, TRAINER_OPTIONS, DERIVED))
+    tokenizer_not_use_fast: bool = setting(False, "Use the slow tokenizer.", inert(
+        "rlfabric tokenizes only when preprocessing and decodes responses for verifiers; fast and slow "
+        "tokenizers give the same ids"))
+    tokenizer_padding_side: str = setting("right", "Tokenizer padding side.",
+                                          inert("rlfabric moves token ids unpadded"))
+    vocab_extra_ids: int = setting(0, "Extra sentinel tokens added to the vocabulary.",
+                                   refused("the vocabulary is the loaded model's"))
 
     # Optimizer and schedule.
-    optimizer: str = setting("adam", "Optimizer: adam or sgd.")
-    lr: float | None = setting(None, "Learning rate.")
-    lr_decay_style: str = setting("linear", "Schedule: constant, linear, cosine, inverse-square-root or WSD.")
-    min_lr: float = setting(0.0, "Learning rate floor of the schedule.")
-    lr_warmup_fraction: float | None = setting(None, "Fraction of train_iters spent warming up.")
-    weight_decay: float = setting(0.01, "Decoupled weight decay.")
-    clip_grad: float = setting(1.0, "Gradient clipping by global norm (0 disables).")
-    adam_beta1: float = setting(0.9, "Adam beta1.")
-    adam_beta2: float = setting(0.999, "Adam beta2.")
+    optimizer: str = setting("adam", "Optimizer: adam or sgd.",
+                             refused("rlfabric's trainer optimizes with Adam (decoupled weight decay)"))
+    lr: float | None = setting(None, "Learning rate.", read(TRAINER_OPTIONS))
+    lr_decay_style: str = setting("linear", "Schedule: constant, linear, cosine, inverse-square-root or WSD.",
+                                  read(TRAINER_OPTIONS))
+    min_lr: float = setting(0.0, "Learning rate floor of the schedule.", read(TRAINER_OPTIONS))
+    lr_warmup_fraction: float | None = setting(None, "Fraction of train_iters spent warming up.",
+                                               read(TRAINER_OPTIONS))
+    weight_decay: float = setting(0.01, "Decoupled weight decay.", read(TRAINER_OPTIONS))
+    clip_grad: float = setting(1.0, "Gradient clipping by global norm (0 disables).", read(TRAINER_OPTIONS))
+    adam_beta1: float = setting(0.9, "Adam beta1.", read(TRAINER_OPTIONS))
+    adam_beta2: float = setting(0.999, "Adam beta2.", read(TRAINER_OPTIONS))
 
     # Training loop.
-    train_iters: int | None = setting(None, "Number of GRPO iterations.")
-    stage: str | None = setting(None, "Training algorithm, e.g. ray_grpo or ray_dapo.")
-    seed: int = setting(1234, "Random seed (data order, initialization, dropout).")
-    log_interval: int = setting(100, "Megatron log interval (iterations).")
-    eval_interval: int = setting(1000, "Evaluation interval (iterations).")
-    eval_iters: int = setting(100, "Evaluation iterations.")
-    skip_train: bool = setting(False, "Skip training (evaluation only).")
-    log_throughput: bool = setting(False, "Log Megatron's throughput per device.")
-    do_sample: bool = setting(False, "Sample in Megatron generation (unused by rlfabric).")
-    use_kv_cache: bool = setting(False, "KV cache in Megatron generation (unused by rlfabric).")
-    algorithm: str | None = setting(None, "Algorithm tag (unused by rlfabric).")
-    dpo_loss_type: str = setting("sigmoid", "DPO loss type (unused by rlfabric).")
-    ref_model: str = setting("", "DPO reference model path (unused by rlfabric).")
-    refer_model_iter: int = setting(1, "DPO reference model iteration (unused by rlfabric).")
+    train_iters: int | None = setting(None, "Number of GRPO iterations.", read(TRAINER_OPTIONS, COORDINATOR_RUN))
+    stage: str | None = setting(None, "Training algorithm: ray_grpo or ray_dapo (unset: ray_grpo).", read(ALGORITHM))
+    seed: int = setting(1234, "Random seed (data order, initialization, dropout).",
+                        read(COORDINATOR_APP, TRAINER_OPTIONS))
+    log_interval: int = setting(100, "Megatron log interval (iterations).",
+                                inert("rlfabric logs every iteration (console, metrics.jsonl, TensorBoard)"))
+    eval_interval: int = setting(1000, "Evaluation interval (iterations).", UPSTREAM_UNUSED)
+    eval_iters: int = setting(100, "Evaluation iterations.", UPSTREAM_UNUSED)
+    skip_train: bool = setting(False, "Skip training (evaluation only).", refused("rlfabric always trains"))
+    log_throughput: bool = setting(False, "Log Megatron's throughput per device.",
+                                   inert("rlfabric logs e2e_tps, update_tps and vllm_tps every iteration"))
+    do_sample: bool = setting(False, "Sample in Megatron generation (unused by rlfabric).",
+                              inert("Megatron text generation; rollout uses vLLM"))
+    use_kv_cache: bool = setting(False, "KV cache in Megatron generation (unused by rlfabric).",
+                                 inert("Megatron text generation; rollout uses vLLM"))
+    algorithm: str | None = setting(None, "Algorithm tag (unused by rlfabric).", UPSTREAM_UNUSED)
+    dpo_loss_type: str = setting("sigmoid", "DPO loss type (unused by rlfabric).", _dpo())
+    ref_model: str = setting("", "DPO reference model path (unused by rlfabric).", _dpo())
+    refer_model_iter: int = setting(1, "DPO reference model iteration (unused by rlfabric).", _dpo())
 
     # Checkpoints.
-    finetune: bool = setting(False, "Load weights only and start at iteration 0 (true) or resume (false).")
-    load: str | None = setting(None, "Checkpoint directory to load.")
-    save: str | None = setting(None, "Checkpoint directory to save to.")
-    save_interval: int | None = setting(None, "Save a checkpoint every this many iterations (and at the end).")
-    no_load_optim: bool | None = setting(None, "Do not load the optimizer state.")
-    no_load_rng: bool | None = setting(None, "Do not load the RNG state.")
-    no_save_optim: bool | None = setting(None, "Do not save the optimizer state.")
-    no_save_rng: bool | None = setting(None, "Do not save the RNG state.")
-    load_checkpoint_loosely: bool = setting(False, "Load checkpoints non-strictly.")
-    pretrained_checkpoint: str | None = setting(None, "Pretrained checkpoint for finetuning.")
-    enable_high_availability: bool = setting(False, "MindIO high availability (Ascend).")
+    finetune: bool = setting(False, "Load weights only and start at iteration 0 (true) or resume (false).",
+                             read(TRAINER_OPTIONS, RESUME))
+    load: str | None = setting(None, "Checkpoint directory to load.", read(TRAINER_OPTIONS, DERIVED, RESUME))
+    save: str | None = setting(None, "Checkpoint directory to save to.", read(COORDINATOR_RUN))
+    save_interval: int | None = setting(None, "Save a checkpoint every this many iterations (and at the end).",
+                                        read(COORDINATOR_RUN))
+    no_load_optim: bool | None = setting(None, "Do not load the optimizer state.", read(TRAINER_OPTIONS))
+    no_load_rng: bool | None = setting(None, "Do not load the RNG state.", read(TRAINER_OPTIONS))
+    no_save_optim: bool | None = setting(None, "Do not save the optimizer state.", _SAVES_ALL)
+    no_save_rng: bool | None = setting(None, "Do not save the RNG state.", _SAVES_ALL)
+    load_checkpoint_loosely: bool = setting(False, "Load checkpoints non-strictly.",
+                                            refused("rlfabric loads checkpoints strictly (every tensor must match)"))
+    pretrained_checkpoint: str | None = setting(None, "Pretrained checkpoint for finetuning.",
+                                                refused("name the weights to start from in `load`"))
+    enable_high_availability: bool = setting(False, "MindIO high availability (Ascend).", ASCEND)
 
-    # Memory and Ascend-specific features (accepted, ignored by rlfabric).
-    recompute_granularity: str | None = setting(None, "Activation recomputation: full or selective.")
-    recompute_method: str | None = setting(None, "Recomputation method: uniform or block.")
-    recompute_num_layers: int | None = setting(None, "Layers per recomputation unit.")
-    recompute_activation_function: bool = setting(False, "Recompute the MLP activation.")
-    swap_attention: bool = setting(False, "Swap attention activations to host (Ascend).")
-    swap_optimizer: bool = setting(False, "Swap optimizer state to host (Ascend).")
-    use_ascend_coc: bool = setting(False, "Ascend compute-communication overlap.")
-    coc_mode: int = setting(-1, "CoC mode (Ascend).")
-    coc_parallel_num: int = setting(1, "CoC parallelism (Ascend).")
-    coc_fused_kernel: bool = setting(False, "CoC fused kernel (Ascend).")
-    npu_deterministic: bool = setting(False, "Deterministic NPU kernels (Ascend).")
-    no_check_for_nan_in_loss_and_grad: bool = setting(False, "Skip NaN checks of loss and gradients.")
-    use_cp_send_recv_overlap: bool = setting(False, "Overlap send/recv in ring CP.")
-    use_fused_ring_attention_update: bool = setting(False, "Fused ring attention update in CP.")
-    ai_framework: str | None = setting(None, "Backend framework: unset (PyTorch) or mindspore.")
-    mm_model: str | None = setting(None, "Multimodal model description file (unsupported by rlfabric).")
+    # Memory and Ascend-specific features.
+    recompute_granularity: str | None = setting(None, "Activation recomputation: full or selective.", MEMORY)
+    recompute_method: str | None = setting(None, "Recomputation method: uniform or block.", MEMORY)
+    recompute_num_layers: int | None = setting(None, "Layers per recomputation unit.", MEMORY)
+    recompute_activation_function: bool = setting(False, "Recompute the MLP activation.", MEMORY)
+    swap_attention: bool = setting(False, "Swap attention activations to host (Ascend).", MEMORY)
+    swap_optimizer: bool = setting(False, "Swap optimizer state to host (Ascend).", MEMORY)
+    use_ascend_coc: bool = setting(False, "Ascend compute-communication overlap.", ASCEND)
+    coc_mode: int = setting(-1, "CoC mode (Ascend).", ASCEND)
+    coc_parallel_num: int = setting(1, "CoC parallelism (Ascend).", ASCEND)
+    coc_fused_kernel: bool = setting(False, "CoC fused kernel (Ascend).", ASCEND)
+    npu_deterministic: bool = setting(False, "Deterministic NPU kernels (Ascend).", ASCEND)
+    no_check_for_nan_in_loss_and_grad: bool = setting(False, "Skip NaN checks of loss and gradients.", inert(
+        "rlfabric always checks the gradient norm and skips an optimizer step whose norm is not finite"))
+    use_cp_send_recv_overlap: bool = setting(False, "Overlap send/recv in ring CP.", MEMORY)
+    use_fused_ring_attention_update: bool = setting(False, "Fused ring attention update in CP.", KERNEL)
+    ai_framework: str | None = setting(None, "Backend framework: unset (PyTorch) or mindspore.",
+                                       refused("rlfabric's trainer runs PyTorch and megatron-core"))
+    mm_model: str | None = setting(None, "Multimodal model description file (unsupported by rlfabric).",
+                                   refused("rlfabric trains text-only models", feature=MULTIMODAL))
 
-    # LoRA (accepted, not supported by rlfabric's trainer yet).
-    lora_r: int = setting(8, "LoRA rank.")
-    lora_alpha: int = setting(16, "LoRA alpha.")
-    lora_fusion: bool = setting(False, "Fuse LoRA weights into the base weights.")
-    lora_target_modules: list[str] | None = setting(None, "Modules LoRA adapts; unset disables LoRA.")
-    lora_ckpt_filter: bool = setting(False, "Save only LoRA parameters.")
+    # LoRA.
+    lora_r: int = setting(8, "LoRA rank.", _lora())
+    lora_alpha: int = setting(16, "LoRA alpha.", _lora())
+    lora_fusion: bool = setting(False, "Fuse LoRA weights into the base weights.", _lora())
+    lora_target_modules: list[str] | None = setting(None, "Modules LoRA adapts; unset disables LoRA.", _lora())
+    lora_ckpt_filter: bool = setting(False, "Save only LoRA parameters.", _lora())

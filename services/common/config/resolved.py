@@ -13,14 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.config.architecture import ModelConfig
 from services.common.config.derived import Derived
-from services.common.config.megatron import MegatronConfig, ModelConfig
+from services.common.config.megatron import MegatronConfig
+from services.common.config.rl import RLConfig
 from services.common.config.sections import (
     FabricConfig,
     GenerateConfig,
     MsprobeConfig,
     ProfilerConfig,
-    RLConfig,
 )
 
 # Sections printed by `rlfabric config check`, in order.

@@ -1,7 +1,8 @@
 """How a config section is declared and how raw YAML values are checked against it.
 
-Owns three things:
-- `setting(default, help)`: the one way a section field declares its default and help text;
+Owns four things:
+- `setting(default, help, status)`: the one way a section field declares its default, its help text
+  and its status (`read`, `refused` or `inert`, see `KeyStatus`): no key is accepted silently;
 - `coerce(value, annotation)`: strict type checking of one YAML value against a field's type hint,
   with the few conversions YAML forces on us (PyYAML reads `1e-6` as a string, `0` as an int);
 - `parse_section(cls, raw, ...)`: turn one YAML mapping into keyword arguments for a section
@@ -28,17 +29,71 @@ from services.common.config.errors import ConfigIssue
 _FLOAT_RE = re.compile(r"^[-+]?(\d[\d_]*\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
-def setting(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None):
-    """Declare a config field: its single default and its help text.
+READ, REFUSED, INERT = "read", "refused", "inert"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyStatus:
+    """What rlfabric does with a key. Declared once, next to the field; docs/config.md shows the table.
+
+    Attributes:
+        kind: READ (code uses it), REFUSED (a value other than `allowed` is an error) or INERT (accepted,
+            changes nothing here; `reason` says why).
+        modules: READ: the source files that read it (tests/common/test_config_keys.py checks each one does).
+        reason: REFUSED / INERT: why; a READ key's optional note.
+        feature: REFUSED: the feature it belongs to; a config using a feature is refused with one message.
+        allowed: REFUSED: the accepted values; None means only the field's default.
+        platform: READ: the only platform where it takes effect ("ascend": vllm-ascend reads it).
+    """
+
+    kind: str
+    modules: tuple[str, ...] = ()
+    reason: str = ""
+    feature: str | None = None
+    allowed: tuple[Any, ...] | None = None
+    platform: str | None = None
+
+
+def read(*modules: str, note: str = "", platform: str | None = None) -> KeyStatus:
+    """READ by `modules` (paths from the repository root)."""
+    return KeyStatus(READ, modules=modules, reason=note, platform=platform)
+
+
+def refused(reason: str, *, feature: str | None = None, allowed: tuple[Any, ...] | None = None) -> KeyStatus:
+    """REFUSED unless the value is in `allowed` (default: the field's default)."""
+    return KeyStatus(REFUSED, reason=reason, feature=feature, allowed=allowed)
+
+
+def inert(reason: str) -> KeyStatus:
+    """INERT: accepted and ignored, for `reason` (shown by `rlfabric config check` when a file sets it)."""
+    return KeyStatus(INERT, reason=reason)
+
+
+def setting(default: Any = dataclasses.MISSING, help: str = "", status: KeyStatus | None = None, *,
+            factory: Callable[[], Any] | None = None):
+    """Declare a config field: its single default, its help text and its status.
 
     Args:
         default: the default value (immutable values only).
-        help: one line shown by `rlfabric config check` and in docs.
+        help: one line shown by `rlfabric config keys` and in docs.
+        status: `read(...)`, `refused(...)` or `inert(...)`; tests/common/test_config_keys.py fails without one.
         factory: for mutable defaults (lists, nested sections), a zero-argument callable.
     """
+    metadata = {"help": help, "status": status}
     if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def field_status(field: dataclasses.Field) -> KeyStatus | None:
+    return field.metadata.get("status")
+
+
+def field_default(field: dataclasses.Field) -> Any:
+    """A field's default value (a fresh one for factories)."""
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
 
 
 def normalize_key(key: Any) -> str:
@@ -236,7 +291,7 @@ def parse_section(
                 bad.add(f"{section}.{guess}")
             continue
         annotation = types_[key]
-        nested = _dataclass_in(annotation)
+        nested = dataclass_in(annotation)
         if nested is not None and isinstance(value, Mapping):
             sub_source = _sub_source(raw, raw_key, source)
             kwargs[key] = nested(**parse_section(nested, value, section=where, issues=issues,
@@ -251,7 +306,7 @@ def parse_section(
     return kwargs
 
 
-def _dataclass_in(annotation: Any) -> type | None:
+def dataclass_in(annotation: Any) -> type | None:
     """The dataclass inside `X` or `X | None`, if any."""
     if dataclasses.is_dataclass(annotation):
         return annotation

@@ -7,8 +7,9 @@ problems about keys that already failed to parse, and can point at the file:line
 
 Messages follow TRL's style: say what was set, why it cannot work, and what to change, with the
 numbers involved. MindSpeed-RL's rules are kept (see parity.md), plus checks that catch upstream
-failures early (head counts vs TP, vLLM limits) and features rlfabric does not implement, which are
-refused rather than silently ignored. `WARNINGS` lists rules whose findings are only warnings.
+failures early (head counts vs TP, vLLM limits). Refused keys (refusals.py), the algorithm's rules
+(algorithm.py) and the resume rule (resume.py) join them in `RULES`. `WARNINGS` lists rules whose
+findings are only warnings.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.common.config.sections import ADV_ESTIMATORS, KL_CTRL_TYPES, KL_PENALTIES
+from services.common.config.algorithm import algorithm_rules
+from services.common.config.resume import resume_rule
+from services.common.config.rl import ADV_ESTIMATORS, KL_CTRL_TYPES, KL_PENALTIES
 
 if TYPE_CHECKING:
     from services.common.config.resolved import RLFabricConfig
@@ -80,10 +83,10 @@ def model_architecture(cfg: RLFabricConfig) -> Iterable[Problem]:
                           f"num_query_groups ({groups}) must be divisible by tensor_model_parallel_size ({tp}); "
                           f"choose a TP that divides {groups}")
     pp = actor.pipeline_model_parallel_size
-    if pp >= 1 and actor.num_layer_list is None and actor.num_layers % pp != 0:
+    if pp >= 1 and actor.num_layers % pp != 0:
         yield Problem(("pipeline_model_parallel_size", "num_layers"),
-                      f"num_layers ({actor.num_layers}) must be divisible by pipeline_model_parallel_size ({pp}), "
-                      f"or set `num_layer_list` to the layers of each stage")
+                      f"num_layers ({actor.num_layers}) must be divisible by pipeline_model_parallel_size ({pp}): "
+                      f"rlfabric's trainer gives every pipeline stage the same number of layers")
     itp = cfg.generate_config.infer_tensor_parallel_size
     if itp >= 1 and heads % itp != 0:
         yield Problem(("generate_config.infer_tensor_parallel_size", "num_attention_heads"),
@@ -152,11 +155,9 @@ def device_layout(cfg: RLFabricConfig) -> Iterable[Problem]:
         yield Problem(("rl_config.reference_resource", "ref_config.tensor_model_parallel_size"),
                       f"the reference's {ref_npus} devices must be divisible by its tensor x pipeline x context "
                       f"parallel size ({d.ref_model_parallel_size})")
-    if gen.infer_pipeline_parallel_size != 1:
-        yield Problem(("generate_config.infer_pipeline_parallel_size",),
-                      f"generate_config.infer_pipeline_parallel_size is {gen.infer_pipeline_parallel_size}, but "
-                      f"rollout supports no pipeline parallelism; set it to 1 (use infer_tensor_parallel_size)")
-    elif npus is not None and npus >= 1 and d.rollout_engine_size and d.rollout_data_parallel_size is None:
+    # An infer_pipeline_parallel_size other than 1 is a refused value (sections.py): no second message here.
+    engine_ok = gen.infer_pipeline_parallel_size == 1 and d.rollout_engine_size
+    if engine_ok and npus is not None and npus >= 1 and d.rollout_data_parallel_size is None:
         yield Problem(("generate_config.infer_tensor_parallel_size",),
                       f"rl_config.actor_resource.num_npus ({npus}) must be divisible by "
                       f"generate_config.infer_tensor_parallel_size ({gen.infer_tensor_parallel_size}): "
@@ -267,11 +268,6 @@ def algorithm_choices(cfg: RLFabricConfig) -> Iterable[Problem]:
 
 def rewards(cfg: RLFabricConfig) -> Iterable[Problem]:
     rl = cfg.rl_config
-    if not rl.rule_reward or rl.reward_resource is not None:
-        yield Problem(("rl_config.rule_reward",),
-                      "reward models are not supported: rlfabric scores with rule verifiers; set "
-                      "`rl_config.rule_reward: true`, remove `reward_resource`, and list verifiers in "
-                      "`verifier_function`")
     if len(rl.verifier_function) != len(rl.verifier_weight):
         yield Problem(("rl_config.verifier_weight", "rl_config.verifier_function"),
                       f"rl_config.verifier_function has {len(rl.verifier_function)} entries "
@@ -353,47 +349,9 @@ def placement(cfg: RLFabricConfig) -> Iterable[Problem]:
         yield Problem(("rl_config.integrated_mode_config",),
                       "rl_config.integrated_mode_config is set while use_integrated_worker is false; remove it, "
                       "or set use_integrated_worker: true")
-    if rl.partial_rollout_max_split > 1 and rl.guarantee_order:
-        yield Problem(("rl_config.guarantee_order",),
-                      "guarantee_order must be false when partial_rollout_max_split > 1")
     if rl.use_wandb and not rl.wandb_project:
         yield Problem(("rl_config.wandb_project",),
                       "rl_config.use_wandb is true but wandb_project is empty; set wandb_project (and wandb_exp_name)")
-
-
-def resume(cfg: RLFabricConfig) -> Iterable[Problem]:
-    """Resuming must not load the trained actor as the reference (a MindSpeed-RL defect, parity.md)."""
-    a, d = cfg.actor_config, cfg.derived
-    if a.finetune or a.load is None:
-        return
-    if d.ref_model_load_path is None or d.ref_model_load_path == a.load:
-        where = ("`rl_config.integrated_mode_config.ref_model_load_path`" if cfg.rl_config.use_integrated_worker
-                 else "`ref_config.load` (or `rl_config.integrated_mode_config.ref_model_load_path`)")
-        yield Problem(("finetune", "load"),
-                      f"you resume (finetune: false) from load `{a.load}` but no separate reference weights are "
-                      f"given, so the reference would load the trained actor; set {where} to the original model's "
-                      f"checkpoint, or set finetune: true to start a new run")
-
-
-def unsupported_features(cfg: RLFabricConfig) -> Iterable[Problem]:
-    """Features that change results and that rlfabric does not implement: refuse them loudly."""
-    rl, a = cfg.rl_config, cfg.actor_config
-    checks = [
-        (a.lora_target_modules is not None, "lora_target_modules", "LoRA training is not supported; remove it"),
-        (rl.multi_turn_enable, "rl_config.multi_turn_enable", "multi-turn tool use is not supported; set it false"),
-        (rl.is_multimodal, "rl_config.is_multimodal", "multimodal models are not supported; set it false"),
-        (a.mm_model is not None, "mm_model", "multimodal models are not supported; remove it"),
-        (rl.use_kl_in_reward, "rl_config.use_kl_in_reward",
-         "KL in the reward is not supported (rlfabric applies KL in the loss); set it false"),
-        (rl.partial_rollout_max_split > 1, "rl_config.partial_rollout_max_split",
-         "partial rollout is not supported; set it to 1"),
-        (rl.critic_resource is not None, "rl_config.critic_resource", "critics (PPO) are not supported; remove it"),
-        (a.ai_framework not in (None, "mindspore"), "ai_framework",
-         f"ai_framework must be unset or mindspore, got `{a.ai_framework}`"),
-    ]
-    for broken, key, message in checks:
-        if broken:
-            yield Problem((key,), f"{_q(cfg, key)}: {message}")
 
 
 def precision_warnings(cfg: RLFabricConfig) -> Iterable[Problem]:
@@ -405,10 +363,19 @@ def precision_warnings(cfg: RLFabricConfig) -> Iterable[Problem]:
                       f"bf16: false with dtype float32 on CPU")
 
 
+def refused_keys(cfg: RLFabricConfig) -> Iterable[Problem]:
+    """Refused keys of no feature (those of a feature are refused by the loader, one message per feature)."""
+    from services.common.config.refusals import refusal_message, refused_values
+
+    for refusal in refused_values(cfg):
+        if refusal.feature is None:
+            yield Problem((refusal.key,), refusal_message(cfg, refusal))
+
+
 RULES: tuple[Rule, ...] = (
     required_training_keys, model_architecture, positive_sizes, sequence_lengths, device_layout,
-    batch_divisibility, dispatch_sizes, algorithm_choices, rewards, sampling, placement, resume,
-    unsupported_features,
+    batch_divisibility, dispatch_sizes, algorithm_choices, algorithm_rules, rewards, sampling, placement,
+    resume_rule, refused_keys,
 )
 WARNINGS: tuple[Rule, ...] = (precision_warnings,)
 

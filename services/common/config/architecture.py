@@ -1,0 +1,98 @@
+"""`ModelConfig`: the architecture keys of one block in `configs/model/<name>.yaml` (Megatron names).
+
+rlfabric builds the model from the Hugging Face `config.json` it loads, never from these keys, so each
+key is either compared with that file (`hf_check.py`, at `config check` and `rlfabric up`), refused
+(architectures rlfabric does not have: MoE, MLA), or inert with the reason. Defaults follow
+MindSpeed-RL's `MegatronConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config.schema import inert, read, refused, setting
+from services.common.config.statuses import DERIVED, FROM_HF, HF_CHECK, MLA, MOE, VALIDATION
+
+_Layers = int | str | list[int] | None  # Megatron accepts "4,4,4", a list, or a pattern string.
+_NO_DROPOUT = refused("rlfabric trains without dropout, as every MindSpeed-RL RL config does (0.0); the "
+                      "default 0.1 would train with dropout upstream", allowed=(0.0,))
+
+
+def _moe() -> object:
+    return refused("rlfabric's trainer and resharding support dense models only", feature=MOE)
+
+
+def _mla() -> object:
+    return refused("rlfabric's trainer supports standard (grouped-query) attention only", feature=MLA)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Model architecture: the keys of one block in `configs/model/<name>.yaml`."""
+
+    num_layers: int | None = setting(None, "Number of transformer layers.", read(HF_CHECK, VALIDATION))
+    hidden_size: int | None = setting(None, "Hidden (model) dimension.", read(HF_CHECK, DERIVED))
+    ffn_hidden_size: int | None = setting(None, "MLP inner dimension (per gate for SwiGLU).", read(HF_CHECK))
+    num_attention_heads: int | None = setting(None, "Number of query heads.", read(HF_CHECK, VALIDATION))
+    kv_channels: int | None = setting(None, "Head dimension; unset means hidden_size / num_attention_heads.",
+                                      read(HF_CHECK, DERIVED))
+    group_query_attention: bool = setting(False, "Use grouped-query attention (num_query_groups KV heads).",
+                                          read(HF_CHECK, DERIVED))
+    num_query_groups: int = setting(1, "Number of key/value heads when group_query_attention is true.",
+                                    read(HF_CHECK, VALIDATION))
+    max_position_embeddings: int | None = setting(None, "Longest position the model was built for.", read(HF_CHECK))
+    position_embedding_type: str = setting("learned_absolute", "Position embedding: rope, learned_absolute or none.",
+                                           read(HF_CHECK))
+    use_rotary_position_embeddings: bool = setting(False, "Legacy switch for rotary embeddings.", FROM_HF)
+    rotary_base: int | float = setting(10000, "RoPE base (theta).", read(HF_CHECK))
+    rope_scaling_type: str | None = setting(None, "RoPE scaling variant (llama3, yarn, ...); unset means none.",
+                                            read(HF_CHECK))
+    rope_scaling_factor: float = setting(1.0, "RoPE scaling factor.", read(HF_CHECK))
+    low_freq_factor: float | None = setting(None, "Llama3 RoPE scaling: low-frequency factor.", FROM_HF)
+    high_freq_factor: float | None = setting(None, "Llama3 RoPE scaling: high-frequency factor.", FROM_HF)
+    original_max_position_embeddings: int | None = setting(None, "Context length before RoPE scaling.", FROM_HF)
+    beta_fast: int | float = setting(32, "YaRN RoPE: beta fast.", FROM_HF)
+    beta_slow: int | float = setting(1, "YaRN RoPE: beta slow.", FROM_HF)
+    rope_scaling_mscale: float = setting(1.0, "YaRN RoPE: mscale.", FROM_HF)
+    rope_scaling_mscale_all_dim: float = setting(0.0, "YaRN RoPE: mscale for all dimensions.", FROM_HF)
+    rope_scaling_original_max_position_embeddings: int | None = setting(
+        None, "YaRN RoPE: original maximum position embeddings.", FROM_HF)
+    make_vocab_size_divisible_by: int = setting(128, "Pad the vocabulary to a multiple of this (times TP).",
+                                                read(HF_CHECK))
+    padded_vocab_size: int | None = setting(None, "Vocabulary size after padding; unset means from the tokenizer.",
+                                            read(HF_CHECK))
+    add_qkv_bias: bool = setting(False, "Bias on the Q, K and V projections only (Qwen2).", read(HF_CHECK))
+    disable_bias_linear: bool = setting(False, "No bias on linear layers (other than add_qkv_bias).", read(HF_CHECK))
+    attention_bias: bool = setting(False, "Bias on attention projections.", FROM_HF)
+    untie_embeddings_and_output_weights: bool = setting(
+        False, "Separate output layer instead of reusing the input embedding (false = tied).", read(HF_CHECK))
+    normalization: str = setting("LayerNorm", "Normalization layer: LayerNorm or RMSNorm.", read(HF_CHECK))
+    norm_epsilon: float = setting(1e-5, "Epsilon of the normalization layers.", read(HF_CHECK))
+    swiglu: bool = setting(False, "SwiGLU MLP (gate and up projections).", read(HF_CHECK))
+    qk_layernorm: bool = setting(False, "Normalize queries and keys per head (Qwen3).", read(HF_CHECK))
+    attention_dropout: float = setting(0.1, "Dropout on attention probabilities.", _NO_DROPOUT)
+    hidden_dropout: float = setting(0.1, "Dropout on hidden states.", _NO_DROPOUT)
+    init_method_std: float = setting(0.02, "Standard deviation of the weight initialization.", inert(
+        "weights always load from a checkpoint or a Hugging Face folder, which overwrites the initialisation"))
+    multi_latent_attention: bool = setting(False, "Multi-head latent attention (DeepSeek MLA).", _mla())
+    qk_pos_emb_head_dim: int | None = setting(None, "MLA: rotary part of the query/key head dimension.", _mla())
+    qk_head_dim: int | None = setting(None, "MLA: non-rotary query/key head dimension.", _mla())
+    q_lora_rank: int | None = setting(None, "MLA: low rank of the query projection.", _mla())
+    kv_lora_rank: int | None = setting(None, "MLA: low rank of the key/value projection.", _mla())
+    v_head_dim: int | None = setting(None, "MLA: value head dimension.", _mla())
+    num_experts: int | None = setting(None, "MoE: number of routed experts; unset means a dense model.", _moe())
+    n_shared_experts: int | None = setting(None, "MoE: number of shared experts.", _moe())
+    moe_ffn_hidden_size: int | None = setting(None, "MoE: expert MLP inner dimension.", _moe())
+    moe_router_topk: int = setting(2, "MoE: experts per token.", _moe())
+    moe_router_load_balancing_type: str = setting("aux_loss", "MoE: load balancing (aux_loss, seq_aux_loss, none, ...).",
+                                                  _moe())
+    moe_router_num_groups: int | None = setting(None, "MoE: expert groups for group-limited routing.", _moe())
+    moe_router_group_topk: int | None = setting(None, "MoE: groups chosen per token.", _moe())
+    moe_router_topk_scaling_factor: float | None = setting(None, "MoE: scaling of routed expert weights.", _moe())
+    norm_topk_prob: bool = setting(False, "MoE: renormalize the top-k routing weights.", _moe())
+    moe_router_score_function: str = setting("softmax", "MoE: routing score, softmax or sigmoid.", _moe())
+    moe_router_enable_expert_bias: bool = setting(False, "MoE: dynamic expert bias (aux-loss-free balancing).", _moe())
+    moe_aux_loss_coeff: float = setting(0.001, "MoE: auxiliary loss coefficient.", _moe())
+    first_k_dense_replace: int | None = setting(None, "MoE: the first k layers are dense.", _moe())
+    moe_layer_freq: _Layers = setting(None, "MoE: which layers are MoE layers.", _moe())
+    seq_aux: bool = setting(False, "MoE: compute the auxiliary loss per sequence.", _moe())

@@ -1,0 +1,121 @@
+"""The model block checked against the Hugging Face `config.json` the services will load.
+
+rlfabric builds its models from `config.json` (services/common/model_spec.py), never from the YAML's model
+block; MindSpeed-RL builds Megatron's model from the block. A block that disagrees with the weights would
+train another model upstream, so `rlfabric config check` and `rlfabric up` compare them and refuse every
+mismatch, naming the key and both values.
+
+Vocabulary: Megatron pads the vocabulary to a multiple of `make_vocab_size_divisible_by` x TP unless
+`padded_vocab_size` is given; the result must equal the rows the weights have (`vocab_size` of config.json,
+rounded up to a multiple of TP as rlfabric's trainer does). Keys that default rather than being written
+(rotary_base, norm_epsilon, ...) are compared only when the YAML writes them; the tie of the embeddings is
+always compared (its default, tied, is a statement about the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from services.common.config.errors import ConfigError, ConfigIssue
+
+if TYPE_CHECKING:
+    from services.common.config.resolved import RLFabricConfig
+    from services.common.model_spec import ModelSpec
+
+
+def megatron_padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: up to a multiple of `divisible_by` x `tp`."""
+    multiple = max(divisible_by, 1) * max(tp, 1)
+    return -(-vocab_size // multiple) * multiple
+
+
+def model_dirs(cfg: RLFabricConfig) -> list[Path]:
+    """The folders the services load a model from that hold a config.json (tokenizer, rollout model, load)."""
+    candidates = (cfg.actor_config.tokenizer_name_or_path, cfg.derived.rollout_tokenizer_name_or_path,
+                  cfg.actor_config.load)
+    out: list[Path] = []
+    for path in candidates:
+        if path and (Path(path) / "config.json").is_file() and Path(path) not in out:
+            out.append(Path(path))
+    return out
+
+
+def check_model_files(cfg: RLFabricConfig) -> list[Path]:
+    """Compare the model block with every config.json of `model_dirs`; return the folders checked.
+
+    Raises:
+        ConfigError: naming each mismatching key with both values.
+    """
+    dirs = model_dirs(cfg)
+    issues = [issue for d in dirs for issue in compare_with_hf(cfg, d)]
+    if issues:
+        raise ConfigError(issues, str(cfg.path) if cfg.path else None)
+    return dirs
+
+
+def compare_with_hf(cfg: RLFabricConfig, hf_dir: Path) -> list[ConfigIssue]:
+    """The mismatches between the actor's model block and `hf_dir/config.json`."""
+    from services.common.model_spec import read_hf_config
+
+    source = str(hf_dir / "config.json")
+    try:
+        spec, _raw = read_hf_config(hf_dir)
+    except (ValueError, KeyError, OSError) as exc:
+        return [ConfigIssue(source, f"cannot use this model: {exc}")]
+    return [ConfigIssue(cfg.where(key), f"`{cfg.where(key)}` is {ours} but {source} has {hf_key}: {theirs}; "
+                                        f"make the model block match the weights", cfg.source(key))
+            for key, ours, hf_key, theirs in _mismatches(cfg, spec)]
+
+
+def _mismatches(cfg: RLFabricConfig, spec: ModelSpec) -> Iterable[tuple[str, Any, str, Any]]:
+    a = cfg.actor_config
+    written = cfg.provenance.megatron_origin
+    kv_heads = a.num_query_groups if a.group_query_attention else a.num_attention_heads
+    always = [
+        ("num_layers", a.num_layers, "num_hidden_layers", spec.num_hidden_layers),
+        ("hidden_size", a.hidden_size, "hidden_size", spec.hidden_size),
+        ("num_attention_heads", a.num_attention_heads, "num_attention_heads", spec.num_attention_heads),
+        ("num_query_groups" if a.group_query_attention else "group_query_attention", kv_heads,
+         "num_key_value_heads", spec.num_key_value_heads),
+        ("untie_embeddings_and_output_weights", a.untie_embeddings_and_output_weights,
+         "tie_word_embeddings (negated)", not spec.tie_word_embeddings),
+    ]
+    when_set = [
+        ("ffn_hidden_size", a.ffn_hidden_size, "intermediate_size", spec.intermediate_size),
+        ("kv_channels", a.kv_channels, "head_dim", spec.head_dim),
+        ("max_position_embeddings", a.max_position_embeddings, "max_position_embeddings",
+         spec.max_position_embeddings),
+    ]
+    when_written = [
+        ("rotary_base", float(a.rotary_base), "rope_theta", spec.rope_theta),
+        ("norm_epsilon", a.norm_epsilon, "rms_norm_eps", spec.rms_norm_eps),
+        ("qk_layernorm", a.qk_layernorm, "model_type qwen3 (q/k norm)", spec.qk_norm),
+        ("add_qkv_bias", a.add_qkv_bias, "attention_bias", spec.attention_bias),
+        ("rope_scaling_type", a.rope_scaling_type, "rope_scaling.rope_type",
+         "llama3" if spec.rope_scaling_factor is not None else None),
+        ("position_embedding_type", a.position_embedding_type, "position embedding", "rope"),
+        ("normalization", a.normalization, "normalization", "RMSNorm"),
+        ("swiglu", a.swiglu, "MLP", True),
+        ("disable_bias_linear", a.disable_bias_linear, "bias on linear layers (none)", True),
+    ]
+    if a.rope_scaling_type is not None:
+        when_written.append(("rope_scaling_factor", a.rope_scaling_factor, "rope_scaling.factor",
+                             spec.rope_scaling_factor))
+    for key, ours, hf_key, theirs in always:
+        if ours is not None and ours != theirs:
+            yield key, ours, hf_key, theirs
+    for key, ours, hf_key, theirs in when_set:
+        if ours is not None and ours != theirs:
+            yield key, ours, hf_key, theirs
+    for key, ours, hf_key, theirs in when_written:
+        if key in written and ours != theirs:
+            yield key, ours, hf_key, theirs
+    tp = a.tensor_model_parallel_size
+    padded = a.padded_vocab_size or megatron_padded_vocab_size(spec.vocab_size, a.make_vocab_size_divisible_by, tp)
+    if padded != spec.padded_vocab_size(tp):
+        key = "padded_vocab_size" if a.padded_vocab_size else "make_vocab_size_divisible_by"
+        how = "" if a.padded_vocab_size else f"{a.make_vocab_size_divisible_by}, which pads the vocabulary to "
+        hf_vocab = "vocab_size" + (f" (padded to a multiple of TP {tp})" if tp > 1 else "")
+        yield key, f"{how}{padded}", hf_vocab, spec.padded_vocab_size(tp)
