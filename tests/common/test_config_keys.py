@@ -7,9 +7,10 @@ docs/config.md carries the current table (`rlfabric config keys --markdown` prin
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import json
-import re
 import types
 import typing
 from pathlib import Path
@@ -29,14 +30,17 @@ def keys_without_status(entries: list[KeyEntry]) -> list[str]:
     return [e.dotted for e in entries if e.status is None]
 
 
+@functools.cache
+def attributes_accessed(module: str) -> frozenset[str]:
+    """Every attribute name the module's code accesses (`x.name`), from its syntax tree: not strings, not comments."""
+    tree = ast.parse((REPO / module).read_text())
+    return frozenset(node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute))
+
+
 def unread_claims(entry: KeyEntry) -> list[str]:
     """The modules a READ key names that do not access it (or do not exist)."""
-    access = re.compile(rf"\.{re.escape(entry.name)}\b")
-    bad = []
-    for module in entry.status.modules:
-        path = REPO / module
-        if not path.is_file() or not access.search(path.read_text()):
-            bad.append(module)
+    bad = [m for m in entry.status.modules
+           if not (REPO / m).is_file() or entry.name not in attributes_accessed(m)]
     return bad if entry.status.modules else ["(no module named)"]
 
 

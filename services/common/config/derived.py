@@ -111,81 +111,17 @@ def compute_derived(
     config_dir: Path | None,
 ) -> Derived:
     """Compute the derived values (None where inputs are missing or do not divide)."""
-    n = rl.n_samples_per_prompt
-    gbs = actor.global_batch_size
     algorithm = algorithm_of(actor.stage)
     # The KL term (and so a reference model) exists iff GRPO's coefficient is non-zero; DAPO has none.
     use_kl = (algorithm or GRPO) == GRPO and rl.init_kl_coef != 0
     dynamic_sampling = algorithm == DAPO and rl.filter_groups_enable
-    actor_world = _world(rl.actor_resource.num_npus)
-    actor_mp = _mul(actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size,
-                    actor.context_parallel_size)
-    actor_dp = _div(actor_world, actor_mp)
-    ref_resource = rl.reference_resource if rl.reference_resource is not None else rl.actor_resource
-    ref_world = _world(ref_resource.num_npus) if use_kl else None
-    ref_mp = _mul(ref.tensor_model_parallel_size, ref.pipeline_model_parallel_size, ref.context_parallel_size)
-    ref_dp = _div(ref_world, ref_mp)
-    engine = _mul(gen.infer_tensor_parallel_size, gen.infer_pipeline_parallel_size)
-    rollout_dp = _div(actor_world, engine)
-    rollout_world = _mul(rollout_dp, engine)
-    if rl.use_integrated_worker:
-        world = actor_world
-    else:
-        world = None if None in (actor_world, rollout_world) else actor_world + rollout_world + (ref_world or 0)
-
-    samples = _mul(gbs, n)
-    mini_samples = _mul(rl.mini_batch_size, n)
-    mini_batches = _div(gbs, rl.mini_batch_size)
-    mini_per_rank = _div(mini_samples, actor_dp)
     # DAPO dynamic sampling trains on filter_groups_train_batch_size prompts instead of gbs.
-    train_prompts = rl.filter_groups_train_batch_size if dynamic_sampling else gbs
-    train_samples = _mul(train_prompts, n)
-
-    actor_micro = actor.micro_batch_size
-    kv_heads = None
-    if actor.num_attention_heads is not None:
-        kv_heads = actor.num_query_groups if actor.group_query_attention else actor.num_attention_heads
-    head_dim = actor.kv_channels
-    if head_dim is None:
-        head_dim = _div(actor.hidden_size, actor.num_attention_heads)
-
-    prompt_type_path = actor.prompt_type_path
-    if prompt_type_path is None and config_dir is not None:
-        prompt_type_path = str(config_dir / "model" / "templates.json")
-    integrated = rl.integrated_mode_config
-    ref_load = integrated.ref_model_load_path if integrated is not None else None
-    if ref_load is None:
-        ref_load = ref.load
-    max_tokens = gen.sampling_config.max_tokens
+    train_prompts = rl.filter_groups_train_batch_size if dynamic_sampling else actor.global_batch_size
+    layout = _layout(actor, ref, rl, gen, use_kl)
     return Derived(
         algorithm=algorithm,
-        world_size=world,
-        actor_world_size=actor_world,
-        actor_model_parallel_size=actor_mp,
-        actor_data_parallel_size=actor_dp,
-        ref_world_size=ref_world,
-        ref_model_parallel_size=ref_mp,
-        ref_data_parallel_size=ref_dp,
-        rollout_engine_size=engine,
-        rollout_data_parallel_size=rollout_dp,
-        rollout_world_size=rollout_world,
-        prompts_per_iteration=gbs,
-        train_prompts_per_iteration=train_prompts,
-        samples_per_iteration=samples,
-        samples_per_actor_dp_rank=_div(samples, actor_dp),
-        mini_batch_size_samples=mini_samples,
-        mini_batches_per_iteration=mini_batches,
-        optimizer_steps_per_iteration=_mul(mini_batches, rl.epochs),
-        mini_batch_samples_per_dp_rank=mini_per_rank,
-        micro_batches_per_mini_batch=_div(mini_per_rank, actor_micro),
-        actor_forward_micro_batch_size=rl.actor_forward_micro_batch_size or actor_micro,
-        ref_forward_micro_batch_size=rl.ref_forward_micro_batch_size or ref.micro_batch_size,
-        actor_rollout_dispatch_size=rl.actor_rollout_dispatch_size or _div(samples, rollout_dp),
-        actor_logprob_dispatch_size=rl.actor_logprob_dispatch_size or _div(train_samples, actor_dp),
-        ref_dispatch_size=rl.ref_dispatch_size or _div(samples, ref_dp),
-        reward_dispatch_size=rl.reward_dispatch_size or samples,
-        adv_dispatch_size=rl.adv_dispatch_size or train_samples,
-        actor_update_dispatch_size=rl.actor_update_dispatch_size or _div(train_samples, actor_dp),
+        **layout,
+        **_batches(actor, ref, rl, layout, train_prompts),
         # Fully on-policy: one optimizer step per iteration over the trained prompts, so old log-probs equal the
         # current ones and the actor's old-log-prob pass is skipped (MindSpeed-RL's set_actor_log_prob_skip_flag).
         skip_old_log_probs=rl.mini_batch_size == train_prompts and rl.epochs == 1,
@@ -194,12 +130,79 @@ def compute_derived(
         params_dtype=_params_dtype(actor),
         ref_params_dtype=_params_dtype(ref),
         rollout_dtype=gen.dtype,
-        max_response_length=max_tokens,
-        max_sequence_length=rl.max_prompt_length + max_tokens,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        total_prompts=_mul(actor.train_iters, gbs),
-        rollout_tokenizer_name_or_path=gen.tokenizer_name_or_path or actor.tokenizer_name_or_path,
-        prompt_type_path=prompt_type_path,
-        ref_model_load_path=ref_load,
+        max_response_length=gen.sampling_config.max_tokens,
+        max_sequence_length=rl.max_prompt_length + gen.sampling_config.max_tokens,
+        **_model_and_paths(actor, ref, rl, gen, config_dir),
     )
+
+
+def _layout(actor: MegatronConfig, ref: MegatronConfig, rl: RLConfig, gen: GenerateConfig,
+            use_kl: bool) -> dict[str, int | None]:
+    """Devices and parallel sizes of the actor, the reference (None without a KL term) and the rollout."""
+    actor_world = _world(rl.actor_resource.num_npus)
+    actor_mp = _mul(actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size,
+                    actor.context_parallel_size)
+    ref_resource = rl.reference_resource if rl.reference_resource is not None else rl.actor_resource
+    ref_world = _world(ref_resource.num_npus) if use_kl else None
+    ref_mp = _mul(ref.tensor_model_parallel_size, ref.pipeline_model_parallel_size, ref.context_parallel_size)
+    engine = _mul(gen.infer_tensor_parallel_size, gen.infer_pipeline_parallel_size)
+    rollout_dp = _div(actor_world, engine)
+    rollout_world = _mul(rollout_dp, engine)
+    if rl.use_integrated_worker:
+        world = actor_world
+    else:
+        world = None if None in (actor_world, rollout_world) else actor_world + rollout_world + (ref_world or 0)
+    return dict(world_size=world, actor_world_size=actor_world, actor_model_parallel_size=actor_mp,
+                actor_data_parallel_size=_div(actor_world, actor_mp), ref_world_size=ref_world,
+                ref_model_parallel_size=ref_mp, ref_data_parallel_size=_div(ref_world, ref_mp),
+                rollout_engine_size=engine, rollout_data_parallel_size=rollout_dp, rollout_world_size=rollout_world)
+
+
+def _batches(actor: MegatronConfig, ref: MegatronConfig, rl: RLConfig, layout: dict[str, int | None],
+             train_prompts: int | None) -> dict[str, int | None]:
+    """Batch arithmetic in samples; update-side sizes count the trained prompts."""
+    n, gbs, actor_dp = rl.n_samples_per_prompt, actor.global_batch_size, layout["actor_data_parallel_size"]
+    samples, train_samples = _mul(gbs, n), _mul(train_prompts, n)
+    mini_samples = _mul(rl.mini_batch_size, n)
+    mini_batches = _div(train_prompts, rl.mini_batch_size)
+    mini_per_rank = _div(mini_samples, actor_dp)
+    return dict(
+        prompts_per_iteration=gbs,
+        train_prompts_per_iteration=train_prompts,
+        samples_per_iteration=samples,
+        samples_per_actor_dp_rank=_div(samples, actor_dp),
+        mini_batch_size_samples=mini_samples,
+        mini_batches_per_iteration=mini_batches,
+        optimizer_steps_per_iteration=_mul(mini_batches, rl.epochs),
+        mini_batch_samples_per_dp_rank=mini_per_rank,
+        micro_batches_per_mini_batch=_div(mini_per_rank, actor.micro_batch_size),
+        actor_forward_micro_batch_size=rl.actor_forward_micro_batch_size or actor.micro_batch_size,
+        ref_forward_micro_batch_size=rl.ref_forward_micro_batch_size or ref.micro_batch_size,
+        actor_rollout_dispatch_size=rl.actor_rollout_dispatch_size or _div(samples,
+                                                                           layout["rollout_data_parallel_size"]),
+        actor_logprob_dispatch_size=rl.actor_logprob_dispatch_size or _div(train_samples, actor_dp),
+        ref_dispatch_size=rl.ref_dispatch_size or _div(samples, layout["ref_data_parallel_size"]),
+        reward_dispatch_size=rl.reward_dispatch_size or samples,
+        adv_dispatch_size=rl.adv_dispatch_size or train_samples,
+        actor_update_dispatch_size=rl.actor_update_dispatch_size or _div(train_samples, actor_dp),
+        total_prompts=_mul(actor.train_iters, gbs),
+    )
+
+
+def _model_and_paths(actor: MegatronConfig, ref: MegatronConfig, rl: RLConfig, gen: GenerateConfig,
+                     config_dir: Path | None) -> dict[str, int | str | None]:
+    """Attention shape of the actor's model block, and the paths services resolve."""
+    kv_heads = None
+    if actor.num_attention_heads is not None:
+        kv_heads = actor.num_query_groups if actor.group_query_attention else actor.num_attention_heads
+    head_dim = actor.kv_channels
+    if head_dim is None:
+        head_dim = _div(actor.hidden_size, actor.num_attention_heads)
+    prompt_type_path = actor.prompt_type_path
+    if prompt_type_path is None and config_dir is not None:
+        prompt_type_path = str(config_dir / "model" / "templates.json")
+    integrated = rl.integrated_mode_config
+    ref_load = integrated.ref_model_load_path if integrated is not None else None
+    return dict(num_key_value_heads=kv_heads, head_dim=head_dim,
+                rollout_tokenizer_name_or_path=gen.tokenizer_name_or_path or actor.tokenizer_name_or_path,
+                prompt_type_path=prompt_type_path, ref_model_load_path=ref_load if ref_load is not None else ref.load)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from services.common.config.catalog import MEGATRON_SECTIONS, SECTIONS, TOP_LEVE
 from services.common.config.derived import compute_derived
 from services.common.config.errors import ConfigError, ConfigIssue
 from services.common.config.megatron import MegatronConfig
+from services.common.config.raw_tree import apply_overrides, copy_tree, source_of
 from services.common.config.refusals import feature_issues, refused_values, section_refusals
 from services.common.config.resolved import Provenance, RLFabricConfig
 from services.common.config.schema import (
@@ -34,7 +35,7 @@ from services.common.config.schema import (
     parse_section,
 )
 from services.common.config.validation import RULES, WARNINGS, Problem, run_rules
-from services.common.config.yaml_io import SourcedDict, parse_yaml, read_yaml
+from services.common.config.yaml_io import SourcedDict, read_yaml
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +54,8 @@ def _elsewhere(own: str) -> dict[str, Iterable[str]]:
 def _parse(name: str, raw_section: Any, raw: Mapping, issues: list[ConfigIssue], bad: set[str]) -> Any:
     """One single-level section (rl_config, generate_config, msprobe_config, rlfabric) as its dataclass."""
     cls = SECTIONS[name]
-    sources = getattr(raw_section, "key_sources", {})
     return cls(**parse_section(cls, raw_section, section=name, issues=issues,
-                               source=lambda key: sources.get(key, _src(raw, name)),
-                               elsewhere=_elsewhere(name), bad=bad))
+                               source=_sourcer(raw_section, source_of(raw, name)), elsewhere=_elsewhere(name), bad=bad))
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RLFabricConfig:
@@ -94,66 +93,21 @@ def load_config_dict(
     if not isinstance(data, Mapping):
         raise ConfigError([ConfigIssue(label, f"a config must be a mapping of sections, got {type(data).__name__}")],
                           label)
-    raw = _copy_tree(data)
-    _apply_overrides(raw, overrides, issues)
+    raw = copy_tree(data)
+    apply_overrides(raw, overrides, issues)
     top = _check_top_level(raw, issues)
     config_dir = Path(base_dir) if base_dir is not None else None
     blocks = _model_blocks(top.get("defaults"), top.get("model"), config_dir, raw, issues)
-
-    def sourcer(mapping: Any, fallback: str | None = None):
-        sources = getattr(mapping, "key_sources", {})
-        return lambda key: sources.get(key, fallback)
-
-    sections: dict[str, dict[str, Any]] = {}
-    for name in MEGATRON_SECTIONS:
-        if name in top:
-            sections[name] = parse_section(MegatronConfig, top[name], section=name, issues=issues,
-                                           source=sourcer(top[name], _src(raw, name)), elsewhere=_elsewhere(name),
-                                           bad=bad)
-    mt = sections.get("megatron_training", {})
-    actor_kw = {**mt, **sections.get("actor_config", {})}
-    model_name = actor_kw.get("model")
-    parsed_blocks: dict[str, dict[str, Any]] = {}
-
-    def block(name: str | None, owner: str) -> dict[str, Any]:
-        if name is None:
-            return {}
-        if name not in blocks:
-            if name not in parsed_blocks:
-                available = ", ".join(sorted(blocks)) or "none"
-                issues.append(ConfigIssue(f"{owner}.model", f"model block `{name}` is not loaded (loaded: {available}); "
-                                                            f"add it to `defaults: - model: [{name}]` with a file "
-                                                            f"model/{name}.yaml next to the config",
-                                          _src(raw, owner, "model")))
-                parsed_blocks[name] = {}
-            return parsed_blocks[name]
-        if name not in parsed_blocks:
-            mapping, fallback = blocks[name]
-            parsed_blocks[name] = parse_section(MegatronConfig, mapping, section=f"model.{name}", issues=issues,
-                                                source=sourcer(mapping, fallback),
-                                                elsewhere=_elsewhere(f"model.{name}"), bad=bad)
-        return parsed_blocks[name]
-
-    mt_owner = "actor_config" if "model" in sections.get("actor_config", {}) else "megatron_training"
-    megatron_training = MegatronConfig(**{**block(mt.get("model"), "megatron_training"), **mt})
-    actor = MegatronConfig(**{**block(model_name, mt_owner), **actor_kw})
-    ref = actor
-    if "ref_config" in sections:
-        ref_kw = {**mt, **sections["ref_config"]}
-        ref = MegatronConfig(**{**block(ref_kw.get("model"), "ref_config"), **ref_kw})
+    views = _megatron_views(top, raw, blocks, issues, bad)
     rl, gen, msprobe, fabric = (_parse(name, top.get(name), raw, issues, bad)
                                 for name in ("rl_config", "generate_config", "msprobe_config", "rlfabric"))
     profilers = _profilers(top.get("profiler_config"), raw, issues, bad)
-    _check_worker_sections(sections, rl, raw, issues)
-
-    provenance = Provenance(
-        megatron_origin=_megatron_origin(sections, model_name, parsed_blocks),
-        sources=_collect_sources(raw, blocks),
-    )
+    _check_worker_sections(views.sections, rl, raw, issues)
+    actor, ref = views.actor, views.ref
     cfg = RLFabricConfig(
-        model_name=model_name,
+        model_name=views.model_name,
         model=ModelConfig(**{f.name: getattr(actor, f.name) for f in dataclasses.fields(ModelConfig)}),
-        megatron_training=megatron_training,
+        megatron_training=views.megatron_training,
         actor_config=actor,
         ref_config=ref,
         rl_config=rl,
@@ -163,8 +117,73 @@ def load_config_dict(
         rlfabric=fabric,
         derived=compute_derived(actor, ref, rl, gen, config_dir=config_dir),
         path=path,
-        provenance=provenance,
+        provenance=Provenance(megatron_origin=_megatron_origin(views.sections, views.model_name, views.blocks),
+                              sources=_collect_sources(raw, blocks)),
     )
+    _validate(cfg, top, raw, bad, issues, label)
+    return cfg
+
+
+def _sourcer(mapping: Any, fallback: str | None = None) -> Callable[[str], str | None]:
+    sources = getattr(mapping, "key_sources", {})
+    return lambda key: sources.get(key, fallback)
+
+
+@dataclasses.dataclass
+class _MegatronViews:
+    """The parsed Megatron sections and the three views built from them (see resolved.py)."""
+
+    sections: dict[str, dict[str, Any]]
+    blocks: dict[str, dict[str, Any]]
+    model_name: str | None
+    megatron_training: MegatronConfig
+    actor: MegatronConfig
+    ref: MegatronConfig
+
+
+def _megatron_views(top: Mapping[str, Any], raw: Mapping, blocks: Mapping[str, tuple[Any, str | None]],
+                    issues: list[ConfigIssue], bad: set[str]) -> _MegatronViews:
+    """Parse megatron_training / actor_config / ref_config and merge each view over its model block."""
+    sections: dict[str, dict[str, Any]] = {}
+    for name in MEGATRON_SECTIONS:
+        if name in top:
+            sections[name] = parse_section(MegatronConfig, top[name], section=name, issues=issues,
+                                           source=_sourcer(top[name], source_of(raw, name)), elsewhere=_elsewhere(name),
+                                           bad=bad)
+    mt = sections.get("megatron_training", {})
+    actor_kw = {**mt, **sections.get("actor_config", {})}
+    parsed_blocks: dict[str, dict[str, Any]] = {}
+
+    def block(name: str | None, owner: str) -> dict[str, Any]:
+        if name is None:
+            return {}
+        if name not in parsed_blocks and name not in blocks:
+            available = ", ".join(sorted(blocks)) or "none"
+            issues.append(ConfigIssue(f"{owner}.model", f"model block `{name}` is not loaded (loaded: {available}); "
+                                                        f"add it to `defaults: - model: [{name}]` with a file "
+                                                        f"model/{name}.yaml next to the config",
+                                      source_of(raw, owner, "model")))
+            parsed_blocks[name] = {}
+        elif name not in parsed_blocks:
+            mapping, fallback = blocks[name]
+            parsed_blocks[name] = parse_section(MegatronConfig, mapping, section=f"model.{name}", issues=issues,
+                                                source=_sourcer(mapping, fallback),
+                                                elsewhere=_elsewhere(f"model.{name}"), bad=bad)
+        return parsed_blocks[name]
+
+    mt_owner = "actor_config" if "model" in sections.get("actor_config", {}) else "megatron_training"
+    megatron_training = MegatronConfig(**{**block(mt.get("model"), "megatron_training"), **mt})
+    actor = MegatronConfig(**{**block(actor_kw.get("model"), mt_owner), **actor_kw})
+    ref = actor
+    if "ref_config" in sections:
+        ref_kw = {**mt, **sections["ref_config"]}
+        ref = MegatronConfig(**{**block(ref_kw.get("model"), "ref_config"), **ref_kw})
+    return _MegatronViews(sections, parsed_blocks, actor.model, megatron_training, actor, ref)
+
+
+def _validate(cfg: RLFabricConfig, top: Mapping[str, Any], raw: Mapping, bad: set[str], issues: list[ConfigIssue],
+              label: str) -> None:
+    """Refused features, then the rules; raise every problem together, log the warnings."""
     # A config of a feature rlfabric does not have gets one message per feature, not a list of its symptoms.
     features = feature_issues(cfg, refused_values(cfg) + section_refusals(list(top)))
     if features:
@@ -180,69 +199,6 @@ def load_config_dict(
     cfg.warnings = [f"{cfg.where(p.keys[0])}: {p.message}" for p in run_rules(cfg, WARNINGS)]
     for warning in cfg.warnings:
         logger.warning("%s: %s", label, warning)
-    return cfg
-
-
-def _copy_tree(value: Any) -> Any:
-    """Deep copy of parsed YAML that keeps each mapping's key sources."""
-    if isinstance(value, Mapping):
-        out = SourcedDict((k, _copy_tree(v)) for k, v in value.items())
-        out.key_sources = dict(getattr(value, "key_sources", {}))
-        return out
-    if isinstance(value, list):
-        return [_copy_tree(v) for v in value]
-    return value
-
-
-def _src(raw: Mapping, *path: str) -> str | None:
-    """file:line of a key path in the raw tree (keys matched after dash normalization)."""
-    node: Any = raw
-    source = None
-    for part in path:
-        if not isinstance(node, Mapping):
-            return source
-        key = next((k for k in node if normalize_key(k) == part), None)
-        if key is None:
-            return source
-        source = getattr(node, "key_sources", {}).get(key, source)
-        node = node[key]
-    return source
-
-
-def _apply_overrides(raw: SourcedDict, overrides: Sequence[str], issues: list[ConfigIssue]) -> None:
-    """Set `a.b.c=value` entries in the raw tree; unknown keys are caught later by the strict parse."""
-    for text in overrides:
-        origin = f"--override {text}"
-        dotted, sep, value_text = text.partition("=")
-        parts = [normalize_key(p.strip()) for p in dotted.split(".")]
-        if not sep or not all(parts):
-            issues.append(ConfigIssue(dotted or text, "an override must look like `section.key=value`, e.g. "
-                                                      "`rl_config.clip_ratio=0.3`", origin))
-            continue
-        if parts[0] == "defaults":
-            issues.append(ConfigIssue("defaults", "`defaults` cannot be overridden; edit the file", origin))
-            continue
-        try:
-            value = parse_yaml(value_text, origin) if value_text.strip() else None
-        except ConfigError as exc:
-            issues.extend(exc.issues)
-            continue
-        node = raw
-        for i, part in enumerate(parts[:-1]):
-            key = next((k for k in node if normalize_key(k) == part), None)
-            if key is None:
-                node[part] = SourcedDict()
-                node.key_sources[part] = origin
-                key = part
-            if not isinstance(node[key], Mapping):
-                issues.append(ConfigIssue(".".join(parts[: i + 1]), f"`{'.'.join(parts[: i + 1])}` is a value, not "
-                                                                    f"a section, so `{dotted}` cannot be set", origin))
-                break
-            node = node[key]
-        else:
-            existing = next((k for k in node if normalize_key(k) == parts[-1]), parts[-1])
-            node[existing] = _copy_tree(value)
-            node.key_sources[existing] = origin
 
 
 def _check_top_level(raw: SourcedDict, issues: list[ConfigIssue]) -> dict[str, Any]:
@@ -274,11 +230,11 @@ def _model_blocks(defaults: Any, inline: Any, config_dir: Path | None, raw: Mapp
                     names.extend(listed)
                     continue
                 issues.append(ConfigIssue("defaults.model", f"model names must be strings, got {value!r}",
-                                          _src(raw, "defaults")))
+                                          source_of(raw, "defaults")))
             continue
         issues.append(ConfigIssue("defaults", f"unsupported defaults entry {entry!r}; only "
                                               f"`- model: [name, ...]` (and `_self_`) is supported",
-                                  _src(raw, "defaults")))
+                                  source_of(raw, "defaults")))
     blocks: dict[str, tuple[Any, str | None]] = {}
     for name in names:
         if config_dir is None:
@@ -300,11 +256,11 @@ def _model_blocks(defaults: Any, inline: Any, config_dir: Path | None, raw: Mapp
     if inline is not None:
         if not isinstance(inline, Mapping):
             issues.append(ConfigIssue("model", "the top-level `model` section must map block names to "
-                                               "architecture keys", _src(raw, "model")))
+                                               "architecture keys", source_of(raw, "model")))
         else:
             for block_name, block in inline.items():
                 base = blocks.get(str(block_name), (SourcedDict(), None))[0]
-                merged = _copy_tree(base) if isinstance(base, Mapping) else SourcedDict()
+                merged = copy_tree(base) if isinstance(base, Mapping) else SourcedDict()
                 if isinstance(block, Mapping):
                     for k, v in block.items():
                         merged[k] = v
@@ -320,7 +276,7 @@ def _profilers(raw_section: Any, raw: Mapping, issues: list[ConfigIssue], bad: s
         return {}
     if not isinstance(raw_section, Mapping):
         issues.append(ConfigIssue("profiler_config", "profiler_config must map roles (e.g. `integrated`) to "
-                                                     "profiler options", _src(raw, "profiler_config")))
+                                                     "profiler options", source_of(raw, "profiler_config")))
         return {}
     out = {}
     for role, options in raw_section.items():
@@ -338,7 +294,7 @@ def _check_worker_sections(sections: Mapping[str, Any], rl: Any, raw: Mapping,
         issues.append(ConfigIssue("ref_config", "ref_config is set while rl_config.use_integrated_worker is true; "
                                                 "in integrated mode the reference uses actor_config: remove "
                                                 "ref_config, or set use_integrated_worker: false",
-                                  _src(raw, "ref_config")))
+                                  source_of(raw, "ref_config")))
 
 
 def _megatron_origin(sections: Mapping[str, dict], model_name: str | None,

@@ -35,6 +35,8 @@ from services.common.config.statuses import (
 
 _Layers = int | str | list[int] | None  # Megatron accepts "4,4,4", a list, or a pattern string.
 _LOADER_ONLY = inert("worker processes of the data loader: no effect on which prompts a batch holds")
+_TEMPLATE = inert("the chat template is applied when the dataset is preprocessed (`rlfabric preprocess`, with the "
+                  "dataset YAML's prompt_type / prompt_type_path); training reads token ids")
 _SAVES_ALL = inert("rlfabric always saves the optimizer and RNG state, so any checkpoint can resume a run")
 
 
@@ -159,11 +161,9 @@ class MegatronConfig(ModelConfig):
         "packing only: rlfabric never packs two sequences into one row, so each attends only to itself"))
     attention_mask_type: str = setting("causal", "Attention mask type (causal).",
                                        refused("rlfabric trains causal language models", allowed=("causal",)))
-    prompt_type: str | None = setting(None, "Chat template name from templates.json.", inert(
-        "the chat template is applied when the dataset is preprocessed (`rlfabric data preprocess`, the dataset "
-        "YAML's prompt_type); training reads token ids"))
+    prompt_type: str | None = setting(None, "Chat template name from templates.json.", _TEMPLATE)
     prompt_type_path: str | None = setting(
-        None, "templates.json path; unset means model/templates.json next to the config.", read(DERIVED))
+        None, "templates.json path; unset means model/templates.json next to the config.", _TEMPLATE)
     tokenizer_type: str | None = setting(None, "Tokenizer kind, e.g. PretrainedFromHF.", refused(
         "rlfabric loads Hugging Face tokenizers", allowed=(None, "PretrainedFromHF")))
     tokenizer_name_or_path: str | None = setting(None, "Hugging Face tokenizer folder.",
