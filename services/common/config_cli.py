@@ -133,7 +133,8 @@ def _algorithm_line(cfg: Any) -> str:
     loss = "token-level loss" if rl.token_level_loss or d.algorithm != "dapo" else "sequence-mean-token-mean loss"
     extras = [f"overlong shaping (buffer {rl.overlong_buffer})" if rl.overlong_buffer_enable else "",
               f"dynamic sampling to {rl.filter_groups_train_batch_size} prompts" if d.dynamic_sampling else ""]
-    mode = "integrated: actor, reference and rollout share" if rl.use_integrated_worker else "disaggregated"
+    roles = "actor, reference and rollout" if d.use_kl_loss else "actor and rollout"
+    mode = f"integrated: {roles} share them" if rl.use_integrated_worker else f"disaggregated: {roles}"
     return (f"algorithm: {(d.algorithm or '?').upper()} (stage: {stage}): {kl}; {loss}, {clip}"
             f"{''.join(', ' + e for e in extras if e)}; world size {d.world_size} devices ({mode})")
 

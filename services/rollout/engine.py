@@ -260,7 +260,7 @@ class RolloutEngine:
             logprobs_mode=options.logprobs_mode,
             enable_sleep_mode=self.sleep_mode_native,
             disable_log_stats=True,
-            additional_config=options.additional_config or None,
+            additional_config=dict(options.additional_config),
             enable_expert_parallel=options.enable_expert_parallel,
         )
         with keep_torch_set_num_threads():

@@ -47,7 +47,7 @@ def test_dapo_has_no_kl_term_and_no_reference_model():
     d = cfg.derived
     assert (d.algorithm, d.use_kl_loss, d.ref_world_size, d.ref_data_parallel_size) == ("dapo", False, None, None)
     assert d.dynamic_sampling and d.train_prompts_per_iteration == 32
-    assert d.world_size == 16  # integrated: actor, reference and rollout share the actor's 16 devices
+    assert d.world_size == 16  # integrated: actor and rollout share the actor's 16 devices
     assert "rl_config.init_kl_coef" not in cfg.provenance.sources and cfg.rl_config.init_kl_coef == 0.01
 
 

@@ -38,8 +38,8 @@ REWARD_MODEL = "reward models"
 # Reasons shared by many inert keys.
 KERNEL = inert("kernel or fusion choice: the same math; rlfabric picks its kernels per platform "
                "(services/trainer/model.py)")
-MEMORY = inert("memory or communication optimisation of Megatron/MindSpeed on Ascend: the same math; "
-               "rlfabric's trainer does not use it")
+MEMORY = inert("memory or communication optimisation of Megatron/MindSpeed: the same math; rlfabric's trainer "
+               "does not use it")
 ASCEND = inert("Ascend-only runtime switch; rlfabric has no HCCL/CANN path here")
 RAY = inert("Ray placement or transport of MindSpeed-RL; rlfabric places its services itself and moves "
             "data over gRPC")
