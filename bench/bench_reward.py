@@ -49,12 +49,12 @@ def accuracy_child(which: str) -> None:
     """Runs in a fresh process; prints one JSON line."""
     import sympy.core.cache
 
-    from services.reward.verifiers import expressions, symbolic
-    from services.reward.verifiers.math_equiv import math_equiv
+    from services.reward.verifiers import math_equiv
+    from services.reward.verifiers.math import expressions, symbolic
 
     def run(response: str, label: str) -> bool:
         if which == "math_equiv":
-            return math_equiv(response, label) == 1.0
+            return math_equiv.score(response, label) == 1.0
         return symbolic.math_verify_equal(response, label)
 
     strict, rest = load_cases()

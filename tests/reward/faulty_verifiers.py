@@ -37,3 +37,10 @@ def kill_process(response: str, ground_truth: str) -> float:
     if "kill" in response:
         os.kill(os.getpid(), signal.SIGKILL)
     return 1.0
+
+
+def sleepy(response: str, ground_truth: str) -> float:
+    """`"SECONDS:ANSWER"`: sleeps that long (a slow verification), then 1.0 iff ANSWER is the label."""
+    seconds, _, answer = response.partition(":")
+    time.sleep(float(seconds))
+    return 1.0 if answer == ground_truth else 0.0

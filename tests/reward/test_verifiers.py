@@ -5,18 +5,24 @@ import math
 import pytest
 from mathruler.grader import extract_boxed_content, grade_answer
 
-from services.reward.verifiers import VERIFIERS, get_verifier
-from services.reward.verifiers.acc import acc
-from services.reward.verifiers.acc_for_dapo import acc_for_dapo, minerva_normalize
-from services.reward.verifiers.base_acc import base_acc
-from services.reward.verifiers.extract import final_answer, last_answer_line, last_boxed_content
-from services.reward.verifiers.format import format_reward
-from services.reward.verifiers.math_17k_acc import math_17k_acc
-from services.reward.verifiers.math_equiv import answers_equivalent, math_equiv, normalize_answer
-from services.reward.verifiers.math_verify_reward import math_verify_reward
-from services.reward.verifiers.step import step
-from services.reward.verifiers.strict_format import strict_format
-from services.reward.verifiers.symbolic import math_verify_equal
+from services.reward.verifiers import (
+    VERIFIERS,
+    acc,
+    acc_for_dapo,
+    base_acc,
+    get_verifier,
+    math_17k_acc,
+    math_equiv,
+    math_verify_reward,
+    step,
+    strict_format,
+)
+from services.reward.verifiers import format as format_rule
+from services.reward.verifiers.math.answer_values import normalize_answer
+from services.reward.verifiers.math.equivalence import answers_equivalent, decide
+from services.reward.verifiers.math.extract import final_answer, last_answer_line, last_boxed_content
+from services.reward.verifiers.math.minerva import minerva_normalize
+from services.reward.verifiers.math.symbolic import math_verify_equal
 
 R1_GOOD = "<think>2+2 is 4</think> <answer>The answer is \\boxed{4}</answer>"
 
@@ -57,7 +63,7 @@ def test_extraction(text, boxed, line, final):
     ("\\boxed{3} ... \\boxed{4}", "4", 1.0),  # last box
 ])
 def test_math_17k_acc(response, label, score):
-    assert math_17k_acc(response, label) == score
+    assert math_17k_acc.score(response, label) == score
 
 
 def test_math_17k_acc_matches_mathruler_on_every_real_case(verifier_cases, raw_responses):
@@ -69,7 +75,7 @@ def test_math_17k_acc_matches_mathruler_on_every_real_case(verifier_cases, raw_r
             expected = 1.0 if grade_answer(extract_boxed_content(response), label) else 0.0
         else:
             expected = 0.0  # no box, no answer (upstream grades the string "None": never right here)
-        assert math_17k_acc(response, label) == expected, (response[-200:], label)
+        assert math_17k_acc.score(response, label) == expected, (response[-200:], label)
 
 
 @pytest.mark.parametrize(("response", "score"), [
@@ -79,7 +85,7 @@ def test_math_17k_acc_matches_mathruler_on_every_real_case(verifier_cases, raw_r
     ("preamble <think>x</think><answer>\\boxed{4}</answer>", 0.0),  # must match from the start
 ])
 def test_base_acc(response, score):
-    assert base_acc(response, "4") == score
+    assert base_acc.score(response, "4") == score
 
 
 @pytest.mark.parametrize(("response", "score"), [
@@ -89,7 +95,7 @@ def test_base_acc(response, score):
     ("\\boxed{4}<|im_end|>\\boxed{5}", 1.0),  # text after the stop word is ignored
 ])
 def test_acc(response, score):
-    assert acc(response, "4") == score
+    assert acc.score(response, "4") == score
 
 
 @pytest.mark.parametrize(("response", "fmt", "strict"), [
@@ -100,8 +106,8 @@ def test_acc(response, score):
     ("<think>a</think><think>b</think><answer>\\boxed{1}</answer>", 1.0, -0.5),  # tag twice
 ])
 def test_format_and_strict_format(response, fmt, strict):
-    assert format_reward(response, "") == fmt
-    assert strict_format(response, "") == strict
+    assert format_rule.score(response, "") == fmt
+    assert strict_format.score(response, "") == strict
 
 
 @pytest.mark.parametrize(("response", "score"), [
@@ -111,7 +117,7 @@ def test_format_and_strict_format(response, fmt, strict):
     ("1. a\n- b\n* c\nFinally, d", 1.0),  # capped at 1
 ])
 def test_step(response, score):
-    assert step(response, "") == pytest.approx(score)
+    assert step.score(response, "") == pytest.approx(score)
 
 
 @pytest.mark.parametrize(("response", "label", "score"), [
@@ -123,7 +129,7 @@ def test_step(response, score):
     ("Answer: 42\n" + "x" * 400, "42", -1.0),  # only the last 300 characters count
 ])
 def test_acc_for_dapo(response, label, score):
-    assert acc_for_dapo(response, label) == score
+    assert acc_for_dapo.score(response, label) == score
 
 
 def test_minerva_normalize():
@@ -139,7 +145,7 @@ def test_minerva_normalize():
     ("<think>t</think><answer>\\boxed{2}</answer>", 0.0),
 ])
 def test_math_verify_reward(response, score):
-    assert math_verify_reward(response, "\\frac{1}{2}") == score
+    assert math_verify_reward.score(response, "\\frac{1}{2}") == score
 
 
 @pytest.mark.parametrize(("answer", "label", "equal"), [
@@ -186,7 +192,7 @@ def test_normalize_answer_keeps_values():
 
 def test_math_equiv_no_more_mistakes_than_math_verify_on_strict_cases(strict_cases):
     assert len(strict_cases) == 341
-    ours = [c["id"] for c in strict_cases if (math_equiv(c["response"], c["ground_truth"]) == 1.0) != c["expected"]]
+    ours = [c["id"] for c in strict_cases if (math_equiv.score(c["response"], c["ground_truth"]) == 1.0) != c["expected"]]
     theirs = [c["id"] for c in strict_cases
               if math_verify_equal(c["response"], c["ground_truth"]) != c["expected"]]
     assert len(ours) <= len(theirs), (ours, theirs)
@@ -204,7 +210,7 @@ def test_math_equiv_no_more_mistakes_than_math_verify_on_strict_cases(strict_cas
     ("x<1", "1>x", None),  # inequalities too
 ])
 def test_algebra_equal(left, right, verdict):
-    from services.reward.verifiers.algebra import algebra_equal
+    from services.reward.verifiers.math.algebra import algebra_equal
 
     assert algebra_equal(left, right) is verdict
 
@@ -247,8 +253,6 @@ def test_algebra_equal(left, right, verdict):
     ("5", "x = 5", True),  # but an assignment is unwrapped
 ])
 def test_math_equiv_structured_answers(answer, label, equal):
-    from services.reward.verifiers.math_equiv import decide
-
     assert decide(normalize_answer(answer), normalize_answer(label)) is equal
 
 
@@ -274,6 +278,6 @@ def test_math_equiv_structured_answers(answer, label, equal):
     ("x < 1", "x < 1", None),
 ])
 def test_expressions_equal(left, right, verdict):
-    from services.reward.verifiers.expressions import expressions_equal
+    from services.reward.verifiers.math.expressions import expressions_equal
 
     assert expressions_equal(normalize_answer(left), normalize_answer(right)) is verdict

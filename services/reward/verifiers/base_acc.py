@@ -8,16 +8,16 @@ import re
 
 from mathruler.grader import grade_answer
 
-from services.reward.verifiers.math_17k_acc import boxed_answer
+from services.reward.verifiers.math.extract import mathruler_boxed_answer
 
 _FORMAT = re.compile(r"<think>.*</think>.*<answer>.*\\boxed\{.*\}.*</answer>", re.DOTALL)
 
 
-def base_acc(response: str, ground_truth: str) -> float:
+def score(response: str, ground_truth: str) -> float:
     """1.0 when the R1 format holds and the boxed answer is correct, else 0.0."""
     if _FORMAT.fullmatch(response) is None:
         return 0.0
-    answer = boxed_answer(response)
+    answer = mathruler_boxed_answer(response)
     if answer is None:
         return 0.0
     return 1.0 if grade_answer(answer, ground_truth) else 0.0

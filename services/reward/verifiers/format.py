@@ -9,7 +9,7 @@ import re
 _FORMAT = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>$", re.DOTALL | re.MULTILINE)
 
 
-def format_reward(response: str, ground_truth: str) -> float:
+def score(response: str, ground_truth: str) -> float:
     """1.0 when the think/answer format holds, else 0.0; `ground_truth` is unused."""
     del ground_truth
     return 1.0 if _FORMAT.match(response) else 0.0

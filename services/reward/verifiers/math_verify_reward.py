@@ -6,12 +6,12 @@ as MindSpeed-RL's `compute_math_score`), else 0.0. math-verify's own timeouts us
 fails outside the main thread, so they are disabled here; the pool enforces the deadline instead.
 """
 
-from services.reward.verifiers.format import format_reward
-from services.reward.verifiers.symbolic import math_verify_equal
+from services.reward.verifiers import format as think_answer_format
+from services.reward.verifiers.math.symbolic import math_verify_equal
 
 
-def math_verify_reward(response: str, ground_truth: str) -> float:
+def score(response: str, ground_truth: str) -> float:
     """1.0 when the format holds and math-verify accepts the answer, else 0.0."""
-    if format_reward(response, ground_truth) != 1.0:
+    if think_answer_format.score(response, ground_truth) != 1.0:
         return 0.0
     return 1.0 if math_verify_equal(response, ground_truth) else 0.0

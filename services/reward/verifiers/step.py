@@ -9,7 +9,7 @@ import re
 _STEP_MARKERS = re.compile(r"(Step \d+:|^\d+\.|\n-|\n\*|First,|Second,|Next,|Finally,)")
 
 
-def step(response: str, ground_truth: str) -> float:
+def score(response: str, ground_truth: str) -> float:
     """min(1.0, number of step markers / 3); `ground_truth` is unused."""
     del ground_truth
     return min(1.0, len(_STEP_MARKERS.findall(response)) / 3)

@@ -23,7 +23,7 @@ def has_strict_structure(response: str) -> bool:
     return ordered and response.startswith("<think>") and response.endswith("</answer>")
 
 
-def strict_format(response: str, ground_truth: str) -> float:
+def score(response: str, ground_truth: str) -> float:
     """+1.0 for the exact structure, -0.5 otherwise; `ground_truth` is unused."""
     del ground_truth
     return 1.0 if has_strict_structure(response) else -0.5

@@ -16,7 +16,7 @@ compares relations by their sides, not by their solution sets.
 import re
 from fractions import Fraction
 
-from services.reward.verifiers.answer_values import as_number, split_named, split_top_level
+from services.reward.verifiers.math.answer_values import as_number, split_named, split_top_level
 
 # Relation tokens after normalisation (spaces are gone, so `\geqx` is `\geq` then `x`).
 _RELATION = re.compile(r"\\leq(?:slant)?|\\geq(?:slant)?|\\le(?![a-z])|\\ge(?![a-z])|\\lt(?![a-z])|\\gt(?![a-z])"

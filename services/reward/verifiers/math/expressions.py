@@ -20,10 +20,8 @@ import re
 
 import sympy
 from sympy.core.function import AppliedUndef
-from sympy.parsing.sympy_parser import parse_expr
 
-# The same parser settings and letter rules as the plain-algebra path.
-from services.reward.verifiers.algebra import _CONSTANT_LETTERS, _TRANSFORMS, _WORD
+from services.reward.verifiers.math.sympy_parse import has_names, parse_side
 
 _PLAIN = re.compile(r"^[0-9a-zA-Z+\-*/().=,]+$")
 _HUGE = re.compile(r"\*\*\(?\d{3,}|\d{40,}")
@@ -133,19 +131,15 @@ def _parse(text: str) -> tuple[sympy.Expr, ...] | None:
     except _NotOurs:
         return None
     bare = python.replace("Sum(", "(")
-    if (not _PLAIN.match(python) or _HUGE.search(python) or _WORD.search(bare)
-            or _CONSTANT_LETTERS.intersection(bare)):
+    if not _PLAIN.match(python) or _HUGE.search(python) or has_names(bare):
         return None
     names: dict[str, object] = {char: sympy.Symbol(char) for char in set(bare) if char.isalpha()}
     names.update({name: sympy.Function(name) for name in functions})
     names["Sum"] = sympy.Sum
     sides = []
     for part in python.split("="):
-        try:
-            expr = parse_expr(part, local_dict=names, transformations=_TRANSFORMS, evaluate=True)
-        except (SyntaxError, TypeError, ValueError, ZeroDivisionError, AttributeError, sympy.SympifyError):
-            return None
-        if not isinstance(expr, sympy.Expr) or expr.has(sympy.zoo, sympy.nan, sympy.oo, -sympy.oo):
+        expr = parse_side(part, names)
+        if expr is None:
             return None
         sides.append(expr)
     return tuple(sides) if len(sides) <= 2 else None

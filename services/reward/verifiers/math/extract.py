@@ -1,13 +1,17 @@
 """Answer extraction shared by the verifiers: the last `\\boxed{...}` and the last `Answer:` line.
 
-Both return None when the response holds no answer. MindSpeed-RL's `math_17k_acc` turns a missing box
+All return None when the response holds no answer. MindSpeed-RL's `math_17k_acc` turns a missing box
 into the literal string "None" (mathruler's `extract_boxed_content`), which then grades as an answer;
-here a missing or unclosed box is no answer at all.
+here a missing or unclosed box is no answer at all (`mathruler_boxed_answer`).
 """
 
 import re
 
+from mathruler.grader import extract_boxed_content
+
 _BOX_OPENERS = ("\\boxed{", "\\fbox{")
+_BOXED = "\\boxed{"
+_MATHRULER_NO_BOX = "None"  # what mathruler returns when it finds no closed box
 # `Answer: ...` on its own line (DAPO's prompt asks for it); the last one wins.
 _ANSWER_LINE = re.compile(r"(?im)^[ \t>*#]*(?:final\s+)?answer\s*[:：]\s*(.+?)\s*$")
 
@@ -55,3 +59,15 @@ def final_answer(text: str) -> str | None:
     if boxed is not None:
         return boxed
     return last_answer_line(text)
+
+
+def mathruler_boxed_answer(response: str) -> str | None:
+    """mathruler's last-box extraction, with "no closed box" mapped to None rather than "None"."""
+    start = response.rfind(_BOXED)
+    if start < 0:
+        return None
+    content = extract_boxed_content(response)
+    # A box that really contains "None" is an answer; an unclosed box is not.
+    if content == _MATHRULER_NO_BOX and closing_brace(response, start + len(_BOXED) - 1) is None:
+        return None
+    return content

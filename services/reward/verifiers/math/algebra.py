@@ -13,22 +13,13 @@ e and i, an equation against an expression) returns None and goes to math-verify
 import re
 
 import sympy
-from sympy.parsing.sympy_parser import (
-    convert_xor,
-    implicit_multiplication_application,
-    parse_expr,
-    rationalize,
-    standard_transformations,
-)
 
-_TRANSFORMS = standard_transformations + (convert_xor, rationalize, implicit_multiplication_application)
+from services.reward.verifiers.math.extract import closing_brace
+from services.reward.verifiers.math.sympy_parse import has_names, parse_side
+
 _PLAIN = re.compile(r"^[0-9a-zA-Z+\-*/^().=]+$")
 _HUGE_POWER = re.compile(r"\^\(?\d{3,}|\d{40,}")
-# Two letters in a row could be a function name (sin, ln, exp, pi, ...): not plain algebra.
-_WORD = re.compile(r"[A-Za-z]{2,}")
 _FRAC = "\\frac{"
-# e and i read as Euler's number and the imaginary unit in math-verify; as variables they would differ.
-_CONSTANT_LETTERS = frozenset("eiEI")
 
 
 def _tex_to_python(text: str) -> str | None:
@@ -36,10 +27,10 @@ def _tex_to_python(text: str) -> str | None:
     text = text.replace("\\cdot", "*").replace("\\times", "*")
     while _FRAC in text:
         start = text.index(_FRAC)
-        numerator_end = _matching(text, start + len(_FRAC) - 1)
+        numerator_end = closing_brace(text, start + len(_FRAC) - 1)
         if numerator_end is None or numerator_end + 1 >= len(text) or text[numerator_end + 1] != "{":
             return None
-        denominator_end = _matching(text, numerator_end + 1)
+        denominator_end = closing_brace(text, numerator_end + 1)
         if denominator_end is None:
             return None
         numerator = text[start + len(_FRAC) : numerator_end]
@@ -50,26 +41,10 @@ def _tex_to_python(text: str) -> str | None:
     return text.replace("{", "(").replace("}", ")")
 
 
-def _matching(text: str, open_index: int) -> int | None:
-    depth = 0
-    for i in range(open_index, len(text)):
-        depth += (text[i] == "{") - (text[i] == "}")
-        if depth == 0:
-            return i
-    return None
-
-
 def _parse(text: str) -> sympy.Expr | None:
-    if _HUGE_POWER.search(text) or _WORD.search(text) or _CONSTANT_LETTERS.intersection(text):
+    if _HUGE_POWER.search(text) or has_names(text):
         return None
-    names = {char: sympy.Symbol(char) for char in set(text) if char.isalpha()}
-    try:
-        expr = parse_expr(text, local_dict=names, transformations=_TRANSFORMS, evaluate=True)
-    except (SyntaxError, TypeError, ValueError, ZeroDivisionError, AttributeError, sympy.SympifyError):
-        return None
-    if not isinstance(expr, sympy.Expr) or expr.has(sympy.zoo, sympy.nan, sympy.oo, -sympy.oo):
-        return None
-    return expr
+    return parse_side(text, {char: sympy.Symbol(char) for char in set(text) if char.isalpha()})
 
 
 def _sides(text: str) -> list[sympy.Expr] | None:
