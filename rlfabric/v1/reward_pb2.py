@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/reward.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\",\n\x0cVerifierSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\"\xb4\x01\n\x0cScoreRequest\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\t\x12\x14\n\x0cground_truth\x18\x03 \x01(\t\x12,\n\tverifiers\x18\x04 \x03(\x0b\x32\x19.rlfabric.v1.VerifierSpec\x12\x17\n\x0fresponse_length\x18\x05 \x01(\r\x12\x0e\n\x06prompt\x18\x06 \x01(\t\x12\x12\n\ndeadline_s\x18\x07 \x01(\x01\"@\n\x11ScoreRequestBatch\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.rlfabric.v1.ScoreRequest\"C\n\x12ScoreResponseBatch\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.rlfabric.v1.ScoreResponse\"q\n\rScoreResponse\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12*\n\x06scores\x18\x02 \x03(\x0b\x32\x1a.rlfabric.v1.VerifierScore\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x11\n\tworker_id\x18\x04 \x01(\t\"\x16\n\x14ListVerifiersRequest\"e\n\x0cVerifierInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07\x62uiltin\x18\x03 \x01(\x08\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\"E\n\x15ListVerifiersResponse\x12,\n\tverifiers\x18\x01 \x03(\x0b\x32\x19.rlfabric.v1.VerifierInfo\"\x8b\x01\n\x17RegisterVerifierRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x17\n\x0fmax_concurrency\x18\x05 \x01(\r\x12\x13\n\x0b\x64\x65scription\x18\x06 \x01(\t\"G\n\x18RegisterVerifierResponse\x12+\n\x08verifier\x18\x01 \x01(\x0b\x32\x19.rlfabric.v1.VerifierInfo\")\n\x19UnregisterVerifierRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1c\n\x1aUnregisterVerifierResponse2\xc1\x03\n\x06Reward\x12\x42\n\x05Score\x12\x19.rlfabric.v1.ScoreRequest\x1a\x1a.rlfabric.v1.ScoreResponse(\x01\x30\x01\x12S\n\x0cScoreBatches\x12\x1e.rlfabric.v1.ScoreRequestBatch\x1a\x1f.rlfabric.v1.ScoreResponseBatch(\x01\x30\x01\x12V\n\rListVerifiers\x12!.rlfabric.v1.ListVerifiersRequest\x1a\".rlfabric.v1.ListVerifiersResponse\x12_\n\x10RegisterVerifier\x12$.rlfabric.v1.RegisterVerifierRequest\x1a%.rlfabric.v1.RegisterVerifierResponse\x12\x65\n\x12UnregisterVerifier\x12&.rlfabric.v1.UnregisterVerifierRequest\x1a\'.rlfabric.v1.UnregisterVerifierResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/reward.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\",\n\x0cVerifierSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\"\xb2\x01\n\x0cScoreRequest\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\t\x12\x14\n\x0cground_truth\x18\x03 \x01(\t\x12,\n\tverifiers\x18\x04 \x03(\x0b\x32\x19.rlfabric.v1.VerifierSpec\x12\x0e\n\x06prompt\x18\x06 \x01(\t\x12\x12\n\ndeadline_s\x18\x07 \x01(\x01J\x04\x08\x05\x10\x06R\x0fresponse_length\"@\n\x11ScoreRequestBatch\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.rlfabric.v1.ScoreRequest\"C\n\x12ScoreResponseBatch\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.rlfabric.v1.ScoreResponse\"q\n\rScoreResponse\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12*\n\x06scores\x18\x02 \x03(\x0b\x32\x1a.rlfabric.v1.VerifierScore\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x11\n\tworker_id\x18\x04 \x01(\t\"\x16\n\x14ListVerifiersRequest\"e\n\x0cVerifierInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07\x62uiltin\x18\x03 \x01(\x08\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\"E\n\x15ListVerifiersResponse\x12,\n\tverifiers\x18\x01 \x03(\x0b\x32\x19.rlfabric.v1.VerifierInfo\"\x8b\x01\n\x17RegisterVerifierRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x17\n\x0fmax_concurrency\x18\x05 \x01(\r\x12\x13\n\x0b\x64\x65scription\x18\x06 \x01(\t\"G\n\x18RegisterVerifierResponse\x12+\n\x08verifier\x18\x01 \x01(\x0b\x32\x19.rlfabric.v1.VerifierInfo\")\n\x19UnregisterVerifierRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1c\n\x1aUnregisterVerifierResponse2\xf6\x02\n\x06Reward\x12L\n\x05Score\x12\x1e.rlfabric.v1.ScoreRequestBatch\x1a\x1f.rlfabric.v1.ScoreResponseBatch(\x01\x30\x01\x12V\n\rListVerifiers\x12!.rlfabric.v1.ListVerifiersRequest\x1a\".rlfabric.v1.ListVerifiersResponse\x12_\n\x10RegisterVerifier\x12$.rlfabric.v1.RegisterVerifierRequest\x1a%.rlfabric.v1.RegisterVerifierResponse\x12\x65\n\x12UnregisterVerifier\x12&.rlfabric.v1.UnregisterVerifierRequest\x1a\'.rlfabric.v1.UnregisterVerifierResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,27 +35,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFIERSPEC']._serialized_start=67
   _globals['_VERIFIERSPEC']._serialized_end=111
   _globals['_SCOREREQUEST']._serialized_start=114
-  _globals['_SCOREREQUEST']._serialized_end=294
-  _globals['_SCOREREQUESTBATCH']._serialized_start=296
-  _globals['_SCOREREQUESTBATCH']._serialized_end=360
-  _globals['_SCORERESPONSEBATCH']._serialized_start=362
-  _globals['_SCORERESPONSEBATCH']._serialized_end=429
-  _globals['_SCORERESPONSE']._serialized_start=431
-  _globals['_SCORERESPONSE']._serialized_end=544
-  _globals['_LISTVERIFIERSREQUEST']._serialized_start=546
-  _globals['_LISTVERIFIERSREQUEST']._serialized_end=568
-  _globals['_VERIFIERINFO']._serialized_start=570
-  _globals['_VERIFIERINFO']._serialized_end=671
-  _globals['_LISTVERIFIERSRESPONSE']._serialized_start=673
-  _globals['_LISTVERIFIERSRESPONSE']._serialized_end=742
-  _globals['_REGISTERVERIFIERREQUEST']._serialized_start=745
-  _globals['_REGISTERVERIFIERREQUEST']._serialized_end=884
-  _globals['_REGISTERVERIFIERRESPONSE']._serialized_start=886
-  _globals['_REGISTERVERIFIERRESPONSE']._serialized_end=957
-  _globals['_UNREGISTERVERIFIERREQUEST']._serialized_start=959
-  _globals['_UNREGISTERVERIFIERREQUEST']._serialized_end=1000
-  _globals['_UNREGISTERVERIFIERRESPONSE']._serialized_start=1002
-  _globals['_UNREGISTERVERIFIERRESPONSE']._serialized_end=1030
-  _globals['_REWARD']._serialized_start=1033
-  _globals['_REWARD']._serialized_end=1482
+  _globals['_SCOREREQUEST']._serialized_end=292
+  _globals['_SCOREREQUESTBATCH']._serialized_start=294
+  _globals['_SCOREREQUESTBATCH']._serialized_end=358
+  _globals['_SCORERESPONSEBATCH']._serialized_start=360
+  _globals['_SCORERESPONSEBATCH']._serialized_end=427
+  _globals['_SCORERESPONSE']._serialized_start=429
+  _globals['_SCORERESPONSE']._serialized_end=542
+  _globals['_LISTVERIFIERSREQUEST']._serialized_start=544
+  _globals['_LISTVERIFIERSREQUEST']._serialized_end=566
+  _globals['_VERIFIERINFO']._serialized_start=568
+  _globals['_VERIFIERINFO']._serialized_end=669
+  _globals['_LISTVERIFIERSRESPONSE']._serialized_start=671
+  _globals['_LISTVERIFIERSRESPONSE']._serialized_end=740
+  _globals['_REGISTERVERIFIERREQUEST']._serialized_start=743
+  _globals['_REGISTERVERIFIERREQUEST']._serialized_end=882
+  _globals['_REGISTERVERIFIERRESPONSE']._serialized_start=884
+  _globals['_REGISTERVERIFIERRESPONSE']._serialized_end=955
+  _globals['_UNREGISTERVERIFIERREQUEST']._serialized_start=957
+  _globals['_UNREGISTERVERIFIERREQUEST']._serialized_end=998
+  _globals['_UNREGISTERVERIFIERRESPONSE']._serialized_start=1000
+  _globals['_UNREGISTERVERIFIERRESPONSE']._serialized_end=1028
+  _globals['_REWARD']._serialized_start=1031
+  _globals['_REWARD']._serialized_end=1405
 # @@protoc_insertion_point(module_scope)

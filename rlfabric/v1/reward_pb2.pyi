@@ -16,22 +16,20 @@ class VerifierSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("sample_id", "response", "ground_truth", "verifiers", "response_length", "prompt", "deadline_s")
+    __slots__ = ("sample_id", "response", "ground_truth", "verifiers", "prompt", "deadline_s")
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     GROUND_TRUTH_FIELD_NUMBER: _ClassVar[int]
     VERIFIERS_FIELD_NUMBER: _ClassVar[int]
-    RESPONSE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     response: str
     ground_truth: str
     verifiers: _containers.RepeatedCompositeFieldContainer[VerifierSpec]
-    response_length: int
     prompt: str
     deadline_s: float
-    def __init__(self, sample_id: _Optional[str] = ..., response: _Optional[str] = ..., ground_truth: _Optional[str] = ..., verifiers: _Optional[_Iterable[_Union[VerifierSpec, _Mapping]]] = ..., response_length: _Optional[int] = ..., prompt: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, sample_id: _Optional[str] = ..., response: _Optional[str] = ..., ground_truth: _Optional[str] = ..., verifiers: _Optional[_Iterable[_Union[VerifierSpec, _Mapping]]] = ..., prompt: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class ScoreRequestBatch(_message.Message):
     __slots__ = ("requests",)

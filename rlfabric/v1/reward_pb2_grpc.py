@@ -27,6 +27,12 @@ if _version_not_supported:
 
 class RewardStub:
     """Scores samples with built-in and registered verifiers.
+
+    One scoring contract, `Score`, whose messages carry batches: a simple client sends one sample per
+    ScoreRequestBatch and reads one ScoreResponse per ScoreResponseBatch; the coordinator's pool sends
+    whatever samples are ready together and gets back whatever answers are ready together. Per-message
+    gRPC and protobuf cost dominates cheap verifications, so batching pays on both ends, and one rpc means
+    one set of semantics, error codes and server path for every client.
     """
 
     def __init__(self, channel):
@@ -37,11 +43,6 @@ class RewardStub:
         """
         self.Score = channel.stream_stream(
                 '/rlfabric.v1.Reward/Score',
-                request_serializer=rlfabric_dot_v1_dot_reward__pb2.ScoreRequest.SerializeToString,
-                response_deserializer=rlfabric_dot_v1_dot_reward__pb2.ScoreResponse.FromString,
-                _registered_method=True)
-        self.ScoreBatches = channel.stream_stream(
-                '/rlfabric.v1.Reward/ScoreBatches',
                 request_serializer=rlfabric_dot_v1_dot_reward__pb2.ScoreRequestBatch.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_reward__pb2.ScoreResponseBatch.FromString,
                 _registered_method=True)
@@ -64,46 +65,61 @@ class RewardStub:
 
 class RewardServicer:
     """Scores samples with built-in and registered verifiers.
+
+    One scoring contract, `Score`, whose messages carry batches: a simple client sends one sample per
+    ScoreRequestBatch and reads one ScoreResponse per ScoreResponseBatch; the coordinator's pool sends
+    whatever samples are ready together and gets back whatever answers are ready together. Per-message
+    gRPC and protobuf cost dominates cheap verifications, so batching pays on both ends, and one rpc means
+    one set of semantics, error codes and server path for every client.
     """
 
     def Score(self, request_iterator, context):
-        """Bidirectional stream: samples in, one ScoreResponse per sample out, in completion order
-        (not input order). A verification that hangs, crashes or returns a non-finite value costs that
-        sample only: its VerifierScore carries score 0 and an error. Errors: INVALID_ARGUMENT for an
-        unknown verifier name (listing the known ones). Retry-safe: results are keyed by sample_id.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ScoreBatches(self, request_iterator, context):
-        """Score with several samples per message each way (same semantics and errors as Score). One gRPC
-        message and one protobuf parse then serve a whole batch, which is most of a sample's cost on both
-        ends when verification itself is cheap. The client pool uses this.
+        """Bidirectional stream: batches of samples in, batches of answers out. Every sample gets exactly one
+        ScoreResponse, in completion order (not input order); a response batch holds the answers that were
+        ready together and is never empty. A verification that hangs past the sample's deadline, crashes
+        or returns a non-finite value costs that sample only: its VerifierScore carries score 0 and an
+        error, and the stream goes on.
+        Errors (the stream ends; answers ready before the bad sample still arrive first):
+        INVALID_ARGUMENT: a malformed sample, named with its field: empty `sample_id`, no `verifiers`, an
+        unknown verifier name (the message lists the known ones), a non-finite weight, `deadline_s`
+        not finite or outside [0, 3600], a string field that is not UTF-8. Do not retry unchanged.
+        UNAVAILABLE: the worker is unreachable or shutting down. RESOURCE_EXHAUSTED: a message over
+        256 MiB. INTERNAL: a worker fault. CANCELLED / DEADLINE_EXCEEDED: the client's own.
+        Retry: safe, on any worker, for the samples not yet answered. Scoring has no side effects and
+        answers are keyed by `sample_id`; a sample sent twice is scored twice, so clients keep the first
+        answer per id (the coordinator's pool does).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListVerifiers(self, request, context):
-        """Lists built-in and registered verifiers.
+        """Lists built-in, plugin and registered verifiers. Errors: none of its own (with Redis unreachable
+        it lists the registrations the worker last saw). Retry: always safe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RegisterVerifier(self, request, context):
-        """Registers a remote verifier (a server implementing rlfabric.v1.Verifier). Requires the token
-        (metadata "authorization: Bearer <token>"): UNAUTHENTICATED otherwise. Stored in Redis, so every
-        worker uses it without a restart. ALREADY_EXISTS when the name is a built-in. Idempotent for
-        the same (name, version, endpoint).
+        """Registers a remote verifier (a server implementing rlfabric.v1.Verifier); stored in Redis, so every
+        worker uses it without a restart. Requires the token (metadata "authorization: Bearer <token>").
+        Errors: UNAUTHENTICATED without the right token; ALREADY_EXISTS when the name is a built-in or
+        plugin; INVALID_ARGUMENT for a bad name, endpoint, timeout_s or max_concurrency (the field is
+        named); PERMISSION_DENIED when the endpoint's host is not allowed by this worker's
+        `--verifier-allow` (link-local and cloud-metadata addresses never are); FAILED_PRECONDITION when
+        the worker runs without Redis; UNAVAILABLE when Redis is unreachable.
+        Retry: safe; registering the same (name, version, endpoint, ...) again changes nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UnregisterVerifier(self, request, context):
-        """Removes a registered verifier. Requires the token. NOT_FOUND when absent.
+        """Removes a registered verifier; later samples naming it get INVALID_ARGUMENT. Requires the token.
+        Errors: UNAUTHENTICATED; NOT_FOUND when no verifier of that name is registered;
+        FAILED_PRECONDITION without Redis; UNAVAILABLE when Redis is unreachable.
+        Retry: safe (a retry after a success answers NOT_FOUND).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,11 +130,6 @@ def add_RewardServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Score': grpc.stream_stream_rpc_method_handler(
                     servicer.Score,
-                    request_deserializer=rlfabric_dot_v1_dot_reward__pb2.ScoreRequest.FromString,
-                    response_serializer=rlfabric_dot_v1_dot_reward__pb2.ScoreResponse.SerializeToString,
-            ),
-            'ScoreBatches': grpc.stream_stream_rpc_method_handler(
-                    servicer.ScoreBatches,
                     request_deserializer=rlfabric_dot_v1_dot_reward__pb2.ScoreRequestBatch.FromString,
                     response_serializer=rlfabric_dot_v1_dot_reward__pb2.ScoreResponseBatch.SerializeToString,
             ),
@@ -147,6 +158,12 @@ def add_RewardServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Reward:
     """Scores samples with built-in and registered verifiers.
+
+    One scoring contract, `Score`, whose messages carry batches: a simple client sends one sample per
+    ScoreRequestBatch and reads one ScoreResponse per ScoreResponseBatch; the coordinator's pool sends
+    whatever samples are ready together and gets back whatever answers are ready together. Per-message
+    gRPC and protobuf cost dominates cheap verifications, so batching pays on both ends, and one rpc means
+    one set of semantics, error codes and server path for every client.
     """
 
     @staticmethod
@@ -164,33 +181,6 @@ class Reward:
             request_iterator,
             target,
             '/rlfabric.v1.Reward/Score',
-            rlfabric_dot_v1_dot_reward__pb2.ScoreRequest.SerializeToString,
-            rlfabric_dot_v1_dot_reward__pb2.ScoreResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ScoreBatches(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/rlfabric.v1.Reward/ScoreBatches',
             rlfabric_dot_v1_dot_reward__pb2.ScoreRequestBatch.SerializeToString,
             rlfabric_dot_v1_dot_reward__pb2.ScoreResponseBatch.FromString,
             options,

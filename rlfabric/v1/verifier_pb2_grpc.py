@@ -48,8 +48,12 @@ class VerifierServicer:
 
     def Verify(self, request_iterator, context):
         """Bidirectional stream: one VerifyResponse per VerifyRequest, in any order, matched by
-        request_id. The caller applies a per-request deadline; a late or missing answer scores 0 with
-        an error. Return a non-OK status only when the whole stream cannot proceed.
+        request_id. The caller (a reward worker) applies a per-request deadline (the registered
+        `timeout_s`, capped by the sample's deadline); a late or missing answer scores 0 with an error.
+        Errors: return a non-OK status only when the whole stream cannot proceed (any code; the worker
+        records it on the sample as `remote: CODE details` and scores 0); a bad single request should get a
+        VerifyResponse with `error` instead. Retry: the worker does not retry a failed call; after a few
+        consecutive failures it stops calling for a cooldown (circuit breaker) and then tries one call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

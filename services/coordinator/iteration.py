@@ -246,7 +246,7 @@ class GrpoIteration:
             response = to_numpy(item.response_token_ids) if item.response_length else np.zeros(0, np.int32)
             reward_q.put(reward_pb2.ScoreRequest(
                 sample_id=item.sample_id, response=self.decode(response.tolist()), ground_truth=answers[gi],
-                verifiers=verifier_specs, response_length=item.response_length))
+                verifiers=verifier_specs))
             if s.use_reference and item.response_length:
                 pending_ref.append(item)
                 if len(pending_ref) >= s.ref_forward_micro_batch_size:
@@ -308,7 +308,10 @@ class GrpoIteration:
             prompt_lengths=[x.prompt_length for x in order], response_lengths=lengths.tolist(),
             global_batch_size=len(groups), n_samples_per_prompt=n, world_size=s.world_size, timings=timings,
             log_max_throughput=s.log_max_throughput))
-        metrics["failed_samples"] = float(sum(1 for x in order if x.error))
+        # A sample fails in rollout (`Sample.error`) or in reward (an error on a verifier score: a timeout,
+        # a crash, or no worker left to score it); either way its reward is not a verdict.
+        metrics["failed_samples"] = float(sum(1 for x in order
+                                              if x.error or any(s.error for s in scores[x.sample_id].scores)))
         return IterationResult(metrics, new_version)
 
     def _ref_request(self, seqs: Sequences) -> trainer_pb2.LogProbRequest:

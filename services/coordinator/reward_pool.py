@@ -6,12 +6,18 @@ fine) and yields exactly one `ScoreResponse` per distinct sample id, in completi
   worker that joins mid-stream starts receiving samples;
 - each sample goes to the live worker with the fewest samples in flight, at most
   `max_inflight_per_worker` each (back-pressure instead of unbounded queues on the workers);
-- when a worker's stream breaks (killed, restarted, network), its unanswered samples are re-sent to the
-  others; a sample unanswered after `sample_timeout_s` is re-sent elsewhere too (hedged), and that worker
-  gets no new samples until it answers again (a hung worker must not attract the work);
+- a dead worker is noticed within seconds: its stream breaks at once when its process dies (the
+  kernel resets the connection), and within `keepalive` seconds when its host or network goes silent.
+  The streams' channels have no retry policy: gRPC would otherwise retry a call whose server died
+  before its first answer, and that call would hang instead of failing;
+- a lost worker's unanswered samples are re-sent to the others, once per sample: a sample id that is
+  still in flight on another worker (hedged) is not sent again. A sample unanswered after
+  `sample_timeout_s` is also sent to another worker (hedged), and the silent worker gets no new samples
+  until it answers again (a hung worker must not attract the work);
 - answers are keyed by sample id: the first one counts, later duplicates are dropped, so a re-sent
   sample is never counted twice. A sample that no worker could answer after `max_attempts` sends gets a
-  response whose scores carry the error (score 0), so the caller still gets one answer per sample.
+  response whose scores carry the error (score 0), so the caller still gets one answer per sample and
+  sees it failed (`ClientPoolStats.gave_up`, and the error on each `VerifierScore`).
 """
 
 import logging
@@ -25,7 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
-from services.common.client import make_channel
+from services.common.client import auth_metadata, channel_options
 from services.common.redis_store import Registry
 
 logger = logging.getLogger(__name__)
@@ -38,7 +44,8 @@ class ClientPoolStats:
     """What happened during `score` calls (for logs and tests)."""
 
     sent: int = 0
-    resent: int = 0
+    resent: int = 0  # re-sent because the worker holding them was lost
+    hedged: int = 0  # also sent elsewhere because their worker did not answer in `sample_timeout_s`
     duplicates_dropped: int = 0
     workers_lost: int = 0
     gave_up: int = 0
@@ -47,22 +54,40 @@ class ClientPoolStats:
 
 # Most samples one ScoreRequestBatch carries: what is waiting in the link's outbox, up to this.
 _MAX_REQUESTS_PER_BATCH = 64
+# A lost worker's registration outlives it by up to its lease; do not route to it again before this.
+_LOST_WORKER_QUARANTINE_S = 30.0
+
+
+def _stream_channel(endpoint: str, keepalive_s: float) -> grpc.Channel:
+    """A channel for long streams: keepalive pings find a silent peer; no retry policy (see the module doc).
+
+    Pings every `keepalive_s` while a stream is open (the servers allow one per 10 s without data), with
+    no cap on pings without data, so a worker that stops answering is declared dead after about
+    `keepalive_s` + 5 s.
+    """
+    drop = {"grpc.enable_retries", "grpc.service_config", "grpc.keepalive_time_ms", "grpc.keepalive_timeout_ms"}
+    options = [option for option in channel_options() if option[0] not in drop]
+    options += [("grpc.enable_retries", 0), ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+                ("grpc.keepalive_timeout_ms", 5_000), ("grpc.http2.max_pings_without_data", 0)]
+    return grpc.insecure_channel(endpoint, options=options)
 
 
 class _Link:
-    """One open `ScoreBatches` stream to one worker.
+    """One open `Score` stream to one worker.
 
     Samples and answers travel in batches of whatever is ready together, so one gRPC message (and one
     thread wake-up on each end) serves many samples when the stream is busy and one when it is not.
     """
 
-    def __init__(self, instance_id: str, endpoint: str, events: queue.SimpleQueue, token: str | None) -> None:
+    def __init__(self, instance_id: str, endpoint: str, events: queue.SimpleQueue, token: str | None,
+                 keepalive_s: float) -> None:
         self.instance_id = instance_id
         self.endpoint = endpoint
         self.inflight: dict[str, float] = {}  # sample_id -> time sent
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._channel = make_channel(endpoint, token=token)
-        self._call = reward_pb2_grpc.RewardStub(self._channel).ScoreBatches(self._requests())
+        self._channel = _stream_channel(endpoint, keepalive_s)
+        self._call = reward_pb2_grpc.RewardStub(self._channel).Score(
+            self._requests(), metadata=auth_metadata(token) if token else None)
         self._events = events
         self.alive = True
         # Set when a sample sent here ran past the deadline; cleared by the next answer. A stalled worker
@@ -114,6 +139,7 @@ class RewardClientPool:
     Args:
         registry: the Redis membership registry the workers register in.
         token: bearer token sent with every call (workers only require it for registration RPCs).
+        keepalive_s: ping interval on open streams (a silent worker is lost after about this + 5 s).
         max_inflight_per_worker: samples sent to one worker and not yet answered.
         sample_timeout_s: re-send a sample unanswered this long to another worker.
         max_attempts: sends per sample before giving up on it (its response then carries the error).
@@ -123,7 +149,8 @@ class RewardClientPool:
 
     def __init__(self, registry: Registry, *, token: str | None = None, max_inflight_per_worker: int = 64,
                  sample_timeout_s: float = 60.0, max_attempts: int = 4, refresh_s: float = 0.5,
-                 no_worker_timeout_s: float = 60.0, service: str = REGISTRY_SERVICE) -> None:
+                 no_worker_timeout_s: float = 60.0, keepalive_s: float = 15.0,
+                 service: str = REGISTRY_SERVICE) -> None:
         self._registry = registry
         self._token = token
         self._max_inflight = max_inflight_per_worker
@@ -131,8 +158,11 @@ class RewardClientPool:
         self._max_attempts = max_attempts
         self._refresh_s = refresh_s
         self._no_worker_timeout_s = no_worker_timeout_s
+        self._keepalive_s = keepalive_s
         self._service = service
         self.stats = ClientPoolStats()
+        # (instance_id, endpoint) -> when it was lost; kept across `score` calls (iterations).
+        self.lost: dict[tuple[str, str], float] = {}
 
     def score(self, requests: Iterable[reward_pb2.ScoreRequest]) -> Iterator[reward_pb2.ScoreResponse]:
         """Yields one response per distinct sample id of `requests`, in completion order."""
@@ -150,7 +180,6 @@ class _Session:
         self.pending: deque[str] = deque()
         self.done: set[str] = set()
         self.links: dict[str, _Link] = {}
-        self.lost: dict[tuple[str, str], float] = {}  # (instance_id, endpoint) -> when it was lost
         self.input_done = False
         self.last_refresh = 0.0
         self.last_timeout_check = 0.0
@@ -229,14 +258,16 @@ class _Session:
             return None
         del self.links[link.instance_id]
         link.close()
-        self.lost[(link.instance_id, link.endpoint)] = time.monotonic()
+        self.pool.lost[(link.instance_id, link.endpoint)] = time.monotonic()
         self.pool.stats.workers_lost += 1
-        orphans = [sid for sid in link.inflight if sid not in self.done]
-        logger.warning("reward worker %s at %s lost (%s); re-sending %d samples", link.instance_id,
+        # Once per sample id: not when answered, nor while another worker holds it (hedged).
+        held_elsewhere = {sid for other in self.links.values() for sid in other.inflight}
+        orphans = [sid for sid in link.inflight if sid not in self.done and sid not in held_elsewhere]
+        logger.warning("reward worker %s at %s lost (%s); re-sending its %d unanswered samples", link.instance_id,
                        link.endpoint, why, len(orphans))
-        for sample_id in orphans:
-            self.pending.appendleft(sample_id)
-            self.pool.stats.resent += 1
+        for sample_id in reversed(orphans):
+            self.pending.appendleft(sample_id)  # ahead of new work, in their original order
+        self.pool.stats.resent += len(orphans)
         return None
 
     def _refresh(self) -> None:
@@ -251,12 +282,11 @@ class _Session:
             return
         for member in members:
             key = (member.instance_id, member.endpoint)
-            lost_at = self.lost.get(key)
-            # A lost worker's lease outlives it; retry only after that lease could have expired.
-            if member.instance_id in self.links or (lost_at is not None and now - lost_at < 30.0):
+            lost_at = self.pool.lost.get(key)
+            if member.instance_id in self.links or (lost_at is not None and now - lost_at < _LOST_WORKER_QUARANTINE_S):
                 continue
             self.links[member.instance_id] = _Link(member.instance_id, member.endpoint, self.events,
-                                                   self.pool._token)
+                                                   self.pool._token, self.pool._keepalive_s)
             logger.info("routing reward samples to worker %s at %s", member.instance_id, member.endpoint)
 
     def _dispatch(self) -> None:
@@ -305,7 +335,7 @@ class _Session:
                     del link.inflight[sample_id]  # hedge: also ask another worker; first answer wins
                     link.stalled = True
                     self.pending.append(sample_id)
-                    self.pool.stats.resent += 1
+                    self.pool.stats.hedged += 1
 
 
 class _GaveUpLink:

@@ -2,6 +2,7 @@
 
     rlfabric reward serve --redis-url redis://127.0.0.1:6379 --processes 2 --auth-token $TOKEN
     rlfabric reward score --verifier math_equiv IN.jsonl --out OUT.jsonl
+    rlfabric reward score --verifier my_rule --redis-url redis://127.0.0.1:6379 IN.jsonl --out OUT.jsonl
     rlfabric reward register --worker HOST:PORT --token $TOKEN --name my_rule --endpoint HOST:PORT
     rlfabric reward list --worker HOST:PORT
     rlfabric reward unregister --worker HOST:PORT --token $TOKEN --name my_rule
@@ -32,12 +33,16 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     score = commands.add_parser("score", help="score a JSONL of {response, ground_truth} records offline")
     score.add_argument("input", metavar="IN.jsonl", help="records with 'response' and 'ground_truth'")
     score.add_argument("--out", required=True, metavar="OUT.jsonl", help="where to write the scored records")
-    score.add_argument("--verifier", default="math_equiv", help="verifier name (default: math_equiv)")
+    score.add_argument("--verifier", required=True,
+                       help="a built-in rule, a --verifier-plugin name, or a verifier registered in --redis-url")
     score.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                        help="pool processes (default: CPU count - 1)")
     score.add_argument("--deadline-s", type=float, default=10.0, help="per-record deadline in seconds")
     score.add_argument("--verifier-plugin", type=_plugin, action="append", default=[], metavar="NAME=SPEC",
                        help="extra local verifier, NAME=package.module:function (repeatable)")
+    score.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                       help="Redis holding the registered remote verifiers (default: $REDIS_URL)")
+    add_verifier_allow(score)
     score.add_argument("--quiet", action="store_true", help="no progress line")
     score.set_defaults(func=run_score)
 
@@ -70,30 +75,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", default="", help="instance id in the registry (default: host-pid-random)")
     parser.add_argument("--deadline-s", type=float, default=10.0,
                         help="per-sample deadline when a request sets none (default: 10)")
-    parser.add_argument("--default-verifier", default="math_equiv", help="verifier for requests naming none")
     parser.add_argument("--verifier-plugin", type=_plugin, action="append", default=[], metavar="NAME=SPEC",
                         help="extra local verifier, NAME=package.module:function or NAME=/path/file.py:function")
     parser.add_argument("--lease-s", type=float, default=10.0, help="registry lease (heartbeat every lease/3)")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: any free port)")
-    parser.add_argument("--rollout-max-tokens", type=int, default=0,
-                        help="with --overlong-buffer: DAPO overlong shaping of the reward")
-    parser.add_argument("--overlong-buffer", type=int, default=0, help="DAPO overlong buffer in tokens (0: off)")
-    parser.add_argument("--overlong-penalty-factor", type=float, default=1.0, help="DAPO overlong penalty factor")
+    add_verifier_allow(parser)
+
+
+def add_verifier_allow(parser: argparse.ArgumentParser) -> None:
+    from services.reward.endpoints import DEFAULT_ALLOW
+
+    parser.add_argument("--verifier-allow", default=DEFAULT_ALLOW, metavar="PATTERN,...",
+                        help="hosts a registered remote verifier may live on: loopback, members (hosts of the "
+                             "registered rlfabric services), *, an IP, a CIDR or a host glob; link-local and "
+                             f"metadata addresses never (default: {DEFAULT_ALLOW})")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from services.common.server import serve_until_signal
-    from services.reward.rewards import OverlongConfig
     from services.reward.worker import RewardWorker, RewardWorkerOptions
 
-    overlong = None
-    if args.overlong_buffer:
-        overlong = OverlongConfig(args.rollout_max_tokens, args.overlong_buffer, args.overlong_penalty_factor)
     options = RewardWorkerOptions(
         address=args.address, processes=args.processes, redis_url=args.redis_url, auth_token=args.auth_token,
-        worker_id=args.worker_id, deadline_s=args.deadline_s, default_verifier=args.default_verifier,
+        worker_id=args.worker_id, deadline_s=args.deadline_s, verifier_allow=args.verifier_allow,
         plugins=dict(args.verifier_plugin), lease_s=args.lease_s, metrics_port=args.metrics_port,
-        advertise_host=args.advertise_host, overlong=overlong,
+        advertise_host=args.advertise_host,
     )
     worker = RewardWorker(options).start()
     # One parseable line for launchers and tests that started us with port 0.
@@ -109,12 +115,16 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_score(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from services.reward.offline import print_progress, score_jsonl
-    from services.reward.pool import VerifierPool
+    from services.reward.offline import open_verifier, print_progress, score_jsonl
 
-    with VerifierPool(args.processes, plugins=dict(args.verifier_plugin)) as pool:
-        summary = score_jsonl(Path(args.input), Path(args.out), args.verifier, pool=pool,
-                              deadline_s=args.deadline_s, progress=None if args.quiet else print_progress())
+    try:
+        with open_verifier(args.verifier, plugins=dict(args.verifier_plugin), processes=args.processes,
+                           redis_url=args.redis_url, verifier_allow=args.verifier_allow) as submit:
+            summary = score_jsonl(Path(args.input), Path(args.out), submit, deadline_s=args.deadline_s,
+                                  progress=None if args.quiet else print_progress())
+    except (ValueError, OSError) as e:
+        print(f"rlfabric reward score: {e}", file=sys.stderr)
+        return 2
     print(summary.line())
     return 0
 

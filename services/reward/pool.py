@@ -10,7 +10,9 @@ keeps serving.
 
 A slot hands its process every task already queued (up to its share) in one pipe message and reads
 the verdicts one by one, so the pipe costs one pickle and one write per batch, not per sample, while
-each verdict still has its own deadline.
+each verdict still has its own deadline. Every task carries an id and every verdict the id of its task:
+a verdict left in the pipe by an earlier batch is discarded, never handed to the next sample, and a
+process whose verdicts come out of order, or whose slot fails in any way, is replaced.
 
 Processes come from a forkserver that has already imported and warmed the verifiers, so a replacement
 starts in milliseconds and never inherits the parent's gRPC threads. As with any non-fork start method,
@@ -18,6 +20,7 @@ a script that creates a pool must guard its entry point with `if __name__ == "__
 re-import the main module); `python -m ...` entry points and pytest are fine.
 """
 
+import itertools
 import logging
 import math
 import multiprocessing as mp
@@ -42,6 +45,11 @@ _START_TIMEOUT_S = 120.0  # first start imports sympy/math-verify in the forkser
 # Most tasks one pipe message carries. Small enough that a batch of slow verifications does not hold
 # work another slot could take (a slot takes at most its share of the queue anyway).
 _MAX_BATCH = 32
+_MAX_POLL_MS = 2**31 - 1  # poll() takes a C int
+
+
+class _OutOfOrder(Exception):
+    """The process answered a task of this batch other than the one awaited: its pipe cannot be trusted."""
 
 
 class SampleClock:
@@ -52,8 +60,8 @@ class SampleClock:
     """
 
     def __init__(self, budget_s: float) -> None:
-        if budget_s <= 0:
-            raise ValueError(f"deadline budget must be > 0 seconds, got {budget_s}")
+        if not math.isfinite(budget_s) or budget_s <= 0:
+            raise ValueError(f"deadline budget must be a finite number of seconds > 0, got {budget_s}")
         self.budget_s = budget_s
         self._deadline: float | None = None
         self._lock = threading.Lock()
@@ -71,6 +79,7 @@ class _Task:
     """One queued verification. `start()` is False when its caller gave up on it (then `done(None)` is
     called, so the caller can account for it); otherwise `done(outcome)` is called exactly once."""
 
+    task_id: int
     verifier: str
     response: str
     ground_truth: str
@@ -179,6 +188,8 @@ class _Slot:
                     self._verify_batch(runnable)
                 except Exception as e:  # noqa: BLE001 (a pool bug must cost its samples, not the slot)
                     logger.exception("reward pool slot %d failed on a batch of %d", self.index, len(runnable))
+                    # Verdicts of this batch may still be on their way: a fresh process and pipe.
+                    self._replace_process(f"slot error: {e}")
                     for t in runnable:
                         t.finish(Outcome.failed(CRASH, f"reward pool error: {e}", 0.0))
             if stop:
@@ -205,7 +216,7 @@ class _Slot:
                 pending = pending[1:]
                 continue
             try:
-                self._conn.send([(t.verifier, t.response, t.ground_truth) for t in pending])
+                self._conn.send([(t.task_id, t.verifier, t.response, t.ground_truth) for t in pending])
             except (OSError, BrokenPipeError):
                 self._replace_process(f"died with exit code {self._exit_code()} while idle")
                 continue
@@ -213,12 +224,14 @@ class _Slot:
 
     def _collect(self, pending: list[_Task]) -> list[_Task]:
         """Reads the verdicts of `pending` (just sent); returns the tasks to send again, if any."""
+        batch_ids = {task.task_id for task in pending}
         for index, task in enumerate(pending):
-            deadline = task.clock.deadline()
             started = time.monotonic()
             try:
-                ready = self._poller.poll(max(0, math.ceil((deadline - started) * 1000)))
-                reply = self._conn.recv() if ready else None
+                reply = self._verdict(task, batch_ids)
+            except _OutOfOrder as e:
+                self._replace_process(str(e))
+                return pending[index:]  # nothing was lost but the pipe's order: send them again
             except (EOFError, OSError, BrokenPipeError):
                 code = self._exit_code()
                 self._replace_process(f"died with exit code {code} during {task.verifier}")
@@ -238,6 +251,20 @@ class _Slot:
                 task.finish(
                     Outcome.failed(NON_FINITE if kind == "non_finite" else EXCEPTION, str(value), elapsed))
         return []
+
+    def _verdict(self, task: _Task, batch_ids: set[int]) -> tuple[str, object] | None:
+        """The (kind, value) verdict of `task`, or None when its deadline passes first."""
+        deadline = task.clock.deadline()
+        while True:
+            timeout_ms = min(_MAX_POLL_MS, max(0, math.ceil((deadline - time.monotonic()) * 1000)))
+            if not self._poller.poll(timeout_ms):
+                return None
+            task_id, kind, value = self._conn.recv()
+            if task_id == task.task_id:
+                return kind, value
+            if task_id in batch_ids:
+                raise _OutOfOrder(f"verdict of task {task_id} arrived while task {task.task_id} was awaited")
+            logger.warning("reward pool process %d: discarded a stale verdict of task %s", self.index, task_id)
 
 
 class VerifierPool:
@@ -264,6 +291,7 @@ class VerifierPool:
         if start_method == "forkserver":
             self._ctx.set_forkserver_preload(["services.reward.pool_preload"])
         self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._task_ids = itertools.count()
         self._slots = [_Slot(i, self) for i in range(processes)]
         for slot in self._slots:
             slot.wait_ready(_START_TIMEOUT_S)
@@ -309,7 +337,7 @@ class VerifierPool:
             raise ValueError(f"unknown verifier {verifier!r}; this pool runs: {', '.join(self.names)}")
         if self.closed:
             raise RuntimeError("the verifier pool is closed")
-        self._tasks.put(_Task(verifier, response, ground_truth, clock, start, done))
+        self._tasks.put(_Task(next(self._task_ids), verifier, response, ground_truth, clock, start, done))
         metrics.QUEUE_DEPTH.set(self._tasks.qsize())
 
     def verify(self, verifier: str, response: str, ground_truth: str, deadline_s: float) -> Outcome:

@@ -72,12 +72,12 @@ def child_main(conn: Connection, plugins: Mapping[str, str]) -> None:
         if message is None:
             return
         if message == PING:
-            conn.send(("ok", 0.0))
+            conn.send((PING, "ok", 0.0))
             continue
-        # A batch of (name, response, ground_truth); one reply per item, sent as soon as it is known,
-        # so the parent can tell which item ran past its deadline.
-        for name, response, ground_truth in message:
-            conn.send(_run_one(table, name, response, ground_truth))
+        # A batch of (task id, name, response, ground_truth); one (task id, kind, value) reply per item,
+        # sent as soon as it is known, so the parent can tell which item ran past its deadline.
+        for task_id, name, response, ground_truth in message:
+            conn.send((task_id, *_run_one(table, name, response, ground_truth)))
 
 
 def _run_one(table: Mapping[str, Verifier], name: str, response: str, ground_truth: str) -> tuple[str, object]:

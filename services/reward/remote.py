@@ -19,9 +19,10 @@ import redis
 from rlfabric.v1 import verifier_pb2, verifier_pb2_grpc
 from services.common.client import make_channel
 from services.reward import metrics
+from services.reward.endpoints import EndpointPolicy, EndpointRefused
 from services.reward.outcome import CIRCUIT_OPEN, NON_FINITE, REMOTE, TIMEOUT, Outcome
 from services.reward.pool import SampleClock
-from services.reward.verifier_store import RemoteVerifierEntry
+from services.reward.verifier_store import RemoteVerifierEntry, VerifierStore
 
 logger = logging.getLogger(__name__)
 
@@ -126,15 +127,27 @@ class RemoteVerifier:
 
 
 class RemoteVerifiers:
-    """The worker's view of the Redis registry: one `RemoteVerifier` per registered name.
+    """The worker's view of the Redis registry: one `RemoteVerifier` per registered, allowed name.
 
     `sync()` reloads the registry when its revision changed; a background thread calls it every
     `poll_s`, and the servicer calls it at once when a stream names an unknown verifier, so a verifier
-    registered a moment ago is usable without waiting for the poll.
+    registered a moment ago is usable without waiting for the poll. Entries are untrusted (anyone who can
+    write Redis can write them): a malformed one, or one whose endpoint `endpoints` refuses, is logged
+    with its key and skipped.
+
+    Args:
+        store: the Redis registry (None: no remote verifiers).
+        endpoints: the allow-list for verifier endpoints (default: loopback only).
+        local_names: built-in and plugin names, which a registration may not take.
+        poll_s: seconds between registry polls (without `start=False`, a thread polls).
     """
 
-    def __init__(self, store, *, poll_s: float = 1.0) -> None:  # noqa: ANN001 (VerifierStore or None)
+    def __init__(self, store: VerifierStore | None, *, endpoints: EndpointPolicy | None = None,
+                 local_names: frozenset[str] = frozenset(), poll_s: float = 1.0, poll: bool = True) -> None:
         self._store = store
+        self._endpoints = endpoints or EndpointPolicy.parse("loopback")
+        self._local_names = set(local_names)
+        self._refused: dict[str, RemoteVerifierEntry] = {}
         self._clients: dict[str, RemoteVerifier] = {}
         self._revision = -1
         self._lock = threading.Lock()
@@ -142,6 +155,7 @@ class RemoteVerifiers:
         self._thread: threading.Thread | None = None
         if store is not None:
             self.sync()
+        if store is not None and poll:
             self._thread = threading.Thread(target=self._poll, args=(poll_s,), name="verifier-registry-poll",
                                             daemon=True)
             self._thread.start()
@@ -167,7 +181,8 @@ class RemoteVerifiers:
         with self._lock:
             if revision == self._revision and not force:
                 return
-            entries = self._store.entries()
+            entries = {name: entry for name, entry in self._store.entries(self._local_names).items()
+                       if self._allowed(entry)}
             for name in list(self._clients):
                 if entries.get(name) != self._clients[name].entry:
                     self._clients.pop(name).close()
@@ -176,6 +191,16 @@ class RemoteVerifiers:
                     self._clients[name] = RemoteVerifier(entry)
                     logger.info("remote verifier %s v%s at %s is now in use", name, entry.version, entry.endpoint)
             self._revision = revision
+
+    def _allowed(self, entry: RemoteVerifierEntry) -> bool:
+        try:
+            self._endpoints.check(entry.endpoint)
+        except EndpointRefused as e:
+            if self._refused.get(entry.name) != entry:  # once per entry, not on every reload
+                logger.warning("skipping the registered verifier %s: %s", entry.name, e)
+            self._refused[entry.name] = entry
+            return False
+        return True
 
     def get(self, name: str) -> RemoteVerifier | None:
         with self._lock:

@@ -1,39 +1,11 @@
-"""Reward arithmetic on a worker, as MindSpeed-RL defines it: weighted sum and DAPO overlong shaping.
+"""The final reward of a sample, as MindSpeed-RL defines it: sum_i `verifier_weight[i]` * score_i.
 
-- final reward = sum_i `verifier_weight[i]` * score_i (over `rl_config.verifier_function`);
-- DAPO overlong shaping (`overlong_buffer_enable`): expected = `rollout_max_tokens` - `overlong_buffer`,
-  exceed = min(length - expected, `overlong_buffer`), penalty = min(-exceed / buffer * factor, 0),
-  added to the reward (only when the worker is started with `--overlong-buffer`; the coordinator applies the
-  run's shaping itself, services/coordinator/advantages.py).
-The per-verifier means (`{name}_rewards/mean`) are the coordinator's (services/coordinator/iteration_metrics.py).
-Pure functions, no I/O.
+The worker computes it for every `ScoreResponse` (`scoring.py`). DAPO overlong shaping is the run's,
+applied by the coordinator (services/coordinator/advantages.py); the per-verifier means
+(`{name}_rewards/mean`) are the coordinator's too (services/coordinator/iteration_metrics.py).
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class OverlongConfig:
-    """DAPO overlong shaping (`rl_config.overlong_buffer*`, `rl_config.rollout_max_tokens`)."""
-
-    rollout_max_tokens: int
-    overlong_buffer: int
-    overlong_buffer_penalty_factor: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.overlong_buffer < self.rollout_max_tokens:
-            raise ValueError(
-                f"overlong_buffer ({self.overlong_buffer}) must be > 0 and < rollout_max_tokens "
-                f"({self.rollout_max_tokens})"
-            )
-
-
-def overlong_penalty(response_length: int, config: OverlongConfig) -> float:
-    """Penalty (<= 0) for a response of `response_length` tokens; 0 up to the expected length."""
-    expected = config.rollout_max_tokens - config.overlong_buffer
-    exceed = min(response_length - expected, config.overlong_buffer)
-    return min(-exceed / config.overlong_buffer * config.overlong_buffer_penalty_factor, 0.0)
 
 
 def weighted_reward(scores: Sequence[float], weights: Sequence[float]) -> float:

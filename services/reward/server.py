@@ -1,31 +1,24 @@
 """The `rlfabric.v1.Reward` servicer: protos in, pool/remote verifications out, nothing else.
 
-`Score` (one sample per message) and `ScoreBatches` (several per message, the same semantics) read the
-request stream in a helper thread, start every sample's verifications as soon as it
-arrives (built-ins in the process pool, registered names through `remote.py`) and yields each
-`ScoreResponse` when the sample's last verification ends, so responses come in completion order
-(`ScoreBatches` sends the responses that are ready together in one message). A failed
-verification is a 0 score with an error inside the response; only a malformed request (unknown verifier,
-empty sample id) ends the stream, with INVALID_ARGUMENT.
+`Score` runs one stream through `scoring.py` and yields the answers that are ready together as one
+`ScoreResponseBatch`. The registry RPCs read and write the Redis registry (`verifier_store.py`) after
+checking the entry and its endpoint (`endpoints.py`). Requests are parsed with `wire.lenient`, so a
+message protobuf refuses (a string that is not UTF-8) is INVALID_ARGUMENT naming the field, not INTERNAL.
 """
 
-import functools
 import logging
 import queue
 import threading
-from collections.abc import Iterator
-from concurrent.futures import Future
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 
 import grpc
 import redis
 
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
-from services.reward import metrics
-from services.reward.outcome import Outcome
-from services.reward.pool import SampleClock, VerifierPool
+from services.reward.endpoints import EndpointPolicy, EndpointRefused
+from services.reward.pool import VerifierPool
 from services.reward.remote import RemoteVerifiers
-from services.reward.rewards import OverlongConfig, overlong_penalty
+from services.reward.scoring import CANCELLED, InputEnded, Scorer, StreamError, StreamState
 from services.reward.verifier_store import (
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_TIMEOUT_S,
@@ -34,54 +27,14 @@ from services.reward.verifier_store import (
     validate_entry,
 )
 from services.reward.verifiers.registry import BUILTIN_VERSION, VERIFIERS
+from services.reward.wire import Undecodable, lenient
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "rlfabric.v1.Reward"
 AUTH_METHODS = frozenset({"/rlfabric.v1.Reward/RegisterVerifier", "/rlfabric.v1.Reward/UnregisterVerifier"})
-
-
-@dataclass(frozen=True)
-class _StreamError:
-    code: grpc.StatusCode
-    message: str
-
-
-@dataclass(frozen=True)
-class _InputEnded:
-    samples: int
-
-
-_CANCELLED = object()
 # Most responses one ScoreResponseBatch carries (what was ready together, up to this).
 _MAX_RESPONSES_PER_BATCH = 256
-
-
-class _Stream:
-    """The verifications still pending for one Score stream, so that a cancelled stream drops them."""
-
-    def __init__(self) -> None:
-        self.cancelled = False
-        self._futures: set[Future] = set()
-        self._lock = threading.Lock()
-
-    def track(self, future: Future) -> None:
-        with self._lock:
-            if self.cancelled:
-                future.cancel()
-            else:
-                self._futures.add(future)
-
-    def forget(self, future: Future) -> None:
-        with self._lock:
-            self._futures.discard(future)
-
-    def cancel(self) -> None:
-        with self._lock:
-            self.cancelled = True
-            futures, self._futures = list(self._futures), set()
-        for future in futures:
-            future.cancel()  # only queued ones stop; running ones finish and are dropped
 
 
 class RewardServicer(reward_pb2_grpc.RewardServicer):
@@ -92,50 +45,31 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         worker_id: recorded in every response (provenance).
         remote: registered remote verifiers (None: built-ins only).
         store: the Redis registry for Register/Unregister (None: registration is refused).
+        endpoints: which verifier endpoints RegisterVerifier accepts (default: loopback only).
         default_deadline_s: per-sample deadline when a request leaves `deadline_s` at 0.
-        default_verifier: used when a request names no verifier.
-        overlong: DAPO overlong shaping applied to `reward` (None: off).
     """
 
     def __init__(self, pool: VerifierPool, *, worker_id: str, remote: RemoteVerifiers | None = None,
-                 store: VerifierStore | None = None, default_deadline_s: float = 10.0,
-                 default_verifier: str = "math_equiv", overlong: OverlongConfig | None = None) -> None:
+                 store: VerifierStore | None = None, endpoints: EndpointPolicy | None = None,
+                 default_deadline_s: float = 10.0) -> None:
         self._pool = pool
-        self._worker_id = worker_id
         self._remote = remote or RemoteVerifiers(None)
         self._store = store
-        self._default_deadline_s = default_deadline_s
-        self._default_verifiers = [reward_pb2.VerifierSpec(name=default_verifier, weight=1.0)]
-        self._overlong = overlong
-        self._local_names = set(pool.names)
+        self._endpoints = endpoints or EndpointPolicy.parse("loopback")
+        self._scorer = Scorer(pool, self._remote, worker_id=worker_id, default_deadline_s=default_deadline_s)
 
-    # -- Score ------------------------------------------------------------------------------------
-
-    def Score(self, request_iterator: Iterator[reward_pb2.ScoreRequest],
-              context: grpc.ServicerContext) -> Iterator[reward_pb2.ScoreResponse]:
-        for responses in self._serve(request_iterator, context):
-            yield from responses
-
-    def ScoreBatches(self, request_iterator: Iterator[reward_pb2.ScoreRequestBatch],
-                     context: grpc.ServicerContext) -> Iterator[reward_pb2.ScoreResponseBatch]:
-        requests = (request for batch in request_iterator for request in batch.requests)
-        for responses in self._serve(requests, context):
-            yield reward_pb2.ScoreResponseBatch(responses=responses)
-
-    def _serve(self, requests: Iterator[reward_pb2.ScoreRequest],
-               context: grpc.ServicerContext) -> Iterator[list[reward_pb2.ScoreResponse]]:
-        """The responses of one stream, in completion order, grouped as they were ready together."""
+    def Score(self, request_iterator: Iterator[reward_pb2.ScoreRequestBatch | Undecodable],
+              context: grpc.ServicerContext) -> Iterator[reward_pb2.ScoreResponseBatch]:
         results: queue.SimpleQueue = queue.SimpleQueue()
-        stream = _Stream()
+        stream = StreamState()
 
         def on_rpc_done() -> None:
             stream.cancel()
-            results.put(_CANCELLED)  # wake the handler; it must not wait for answers nobody reads
+            results.put(CANCELLED)  # wake the handler; it must not wait for answers nobody reads
 
         context.add_callback(on_rpc_done)
-        reader = threading.Thread(target=self._read, args=(requests, results, stream),
-                                  name="reward-score-reader", daemon=True)
-        reader.start()
+        threading.Thread(target=self._scorer.read, args=(request_iterator, results, stream),
+                         name="reward-score-reader", daemon=True).start()
         answered, expected = 0, None
         while expected is None or answered < expected:
             ready = [results.get()]
@@ -146,118 +80,20 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
                     break
             responses = []
             for item in ready:
-                if item is _CANCELLED:
+                if item is CANCELLED:
                     return
-                if isinstance(item, _StreamError):
+                if isinstance(item, StreamError):
                     if responses:
-                        yield responses  # answers that were ready before the bad request still count
+                        yield reward_pb2.ScoreResponseBatch(responses=responses)  # ready before the bad one
                     stream.cancel()
                     context.abort(item.code, item.message)
-                if isinstance(item, _InputEnded):
+                if isinstance(item, InputEnded):
                     expected = item.samples
                     continue
                 responses.append(item)
             if responses:
                 answered += len(responses)
-                yield responses
-
-    def _read(self, request_iterator: Iterator[reward_pb2.ScoreRequest], results: queue.SimpleQueue,
-              stream: "_Stream") -> None:
-        samples = 0
-        try:
-            for request in request_iterator:
-                if stream.cancelled:
-                    return
-                problem = self._check(request)
-                if problem is not None:
-                    results.put(_StreamError(grpc.StatusCode.INVALID_ARGUMENT, problem))
-                    return
-                self._start_sample(request, results, stream)
-                samples += 1
-        except grpc.RpcError:
-            return  # the client went away; its samples are abandoned
-        except Exception as e:  # noqa: BLE001 (report instead of hanging the stream)
-            logger.exception("Score stream failed")
-            results.put(_StreamError(grpc.StatusCode.INTERNAL, f"reward worker {self._worker_id}: {e}"))
-            return
-        results.put(_InputEnded(samples))
-
-    def _check(self, request: reward_pb2.ScoreRequest) -> str | None:
-        if not request.sample_id:
-            return "ScoreRequest.sample_id is empty: every sample needs an id (responses are keyed by it)"
-        for spec in request.verifiers:
-            if spec.name in self._local_names or self._remote.get(spec.name) is not None:
-                continue
-            self._remote.sync(force=True)  # registered a moment ago, before our poll saw it?
-            if self._remote.get(spec.name) is None:
-                known = sorted(self._local_names) + [e.name for e in self._remote.entries()]
-                return (f"sample {request.sample_id!r}: unknown verifier {spec.name!r}; known verifiers: "
-                        f"{', '.join(known)}")
-        return None
-
-    def _start_sample(self, request: reward_pb2.ScoreRequest, results: queue.SimpleQueue,
-                      stream: "_Stream") -> None:
-        specs = list(request.verifiers) or self._default_verifiers
-        clock = SampleClock(request.deadline_s if request.deadline_s > 0 else self._default_deadline_s)
-        metrics.IN_FLIGHT_SAMPLES.inc()
-        versions: list[str] = []
-        outcomes: list[Outcome | None] = [None] * len(specs)
-        pending = [len(specs)]
-        lock = threading.Lock() if len(specs) > 1 else None
-        given_up = [False]
-
-        def finished(index: int, outcome: Outcome | None) -> None:
-            # Called once per verification, from a pool thread or a remote call's thread.
-            if outcome is None:
-                given_up[0] = True  # the stream was cancelled before it ran
-            outcomes[index] = outcome
-            if lock is not None:
-                with lock:
-                    pending[0] -= 1
-                    if pending[0]:
-                        return
-            if given_up[0] or stream.cancelled:
-                metrics.IN_FLIGHT_SAMPLES.dec()
-                return  # the stream is gone; nobody reads this answer
-            results.put(self._response(request, specs, versions, outcomes))
-
-        def not_cancelled() -> bool:
-            return not stream.cancelled
-
-        remotes = [None if spec.name in self._local_names else self._remote.get(spec.name) for spec in specs]
-        # Every version is known before the first verification starts (a fast one may finish at once).
-        versions.extend(BUILTIN_VERSION if remote is None else remote.entry.version for remote in remotes)
-        for index, (spec, remote) in enumerate(zip(specs, remotes, strict=True)):
-            if remote is None:
-                self._pool.submit_callback(spec.name, request.response, request.ground_truth, clock,
-                                           functools.partial(finished, index), not_cancelled)
-                continue
-            future = remote.submit(request.sample_id, request.response, request.ground_truth, request.prompt,
-                                   clock)
-            stream.track(future)
-
-            def remote_done(done: Future, index: int = index) -> None:
-                stream.forget(done)
-                finished(index, None if done.cancelled() else done.result())
-
-            future.add_done_callback(remote_done)
-
-    def _response(self, request: reward_pb2.ScoreRequest, specs: list[reward_pb2.VerifierSpec],
-                  versions: list[str], outcomes: list[Outcome]) -> reward_pb2.ScoreResponse:
-        metrics.IN_FLIGHT_SAMPLES.dec()
-        response = reward_pb2.ScoreResponse(sample_id=request.sample_id, worker_id=self._worker_id)
-        reward = 0.0
-        for spec, version, outcome in zip(specs, versions, outcomes, strict=True):
-            metrics.record_outcome(spec.name, outcome.latency_s, outcome.reason)
-            response.scores.add(verifier=spec.name, version=version, score=outcome.score, error=outcome.error,
-                                latency_s=outcome.latency_s)
-            reward += spec.weight * outcome.score
-        if self._overlong is not None and request.response_length > 0:
-            reward += overlong_penalty(request.response_length, self._overlong)
-        response.reward = reward
-        return response
-
-    # -- registry RPCs ----------------------------------------------------------------------------
+                yield reward_pb2.ScoreResponseBatch(responses=responses)
 
     def ListVerifiers(self, request: reward_pb2.ListVerifiersRequest,
                       context: grpc.ServicerContext) -> reward_pb2.ListVerifiersResponse:
@@ -281,9 +117,12 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             max_concurrency=request.max_concurrency or DEFAULT_MAX_CONCURRENCY, description=request.description,
         )
         try:
-            validate_entry(entry, self._local_names)
+            validate_entry(entry, set(self._pool.names))
+            self._endpoints.check(entry.endpoint)
         except KeyError as e:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e.args[0]))
+        except EndpointRefused as e:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"RegisterVerifier: {e}")
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"RegisterVerifier: {e}")
         try:
@@ -314,3 +153,29 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "this reward worker runs without Redis (--redis-url), so it cannot register verifiers")
         return self._store
+
+
+def _unary(method: Callable, request_class: type, response_class: type) -> grpc.RpcMethodHandler:
+    def handle(request: object, context: grpc.ServicerContext) -> object:
+        if isinstance(request, Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
+        return method(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=lenient(request_class),
+                                               response_serializer=response_class.SerializeToString)
+
+
+def add_to_server(servicer: RewardServicer, server: grpc.Server) -> None:
+    """Mounts `servicer` like the generated `add_RewardServicer_to_server`, with lenient request parsing."""
+    handlers = {
+        "Score": grpc.stream_stream_rpc_method_handler(
+            servicer.Score, request_deserializer=lenient(reward_pb2.ScoreRequestBatch),
+            response_serializer=reward_pb2.ScoreResponseBatch.SerializeToString),
+        "ListVerifiers": _unary(servicer.ListVerifiers, reward_pb2.ListVerifiersRequest,
+                                reward_pb2.ListVerifiersResponse),
+        "RegisterVerifier": _unary(servicer.RegisterVerifier, reward_pb2.RegisterVerifierRequest,
+                                   reward_pb2.RegisterVerifierResponse),
+        "UnregisterVerifier": _unary(servicer.UnregisterVerifier, reward_pb2.UnregisterVerifierRequest,
+                                     reward_pb2.UnregisterVerifierResponse),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

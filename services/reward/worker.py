@@ -11,20 +11,17 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
-from rlfabric.v1 import reward_pb2_grpc
 from services.common.redis_store import Registration, Registry, connect
 from services.common.server import ServiceServer, ServiceSpec, create_server
+from services.reward.endpoints import DEFAULT_ALLOW, EndpointPolicy, member_hosts
 from services.reward.pool import VerifierPool
 from services.reward.remote import RemoteVerifiers
-from services.reward.rewards import OverlongConfig
-from services.reward.server import AUTH_METHODS, SERVICE_NAME, RewardServicer
+from services.reward.server import AUTH_METHODS, SERVICE_NAME, RewardServicer, add_to_server
 from services.reward.verifier_store import VerifierStore
 
 logger = logging.getLogger(__name__)
 
 REGISTRY_SERVICE = "reward"
-
-
 @dataclass
 class RewardWorkerOptions:
     """How to run one reward worker (the flags of `rlfabric reward serve`)."""
@@ -35,13 +32,12 @@ class RewardWorkerOptions:
     auth_token: str | None = None
     worker_id: str = ""
     deadline_s: float = 10.0
-    default_verifier: str = "math_equiv"
+    verifier_allow: str = DEFAULT_ALLOW
     plugins: dict[str, str] = field(default_factory=dict)
     lease_s: float = 10.0
     metrics_port: int | None = 0
     advertise_host: str | None = None
     registry_poll_s: float = 1.0
-    overlong: OverlongConfig | None = None
     max_workers: int = 32
 
 
@@ -54,16 +50,18 @@ class RewardWorker:
         self.pool = VerifierPool(options.processes, plugins=options.plugins)
         redis_client = connect(options.redis_url) if options.redis_url else None
         self.store = VerifierStore(redis_client) if redis_client is not None else None
-        self.remote = RemoteVerifiers(self.store, poll_s=options.registry_poll_s)
+        registry = Registry(redis_client) if redis_client is not None else None
+        endpoints = EndpointPolicy.parse(options.verifier_allow, lambda: member_hosts(registry))
+        self.remote = RemoteVerifiers(self.store, endpoints=endpoints, local_names=frozenset(self.pool.names),
+                                      poll_s=options.registry_poll_s)
         self.servicer = RewardServicer(
-            self.pool, worker_id=self.worker_id, remote=self.remote, store=self.store,
-            default_deadline_s=options.deadline_s, default_verifier=options.default_verifier,
-            overlong=options.overlong,
+            self.pool, worker_id=self.worker_id, remote=self.remote, store=self.store, endpoints=endpoints,
+            default_deadline_s=options.deadline_s,
         )
         if options.redis_url and not options.auth_token:
             logger.warning("no auth token: RegisterVerifier/UnregisterVerifier will refuse every caller")
         self.server: ServiceServer = create_server(
-            [ServiceSpec(reward_pb2_grpc.add_RewardServicer_to_server, self.servicer, SERVICE_NAME)],
+            [ServiceSpec(add_to_server, self.servicer, SERVICE_NAME)],
             options.address, component="reward", metrics_port=options.metrics_port,
             # Without a token the privileged methods still need one: a random one nobody knows.
             auth_token=options.auth_token or uuid.uuid4().hex, auth_methods=AUTH_METHODS,

@@ -1,13 +1,16 @@
 """Fixtures of the reward tests: plugin specs for misbehaving verifiers, real cases, a running worker."""
 
 import json
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 FAULTY = Path(__file__).with_name("faulty_verifiers.py")
-FAULTY_PLUGINS = {name: f"{FAULTY}:{name}" for name in ("sleep_forever", "raise_error", "return_nan", "kill_process")}
+FAULTY_PLUGINS = {name: f"{FAULTY}:{name}" for name in ("sleep_forever", "raise_error", "return_nan", "kill_process", "sleepy")}
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +52,18 @@ def reward_worker(redis_url: str) -> Iterator["object"]:
                                   deadline_s=5.0, registry_poll_s=0.2, metrics_port=0)
     with RewardWorker(options) as worker:
         yield worker
+
+
+@pytest.fixture
+def external_verifier(repo_root: Path):
+    """The example custom verifier, as a separate process; yields its endpoint."""
+    script = repo_root / "examples" / "verifiers" / "last_number_verifier.py"
+    process = subprocess.Popen([sys.executable, str(script), "--port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        match = re.search(r"listening on (\S+:\d+)", line)
+        assert match, f"unexpected first line from the verifier: {line!r}"
+        yield match.group(1)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)

@@ -15,6 +15,8 @@ from rlfabric.v1 import reward_pb2
 from services.common.redis_store import Registry, connect
 from services.coordinator.reward_pool import RewardClientPool
 
+SLEEPY_PLUGIN = f"sleepy={Path(__file__).with_name('faulty_verifiers.py')}:sleepy"
+
 
 class WorkerProcess:
     """`python -m services.reward` as a separate process, registered in Redis under `worker_id`."""
@@ -24,7 +26,7 @@ class WorkerProcess:
         self.log = (log_dir / f"{worker_id}.log").open("w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "services.reward", "--redis-url", redis_url, "--worker-id", worker_id,
-             "--processes", "1", "--lease-s", "2", "--log-level", "WARNING"],
+             "--processes", "1", "--lease-s", "2", "--log-level", "WARNING", "--verifier-plugin", SLEEPY_PLUGIN],
             cwd=repo_root, stdout=self.log, stderr=subprocess.STDOUT,
         )
 
@@ -93,6 +95,59 @@ def test_sigkill_of_one_of_two_workers_mid_stream_of_2000(spawn, redis_url, raw_
     run_kill_one_of_two(spawn, redis_url, raw_responses, 2000)
 
 
+def sleepy_requests(count: int, prefix: str, first_s: float, then_s: float):
+    """`count` samples of the `sleepy` plugin: the first two take `first_s`, the rest `then_s`; every
+    third is wrong (reward 0), so a score handed to the wrong sample shows."""
+    for i in range(count):
+        seconds = first_s if i < 2 else then_s
+        yield reward_pb2.ScoreRequest(sample_id=f"{prefix}/{i}", response=f"{seconds}:{'wrong' if i % 3 else 'ok'}",
+                                      ground_truth="ok", verifiers=[reward_pb2.VerifierSpec(name="sleepy", weight=1.0)])
+
+
+def test_sigkill_before_the_first_answer_fails_over_within_seconds_once_per_sample(spawn, redis_url):
+    # The pool's defaults, as the coordinator uses them (a 60 s sample timeout among them): the victim
+    # dies while it holds half the samples and has answered none on this stream. Its stream must fail
+    # at once (no gRPC retry policy holding the call open), its samples go to the survivor once each.
+    registry = Registry(connect(redis_url))
+    victim, _survivor = spawn("victim"), spawn("survivor")
+    wait_registered(registry, {"victim", "survivor"})
+    count = 60
+    normal_pool = RewardClientPool(registry)
+    started = time.monotonic()
+    normal = Counter(r.sample_id for r in normal_pool.score(sleepy_requests(count, "normal", 1.0, 0.05)))
+    normal_s = time.monotonic() - started
+    assert len(normal) == count and normal_pool.stats.per_worker.keys() == {"victim", "survivor"}
+
+    pool = RewardClientPool(registry)
+    killed_at = []
+
+    def requests():
+        yield from sleepy_requests(count, "kill", 1.0, 0.05)
+        time.sleep(0.3)  # dispatched to both workers; the first answers take 1 s
+        victim.kill()
+        killed_at.append(time.monotonic())
+
+    started = time.monotonic()
+    answers = Counter()
+    for response in pool.score(requests()):
+        answers[response.sample_id] += 1
+        index = int(response.sample_id.split("/")[1])
+        assert [s.error for s in response.scores] == [""]
+        assert response.reward == (0.0 if index % 3 else 1.0)  # its own score, not a neighbour's
+    killed_s = time.monotonic() - started
+    assert answers == Counter({f"kill/{i}": 1 for i in range(count)})  # every id, exactly once
+    stats = pool.stats
+    assert stats.workers_lost == 1 and stats.gave_up == 0 and stats.duplicates_dropped == 0
+    assert stats.hedged == 0  # found by the broken stream, not by the 60 s sample timeout
+    assert stats.per_worker == {"survivor": count}  # the victim answered nothing
+    assert stats.resent == stats.sent - count > 0  # each of the victim's samples re-sent exactly once
+    ((lost_id, _endpoint), lost_at), = pool.lost.items()
+    assert lost_id == "victim"
+    detected_s = lost_at - killed_at[0]
+    print(f"\nkilled-worker iteration: {killed_s:.1f} s (normal {normal_s:.1f} s, {killed_s / normal_s:.2f}x); "
+          f"dead worker noticed {detected_s:.2f} s after SIGKILL; {stats.resent} samples re-sent once each")
+
+
 def test_worker_joining_mid_stream_receives_work(spawn, redis_url, raw_responses):
     registry = Registry(connect(redis_url))
     first = spawn("first")
@@ -138,7 +193,7 @@ def test_unresponsive_worker_samples_are_resent_after_the_deadline(spawn, redis_
         os.kill(frozen.process.pid, signal.SIGKILL)
         frozen.process.wait(timeout=10)
     assert len(answers) == 300 and set(answers.values()) == {1}
-    assert pool.stats.resent > 0 and pool.stats.workers_lost == 0  # re-sent on the deadline, not on a break
+    assert pool.stats.hedged > 0 and pool.stats.workers_lost == 0  # re-sent on the deadline, not on a break
     assert pool.stats.gave_up == 0  # the silent worker stopped receiving samples once it was overdue
     assert pool.stats.per_worker[healthy.worker_id] > 200
 

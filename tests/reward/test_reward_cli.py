@@ -46,9 +46,11 @@ def test_score_jsonl_reports_failures_per_record(tmp_path, repo_root, faulty_plu
 def test_score_jsonl_names_the_bad_line(tmp_path, repo_root):
     source = tmp_path / "in.jsonl"
     source.write_text(json.dumps({"response": "x", "ground_truth": "1"}) + "\n" + json.dumps({"response": "x"}) + "\n")
-    result = run_cli(str(source), "--out", str(tmp_path / "out.jsonl"), "--processes", "1", cwd=repo_root)
-    assert result.returncode != 0
+    result = run_cli("--verifier", "math_equiv", str(source), "--out", str(tmp_path / "out.jsonl"), "--processes", "1",
+                     cwd=repo_root)
+    assert result.returncode == 2
     assert "in.jsonl:2: field 'ground_truth' must be a string" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out.jsonl").exists()
 
 
 def test_register_list_unregister_commands(reward_worker, repo_root):
@@ -70,3 +72,29 @@ def test_register_list_unregister_commands(reward_worker, repo_root):
     assert reward("unregister", "--name", "cli_rule").returncode == 0
     missing = reward("unregister", "--name", "cli_rule")
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+
+
+def test_score_with_a_registered_remote_verifier(tmp_path, repo_root, redis_url, external_verifier):
+    from services.common.redis_store import connect
+    from services.reward.verifier_store import RemoteVerifierEntry, VerifierStore
+
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps({"response": f"the total is {i}", "ground_truth": "3"}) + "\n"
+                              for i in range(5)))
+    # Without Redis the CLI says how to reach a custom verifier (issue 12: it died with a traceback).
+    result = run_cli("--verifier", "last_number", str(source), "--out", str(out), cwd=repo_root)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "unknown verifier 'last_number'" in result.stderr and "--redis-url" in result.stderr
+    assert "--verifier-plugin last_number=" in result.stderr and not out.exists()
+    store = VerifierStore(connect(redis_url))
+    store.register(RemoteVerifierEntry(name="last_number", version="7", endpoint=external_verifier))
+    try:
+        result = run_cli("--verifier", "last_number", "--redis-url", redis_url, str(source), "--out", str(out),
+                         "--quiet", cwd=repo_root)
+        assert result.returncode == 0, result.stderr
+        assert [json.loads(line)["score"] for line in out.read_text().splitlines()] == [0.0, 0.0, 0.0, 1.0, 0.0]
+        missing = run_cli("--verifier", "nobody", "--redis-url", redis_url, str(source), "--out", str(out), cwd=repo_root)
+        assert missing.returncode == 2 and "no usable verifier 'nobody'" in missing.stderr
+        assert "last_number" in missing.stderr  # what is registered
+    finally:
+        store.unregister("last_number")

@@ -1,11 +1,8 @@
 """The Reward gRPC service on loopback: Score streams, failures per sample, auth, remote verifiers."""
 
 import re
-import subprocess
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
@@ -28,10 +25,16 @@ def stub_for(worker, token=None):
     return reward_pb2_grpc.RewardStub(make_channel(worker.server.address, token=token))
 
 
+def score_all(stub, requests, timeout=60):
+    """Score as a simple client uses it: one sample per request message; the answers, flattened."""
+    batches = (reward_pb2.ScoreRequestBatch(requests=[r]) for r in requests)
+    return [response for reply in stub.Score(batches, timeout=timeout) for response in reply.responses]
+
+
 def test_score_stream_scores_every_sample_with_provenance(reward_worker):
     requests = [request(f"s{i}", f"\\boxed{{{i}}}", verifiers=(("math_equiv", 1.0), ("acc", 0.5)))
                 for i in range(40)]
-    responses = list(stub_for(reward_worker).Score(iter(requests), timeout=60))
+    responses = score_all(stub_for(reward_worker), requests)
     by_id = {r.sample_id: r for r in responses}
     assert len(responses) == len(by_id) == 40
     for i in range(40):
@@ -55,7 +58,7 @@ def test_misbehaving_verifiers_cost_only_their_samples(reward_worker):
     requests += [request(name, text, verifiers=((verifier, 1.0),), deadline_s=1.0)
                  for name, (verifier, text) in bad.items()]
     started = time.monotonic()
-    responses = {r.sample_id: r for r in stub_for(reward_worker).Score(iter(requests), timeout=60)}
+    responses = {r.sample_id: r for r in score_all(stub_for(reward_worker), requests)}
     assert len(responses) == 34
     assert [responses[f"ok{i}"].reward for i in range(30)] == [1.0 if i % 5 == 4 else 0.0 for i in range(30)]
     for name, reason in (("hang", "timeout"), ("raise", "exception"), ("nan", "non_finite"), ("kill", "crash")):
@@ -68,8 +71,7 @@ def test_misbehaving_verifiers_cost_only_their_samples(reward_worker):
 
 def test_unknown_verifier_is_invalid_argument(reward_worker):
     with pytest.raises(grpc.RpcError) as info:
-        list(stub_for(reward_worker).Score(iter([request("x", "\\boxed{1}", verifiers=(("nope", 1.0),))]),
-                                           timeout=30))
+        score_all(stub_for(reward_worker), [request("x", "\\boxed{1}", verifiers=(("nope", 1.0),))], timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "unknown verifier 'nope'" in info.value.details() and "math_equiv" in info.value.details()
 
@@ -103,21 +105,6 @@ def test_register_requires_the_token(reward_worker):
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-@pytest.fixture
-def external_verifier(repo_root: Path):
-    """The example custom verifier, as a separate process; yields its endpoint."""
-    script = repo_root / "examples" / "verifiers" / "last_number_verifier.py"
-    process = subprocess.Popen([sys.executable, str(script), "--port", "0"], stdout=subprocess.PIPE, text=True)
-    try:
-        line = process.stdout.readline()
-        match = re.search(r"listening on (\S+:\d+)", line)
-        assert match, f"unexpected first line from the verifier: {line!r}"
-        yield match.group(1)
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
-
-
 def test_external_verifier_registered_later_is_used_by_a_running_worker(reward_worker, redis_url,
                                                                         external_verifier):
     from services.reward.worker import RewardWorker, RewardWorkerOptions
@@ -134,7 +121,7 @@ def test_external_verifier_registered_later_is_used_by_a_running_worker(reward_w
             time.sleep(0.1)
         requests = [request(f"r{i}", f"so the total is {i}", ground_truth="3",
                             verifiers=(("last_number", 2.0), ("math_equiv", 1.0))) for i in range(10)]
-        responses = {r.sample_id: r for r in stub.Score(iter(requests), timeout=60)}
+        responses = {r.sample_id: r for r in score_all(stub, requests)}
         for i in range(10):
             remote_score = responses[f"r{i}"].scores[0]
             assert (remote_score.verifier, remote_score.version, remote_score.error) == ("last_number", "2024.1", "")
@@ -144,8 +131,7 @@ def test_external_verifier_registered_later_is_used_by_a_running_worker(reward_w
         stub_for(reward_worker, token=TOKEN).UnregisterVerifier(
             reward_pb2.UnregisterVerifierRequest(name="last_number"), timeout=10)
     with pytest.raises(grpc.RpcError) as info:
-        list(stub_for(reward_worker).Score(iter([request("gone", "1", verifiers=(("last_number", 1.0),))]),
-                                           timeout=30))
+        score_all(stub_for(reward_worker), [request("gone", "1", verifiers=(("last_number", 1.0),))], timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -155,7 +141,7 @@ def test_unreachable_remote_verifier_costs_its_samples_and_opens_the_circuit(rew
         name="down", version="1", endpoint="127.0.0.1:1", timeout_s=1, max_concurrency=1), timeout=10)
     try:
         requests = [request(f"d{i}", "\\boxed{4}", verifiers=(("down", 1.0), ("math_equiv", 1.0))) for i in range(8)]
-        responses = list(stub_for(reward_worker).Score(iter(requests), timeout=60))
+        responses = score_all(stub_for(reward_worker), requests)
         assert len(responses) == 8
         errors = [r.scores[0].error.split(":")[0] for r in responses]
         assert all(r.scores[0].score == 0.0 for r in responses)
@@ -180,7 +166,7 @@ def test_circuit_breaker_states():
 
 
 def test_metrics_endpoint(reward_worker):
-    list(stub_for(reward_worker).Score(iter([request("m1", "\\boxed{4}")]), timeout=30))
+    score_all(stub_for(reward_worker), [request("m1", "\\boxed{4}")], timeout=30)
     text = urllib.request.urlopen(f"http://127.0.0.1:{reward_worker.server.metrics_port}/metrics", timeout=10).read()
     text = text.decode()
     for name in ("rlfabric_reward_scores_total", "rlfabric_reward_verification_seconds_bucket",
@@ -189,22 +175,9 @@ def test_metrics_endpoint(reward_worker):
     assert re.search(r'rlfabric_reward_scores_total\{verifier="math_equiv"\} [1-9]', text)
 
 
-def test_overlong_shaping_is_added_to_the_reward():
-    from services.reward.rewards import OverlongConfig
-    from services.reward.worker import RewardWorker, RewardWorkerOptions
-
-    options = RewardWorkerOptions(overlong=OverlongConfig(rollout_max_tokens=1024, overlong_buffer=256),
-                                  metrics_port=None)
-    with RewardWorker(options) as worker:
-        requests = [request(f"o{n}", "\\boxed{4}", response_length=n) for n in (0, 700, 896, 2000)]
-        rewards = {r.sample_id: r.reward for r in stub_for(worker).Score(iter(requests), timeout=60)}
-    # expected length 768: 896 exceeds by 128 of 256 -> -0.5; 2000 is capped at -1; 0 means unknown length
-    assert rewards == {"o0": 1.0, "o700": 1.0, "o896": 0.5, "o2000": 0.0}
-
-
-def test_score_batches_answers_every_sample_of_every_batch_once(reward_worker):
+def test_batches_of_many_samples_answer_every_sample_once(reward_worker):
     # Batches of 1..9 samples, a hanging one among them: one answer per sample id, the same verdicts
-    # as Score gives, and answers grouped as they were ready (never more than were asked).
+    # as one-sample batches get, and answers grouped as they were ready (never more than were asked).
     sizes = [1, 9, 3, 7, 5]
     batches, number = [], 0
     for size in sizes:
@@ -214,7 +187,7 @@ def test_score_batches_answers_every_sample_of_every_batch_once(reward_worker):
             number += 1
         batches.append(reward_pb2.ScoreRequestBatch(requests=batch))
     batches[2].requests.append(request("hang", "hang", verifiers=(("sleep_forever", 1.0),), deadline_s=1.0))
-    replies = list(stub_for(reward_worker).ScoreBatches(iter(batches), timeout=60))
+    replies = list(stub_for(reward_worker).Score(iter(batches), timeout=60))
     answers = [response for reply in replies for response in reply.responses]
     assert all(len(reply.responses) >= 1 for reply in replies)
     assert sorted(a.sample_id for a in answers) == sorted([f"b{i}" for i in range(number)] + ["hang"])
@@ -223,8 +196,8 @@ def test_score_batches_answers_every_sample_of_every_batch_once(reward_worker):
     assert by_id["hang"].scores[0].error.startswith("timeout:")
 
 
-def test_score_batches_rejects_an_unknown_verifier(reward_worker):
+def test_a_batch_with_an_unknown_verifier_is_refused(reward_worker):
     batch = reward_pb2.ScoreRequestBatch(requests=[request("x", "\\boxed{1}", verifiers=(("nope", 1.0),))])
     with pytest.raises(grpc.RpcError) as info:
-        list(stub_for(reward_worker).ScoreBatches(iter([batch]), timeout=30))
+        list(stub_for(reward_worker).Score(iter([batch]), timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
