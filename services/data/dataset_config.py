@@ -1,146 +1,166 @@
 """The dataset YAML of `configs/datasets/*.yaml` (MindSpeed-RL's preprocessing keys), read strictly.
 
-Field names are exactly the YAML keys of the seed's table. Unknown keys are errors that name the closest
-valid key. Relative paths are kept as written and resolve from the working directory, as upstream, where
-`bash examples/data/preprocess_data.sh NAME` runs from the repository root. `overrides` (`key=value`, the
-value parsed as YAML) replace keys without editing the file, e.g. to point `input` at another copy.
+Parsed with the main config's machinery (`services/common/config`): `read_yaml` keeps the file:line of every
+key and refuses duplicate keys, `parse_section` checks each key against `DatasetConfig` (dashes read as
+underscores, unknown keys named with the closest valid key, type errors with the expected type). Every
+problem, with where it was set, is reported at once as one `DataError`. Field names are exactly the
+YAML keys of the seed's table. Relative paths are kept as written and resolve from the working directory,
+as upstream, where `bash examples/data/preprocess_data.sh NAME` runs from the repository root. Overrides
+(`key=value`, the value parsed as YAML; `rlfabric preprocess --set`) replace keys without editing the file,
+e.g. to point `input` at another copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.config.errors import ConfigError, ConfigIssue
+from services.common.config.schema import normalize_key, parse_section, setting
+from services.common.config.yaml_io import SourcedDict, parse_yaml, read_yaml
 from services.common.errors import DataError
 
 SUPPORTED_TOKENIZER_TYPES = ("HuggingFaceTokenizer",)
 MAP_KEY_SLOTS = ("prompt", "query", "response", "system")
+SECTION = "dataset"  # how messages name the file's one mapping
+_STRIPPED = ("input", "tokenizer_name_or_path", "output_prefix", "handler_name", "prompt_type")
 
 
 @dataclass
 class DatasetConfig:
     """One dataset's preprocessing settings (MindSpeed-RL `configs/datasets/*.yaml`)."""
 
-    input: str = field(metadata={"help": "data file (.json, .jsonl, .parquet) or a directory of them"})
-    tokenizer_name_or_path: str = field(metadata={"help": "Hugging Face model/tokenizer folder"})
-    output_prefix: str = field(metadata={"help": "outputs go to {output_prefix}_packed_{field}_document.bin/.idx"})
-    handler_name: str = field(metadata={"help": "R1AlpacaStyleInstructionHandler or "
-                                                "Math17kAlpacaStyleInstructionHandler"})
-    tokenizer_type: str = field(default="HuggingFaceTokenizer", metadata={"help": "only HuggingFaceTokenizer"})
-    workers: int = field(default=1, metadata={"help": "tokenizer processes"})
-    prompt_type: str = field(default="empty", metadata={"help": "template name in prompt_type_path"})
-    log_interval: int = field(default=100, metadata={"help": "log progress every this many rows"})
-    map_keys: dict[str, str] | None = field(default=None, metadata={
-        "help": "raw field feeding each slot (prompt, query, response, system); '' leaves a slot unused; "
-                "dotted paths reach nested fields (reward_model.ground_truth)"})
-    dataset_additional_keys: list[str] = field(default_factory=list, metadata={
-        "help": "extra fields written beside input_ids/attention_mask; `labels` = the tokenised response"})
-    seq_length: int | None = field(default=None, metadata={
-        "help": "drop rows with any written field of this many tokens or more; None keeps all"})
-    seed: int = field(default=1234, metadata={
-        "help": "accepted for parity; preprocessing keeps input order, so nothing here is random"})
-    prompt_type_path: str | None = field(default=None, metadata={
-        "help": "templates.json to read prompt_type from; default configs/model/templates.json"})
+    input: str = setting(help="data file (.json, .jsonl, .parquet) or a directory of them")
+    tokenizer_name_or_path: str = setting(help="Hugging Face model/tokenizer folder")
+    output_prefix: str = setting(help="outputs go to {output_prefix}_packed_{field}_document.bin/.idx")
+    handler_name: str = setting(help="R1AlpacaStyleInstructionHandler or Math17kAlpacaStyleInstructionHandler")
+    tokenizer_type: str = setting("HuggingFaceTokenizer", "only HuggingFaceTokenizer")
+    workers: int = setting(1, "tokenizer processes")
+    prompt_type: str = setting("empty", "template name in prompt_type_path")
+    log_interval: int = setting(100, "log progress every this many rows")
+    map_keys: dict[str, str] | None = setting(
+        None, "raw field feeding each slot (prompt, query, response, system); '' leaves a slot unused; "
+              "dotted paths reach nested fields (reward_model.ground_truth)")
+    dataset_additional_keys: list[str] = setting(
+        help="extra fields written beside input_ids/attention_mask; `labels` = the tokenised response",
+        factory=list)
+    seq_length: int | None = setting(None, "drop rows with any written field of this many tokens or more; "
+                                           "None keeps all")
+    seed: int = setting(1234, "accepted for parity; preprocessing keeps input order, so nothing here is random")
+    prompt_type_path: str | None = setting(None, "templates.json to read prompt_type from; default "
+                                                 "configs/model/templates.json")
 
     def __post_init__(self) -> None:
-        if self.tokenizer_type not in SUPPORTED_TOKENIZER_TYPES:
-            raise DataError(f"tokenizer_type {self.tokenizer_type!r} is not supported; "
-                            f"use one of {list(SUPPORTED_TOKENIZER_TYPES)}")
-        for name in ("workers", "log_interval"):
-            if getattr(self, name) < 1:
-                raise DataError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.seq_length is not None and self.seq_length < 1:
-            raise DataError(f"seq_length must be a positive integer or null, got {self.seq_length}")
+        problems = value_problems(vars(self))
+        if problems:
+            raise DataError("; ".join(message for _key, message in problems))
+        for name in _STRIPPED:
+            setattr(self, name, getattr(self, name).strip())
         if self.map_keys is not None:
-            bad = sorted(set(self.map_keys) - set(MAP_KEY_SLOTS))
-            if bad:
-                raise DataError(f"map_keys has unknown slots {bad}; valid slots are {list(MAP_KEY_SLOTS)}")
-        if len(set(self.dataset_additional_keys)) != len(self.dataset_additional_keys):
-            raise DataError(f"dataset_additional_keys repeats a key: {self.dataset_additional_keys}")
-        clash = {"input_ids", "attention_mask"} & set(self.dataset_additional_keys)
-        if clash:
-            raise DataError(f"dataset_additional_keys must not name {sorted(clash)}: those are always written")
+            self.map_keys = {slot: field or "" for slot, field in self.map_keys.items()}
 
 
-def _field_types() -> dict[str, Any]:
-    return {f.name: f.type for f in dataclasses.fields(DatasetConfig)}
+def value_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(key, message) for every value the types allow but preprocessing cannot use."""
+    problems = []
+    if values["tokenizer_type"] not in SUPPORTED_TOKENIZER_TYPES:
+        problems.append(("tokenizer_type", f"tokenizer_type {values['tokenizer_type']!r} is not supported; "
+                                           f"use one of {list(SUPPORTED_TOKENIZER_TYPES)}"))
+    for name in ("workers", "log_interval"):
+        if values[name] < 1:
+            problems.append((name, f"{name} must be >= 1, got {values[name]}"))
+    if values["seq_length"] is not None and values["seq_length"] < 1:
+        problems.append(("seq_length", f"seq_length must be a positive integer or null, got {values['seq_length']}"))
+    map_keys = values["map_keys"]
+    if map_keys is not None:
+        bad = sorted(set(map_keys) - set(MAP_KEY_SLOTS))
+        if bad:
+            problems.append(("map_keys", f"map_keys has unknown slots {bad}; valid slots are {list(MAP_KEY_SLOTS)}"))
+        fields = [field for field in map_keys.values() if field is not None and not isinstance(field, str)]
+        if fields:
+            problems.append(("map_keys", f"map_keys values must be field names (strings) or '', got {fields}"))
+    additional = values["dataset_additional_keys"]
+    if len(set(additional)) != len(additional):
+        problems.append(("dataset_additional_keys", f"dataset_additional_keys repeats a key: {additional}"))
+    clash = {"input_ids", "attention_mask"} & set(additional)
+    if clash:
+        problems.append(("dataset_additional_keys", f"dataset_additional_keys must not name {sorted(clash)}: "
+                                                    "those are always written"))
+    return problems
 
 
-def _check_type(key: str, value: Any, source: str) -> Any:
-    expected = _field_types()[key]
-    ok = {
-        "int": isinstance(value, int) and not isinstance(value, bool),
-        "str": isinstance(value, str),
-        "int | None": value is None or (isinstance(value, int) and not isinstance(value, bool)),
-        "str | None": value is None or isinstance(value, str),
-        "dict[str, str] | None": value is None or (
-            isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str | None)
-                                            for k, v in value.items())),
-        "list[str]": isinstance(value, list) and all(isinstance(v, str) for v in value),
-    }[expected]
-    if not ok:
-        raise DataError(f"{source}: key {key!r} must be {expected}, got {value!r}")
-    if key == "map_keys" and value is not None:
-        return {k: (v or "") for k, v in value.items()}
-    if key in ("input", "tokenizer_name_or_path", "output_prefix", "handler_name", "prompt_type"):
-        return value.strip()
-    return value
+def _defaults() -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(DatasetConfig):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
 
 
-def dataset_config_from_dict(raw: Mapping[str, Any], source: str = "dataset config") -> DatasetConfig:
-    """Builds a `DatasetConfig` from parsed YAML, rejecting unknown keys, wrong types and missing keys."""
-    valid = list(_field_types())
-    kwargs = {}
-    for key, value in raw.items():
-        if key not in valid:
-            close = difflib.get_close_matches(str(key), valid, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
-            raise DataError(f"{source}: unknown key {key!r}{hint}")
-        kwargs[key] = _check_type(key, value, source)
+def _apply_overrides(raw: SourcedDict, overrides: Iterable[str], issues: list[ConfigIssue]) -> None:
+    """`key=value` strings into `raw`, each remembered as set by `--set key=value`."""
+    for text in overrides:
+        origin = f"--set {text}"
+        key, sep, value_text = text.partition("=")
+        if not sep or not key.strip():
+            issues.append(ConfigIssue(text, f"override {text!r} must look like key=value, e.g. workers=2", origin))
+            continue
+        try:
+            value = parse_yaml(value_text, origin) if value_text.strip() else ""
+        except ConfigError as exc:
+            issues.extend(exc.issues)
+            continue
+        key = next((k for k in raw if normalize_key(k) == normalize_key(key.strip())), key.strip())
+        raw[key] = value
+        raw.key_sources[key] = origin
+
+
+def dataset_config_from_dict(raw: Mapping[str, Any], overrides: Iterable[str] = (),
+                             label: str = "dataset config") -> DatasetConfig:
+    """Builds a `DatasetConfig` from parsed YAML (a `SourcedDict` keeps file:line in the messages).
+
+    Raises DataError listing every unknown key, wrong type, missing key and unusable value.
+    """
+    issues: list[ConfigIssue] = []
+    if raw is None:
+        raw = SourcedDict()
+    if not isinstance(raw, Mapping):
+        raise DataError(str(ConfigError([ConfigIssue(label, f"a dataset config must be a mapping of keys, got "
+                                                            f"{type(raw).__name__}", label)], label)))
+    sourced = SourcedDict(raw)
+    sourced.key_sources = dict(getattr(raw, "key_sources", {}))
+    _apply_overrides(sourced, overrides, issues)
+    sources = {normalize_key(k): where for k, where in sourced.key_sources.items()}
+
+    def source(key: str) -> str | None:
+        return sourced.key_sources.get(key, label)
+
+    bad: set[str] = set()
+    kwargs = parse_section(DatasetConfig, sourced, section=SECTION, issues=issues, source=source, bad=bad)
     required = [f.name for f in dataclasses.fields(DatasetConfig)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    missing = [k for k in required if k not in kwargs]
+    missing = [name for name in required if name not in kwargs and f"{SECTION}.{name}" not in bad]
     if missing:
-        raise DataError(f"{source}: missing required keys {missing}")
+        issues.append(ConfigIssue(SECTION, f"missing required keys {missing}; add them to the file or pass "
+                                           "them as KEY=VALUE overrides", label))
+    if not issues:
+        for key, message in value_problems({**_defaults(), **kwargs}):
+            issues.append(ConfigIssue(f"{SECTION}.{key}", message, sources.get(key, label)))
+    if issues:
+        raise DataError(str(ConfigError(issues, label)))
     return DatasetConfig(**kwargs)
-
-
-def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
-    """`key=value` strings to a dict; values are YAML (`workers=2` is an int, `map_keys={...}` a dict)."""
-    import yaml
-
-    out: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise DataError(f"override {item!r} must look like key=value")
-        try:
-            out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError as exc:
-            raise DataError(f"override {item!r}: value is not valid YAML: {exc}") from exc
-    return out
 
 
 def load_dataset_config(path: str | Path, overrides: Iterable[str] = ()) -> DatasetConfig:
     """Reads a dataset YAML file, applies `key=value` overrides and validates the result."""
-    import yaml
-
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError as exc:
-        raise DataError(f"dataset config {p} not found") from exc
-    except OSError as exc:
-        raise DataError(f"cannot read dataset config {p}: {exc.strerror or exc}") from exc
-    try:
-        raw = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise DataError(f"{p}: not valid YAML: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise DataError(f"{p}: expected a mapping of keys, got {type(raw).__name__}")
-    raw.update(parse_overrides(overrides))
-    return dataset_config_from_dict(raw, source=str(p))
+        raw = read_yaml(p, what="dataset config")
+    except ConfigError as exc:
+        raise DataError(str(exc)) from exc
+    return dataset_config_from_dict(raw, overrides, label=str(p))

@@ -9,10 +9,8 @@ own `IndexedDatasetBuilder`, so `IndexedDataset` reads them.
 Choices:
 - Tokenisation runs in `workers` processes (fork on Linux, each loads the tokenizer once); the parent reads
   and maps rows and writes, keeping a bounded window of batches in flight so memory stays flat.
-- Atomic output: everything is written inside a hidden temporary folder beside the prefix and renamed into
-  place only after every field is finalised. A failed, interrupted or killed run leaves no `.bin`/`.idx` at
-  the prefix (and an earlier complete output stays untouched); leftover temporary folders of dead runs are
-  removed by the next run.
+- Atomic output (`indexed_output.py`): a failed, interrupted or killed run leaves no `.bin`/`.idx` at the
+  prefix, and an earlier complete output stays untouched.
 - Rows are dropped, counted by reason, for an empty prompt or answer (see `handlers`) and, when
   `seq_length` is set, for any field of `seq_length` tokens or more (upstream's rule).
 """
@@ -22,12 +20,9 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import re
-import shutil
 import sys
 import time
-import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,22 +36,18 @@ from services.data.handlers import (
     DROP_TOO_LONG,
     LABELS_KEY,
     Dropped,
+    InstructionHandler,
     RowTexts,
     get_handler,
 )
-from services.data.readers import open_rows
+from services.data.indexed_output import AtomicOutput
+from services.data.readers import RowSource, open_rows
 from services.data.templates import Template, get_template
 
 logger = logging.getLogger(__name__)
 
 _BATCH_ROWS = 64
 _LISTED_DROPS = 20  # dropped row indices kept per reason for the summary
-_TMP_MARK = ".rlfabric-tmp-"
-
-
-def output_path(output_prefix: str | Path, field_name: str, suffix: str) -> Path:
-    """`{output_prefix}_packed_{field}_document{suffix}`, the file name MindSpeed-RL's loader expects."""
-    return Path(f"{output_prefix}_packed_{field_name}_document{suffix}")
 
 
 def output_fields(config: DatasetConfig) -> list[str]:
@@ -207,83 +198,6 @@ def _tokenize_batch(rows: Sequence[RowTexts]) -> list[tuple[int, dict[str, np.nd
     return out
 
 
-# ---- output files -------------------------------------------------------------------------------------
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_stale_tmp_dirs(out_dir: Path, base: str) -> None:
-    pattern = re.compile(re.escape(f".{base}{_TMP_MARK}") + r"(\d+)$")
-    for p in out_dir.glob(f".{base}{_TMP_MARK}*"):
-        m = pattern.match(p.name)
-        if m and p.is_dir() and not _pid_alive(int(m.group(1))):
-            logger.info("removing temporary output %s of a run that did not finish", p)
-            shutil.rmtree(p, ignore_errors=True)
-
-
-class _AtomicOutput:
-    """Megatron builders writing under a temporary folder; `commit` renames the files to the prefix."""
-
-    def __init__(self, output_prefix: str, fields: Sequence[str]) -> None:
-        with warnings.catch_warnings():
-            # megatron.core's package import warns about optional GPU extensions we do not use here.
-            warnings.simplefilter("ignore")
-            from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-        prefix = Path(output_prefix)
-        self.out_dir = prefix.parent
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        _remove_stale_tmp_dirs(self.out_dir, prefix.name)
-        self.tmp_dir = self.out_dir / f".{prefix.name}{_TMP_MARK}{os.getpid()}"
-        shutil.rmtree(self.tmp_dir, ignore_errors=True)
-        self.tmp_dir.mkdir()
-        self.prefix = prefix
-        self.fields = list(fields)
-        tmp_prefix = self.tmp_dir / prefix.name
-        self.builders = {f: IndexedDatasetBuilder(str(output_path(tmp_prefix, f, ".bin")), dtype=np.int32)
-                         for f in self.fields}
-
-    def add(self, fields: dict[str, np.ndarray]) -> None:
-        import torch
-
-        for name in self.fields:
-            self.builders[name].add_item(torch.from_numpy(fields[name]))
-            self.builders[name].end_document()
-
-    def commit(self) -> dict[str, int]:
-        tmp_prefix = self.tmp_dir / self.prefix.name
-        for name, builder in self.builders.items():
-            builder.finalize(str(output_path(tmp_prefix, name, ".idx")))
-        moves = [(output_path(tmp_prefix, f, s), output_path(self.prefix, f, s))
-                 for s in (".bin", ".idx") for f in self.fields]
-        for src, _ in moves:
-            with open(src, "rb") as fh:
-                os.fsync(fh.fileno())
-        # Old outputs go first (indexes before data), then data files, then indexes: a reader that checks
-        # for the .idx never pairs a new index with old data.
-        for _, dst in reversed(moves):
-            dst.unlink(missing_ok=True)
-        for src, dst in moves:
-            os.replace(src, dst)
-        shutil.rmtree(self.tmp_dir, ignore_errors=True)
-        return {str(dst): dst.stat().st_size for _, dst in moves}
-
-    def abort(self) -> None:
-        for builder in self.builders.values():
-            try:
-                builder.data_file.close()
-            except OSError:
-                pass
-        shutil.rmtree(self.tmp_dir, ignore_errors=True)
-
-
 # ---- the run ------------------------------------------------------------------------------------------
 
 class _Progress:
@@ -306,6 +220,42 @@ class _Progress:
             logger.info("preprocess %s: %d rows, %.0f rows/s", self.label, done, rate)
 
 
+def _tokenizer_pool(config: DatasetConfig, template: Template, extra_fields: list[str]) -> Any:
+    """A process pool of `config.workers` tokenizers, or None for one worker (tokenise in this process)."""
+    if config.workers <= 1:
+        return None
+    import multiprocessing as mp
+
+    # Fork before megatron/torch load: the fewer libraries (and their threads and locks) a fork copies,
+    # the safer it is. The tokenizer loaded by the caller already proved the path works.
+    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    return ctx.Pool(config.workers, initializer=_init_tokenizer_state,
+                    initargs=(config.tokenizer_name_or_path, template, extra_fields, True))
+
+
+def _feed(source: RowSource, handler: InstructionHandler, summary: PreprocessSummary,
+          submit: Callable[[list[RowTexts]], None], idle: Callable[[], object]) -> None:
+    """Reads every row, counts drops, and submits the kept rows' texts in batches of `_BATCH_ROWS`.
+
+    `idle()` runs after a dropped row while nothing is buffered, so progress still moves on a run of drops.
+    """
+    batch: list[RowTexts] = []
+    for row in source:
+        summary.rows_read += 1
+        texts = handler.extract(row)
+        if isinstance(texts, Dropped):
+            summary.drop(texts.reason, texts.index)
+            if not batch:
+                idle()
+            continue
+        batch.append(texts)
+        if len(batch) >= _BATCH_ROWS:
+            submit(batch)
+            batch = []
+    if batch:
+        submit(batch)
+
+
 def preprocess(config: DatasetConfig) -> PreprocessSummary:
     """Runs one dataset's preprocessing end to end; raises `DataError` for bad input or configuration."""
     started = time.monotonic()
@@ -320,18 +270,10 @@ def preprocess(config: DatasetConfig) -> PreprocessSummary:
                 config.input, source.total if source.total is not None else "?", source.kind,
                 config.handler_name, template.name, config.workers, config.output_prefix)
 
-    pool = None
-    if config.workers > 1:
-        import multiprocessing as mp
-
-        # Fork before megatron/torch load: the fewer libraries (and their threads and locks) a fork copies,
-        # the safer it is. The tokenizer loaded above already proved the path works.
-        ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-        pool = ctx.Pool(config.workers, initializer=_init_tokenizer_state,
-                        initargs=(config.tokenizer_name_or_path, template, extra_fields, True))
+    pool = _tokenizer_pool(config, template, extra_fields)
     output = None
     try:
-        output = _AtomicOutput(config.output_prefix, fields)
+        output = AtomicOutput(config.output_prefix, fields)
         process_started = time.monotonic()
         progress = _Progress(source.total, config.log_interval, Path(config.input).name)
 
@@ -355,21 +297,8 @@ def preprocess(config: DatasetConfig) -> PreprocessSummary:
             while len(in_flight) >= window:
                 write(in_flight.popleft().get())
 
-        batch: list[RowTexts] = []
-        for row in source:
-            summary.rows_read += 1
-            texts = handler.extract(row)
-            if isinstance(texts, Dropped):
-                summary.drop(texts.reason, texts.index)
-                if not in_flight and not batch:
-                    progress.update(summary.rows_written + summary.rows_dropped)
-                continue
-            batch.append(texts)
-            if len(batch) >= _BATCH_ROWS:
-                submit(batch)
-                batch = []
-        if batch:
-            submit(batch)
+        _feed(source, handler, summary, submit,
+              lambda: not in_flight and progress.update(summary.rows_written + summary.rows_dropped))
         while in_flight:
             write(in_flight.popleft().get())
         if pool is not None:

@@ -38,27 +38,51 @@ def test_math17k_yaml_values_and_overrides(repo_root):
         "/data/x.parquet", 2, 4096, 7, "/t.json")
 
 
+BASE = "input: a\ntokenizer_name_or_path: t\noutput_prefix: o\nhandler_name: h\n"
+
+
 @pytest.mark.parametrize(("text", "overrides", "match"), [
-    ("input: a\ntokenizer_name_or_path: t\noutput_prefix: o\nhandler_name: h\nworker: 2\n", [],
-     "unknown key 'worker'; did you mean 'workers'"),
-    ("input: a\ntokenizer_name_or_path: t\noutput_prefix: o\nhandler_name: h\nworkers: two\n", [],
-     "key 'workers' must be int, got 'two'"),
-    ("input: a\ntokenizer_name_or_path: t\noutput_prefix: o\n", [], r"missing required keys \['handler_name'\]"),
-    ("input: a\ntokenizer_name_or_path: t\noutput_prefix: o\nhandler_name: h\ntokenizer_type: Sentencepiece\n", [],
-     "tokenizer_type 'Sentencepiece' is not supported"),
-    ("input: a\ntokenizer_name_or_path: t\noutput_prefix: o\nhandler_name: h\nmap_keys: {instruction: x}\n", [],
-     r"map_keys has unknown slots \['instruction'\]"),
-    ("input: a\ntokenizer_name_or_path: t\noutput_prefix: o\nhandler_name: h\n", ["workers=0"], "workers must be >= 1"),
-    ("input: a\ntokenizer_name_or_path: t\noutput_prefix: o\nhandler_name: h\n", ["workers"], "must look like key=value"),
-    ("input: [a\n", [], "not valid YAML"),
+    (BASE + "worker: 2\n", [], "d.yaml:5: dataset.worker: unknown key `worker` in section `dataset`; "
+                                "did you mean `workers`?"),
+    (BASE + "workers: two\n", [], "d.yaml:5: dataset.workers: `workers` in section `dataset` must be integer, "
+                                   "got 'two' (str)"),
+    ("input: a\ntokenizer_name_or_path: t\noutput_prefix: o\n", [], r"missing required keys ['handler_name']"),
+    (BASE + "tokenizer_type: Sentencepiece\n", [],
+     "d.yaml:5: dataset.tokenizer_type: tokenizer_type 'Sentencepiece' is not supported"),
+    (BASE + "map_keys: {instruction: x}\n", [], "d.yaml:5: dataset.map_keys: map_keys has unknown slots ['instruction']"),
+    (BASE + "map_keys: {prompt: [x]}\n", [], "map_keys values must be field names"),
+    (BASE, ["workers=0"], "--set workers=0: dataset.workers: workers must be >= 1"),
+    (BASE, ["workers"], "--set workers: workers: override 'workers' must look like key=value"),
+    (BASE, ["wrkers=3"], "--set wrkers=3: dataset.wrkers: unknown key `wrkers` in section `dataset`; did you mean"),
+    (BASE + "workers: 2\nworkers: 3\n", [], "d.yaml:6: workers: duplicate key `workers` (first set at d.yaml:5)"),
+    ("input: [a\n", [], "d.yaml:2: YAML syntax error"),
+    ("- input\n", [], "a dataset config must be a mapping of keys, got list"),
 ])
 def test_bad_configs(tmp_path, text, overrides, match):
     path = tmp_path / "d.yaml"
     path.write_text(text)
-    with pytest.raises(DataError, match=match):
+    with pytest.raises(DataError) as info:
         load_dataset_config(path, overrides)
+    assert match.replace("d.yaml", str(path)) in str(info.value)
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    path = tmp_path / "d.yaml"
+    path.write_text("input: a\nworker: 2\nlog_interval: x\n")
+    with pytest.raises(DataError) as info:
+        load_dataset_config(path)
+    message = str(info.value)
+    assert message.startswith(f"3 configuration errors in {path}:")
+    assert f"{path}:2: dataset.worker: unknown key" in message and f"{path}:3: dataset.log_interval:" in message
+    assert "missing required keys ['tokenizer_name_or_path', 'output_prefix', 'handler_name']" in message
+
+
+def test_dashes_read_as_underscores_as_upstream(tmp_path):
+    path = tmp_path / "d.yaml"
+    path.write_text(BASE + "log-interval: 7\n")
+    assert load_dataset_config(path).log_interval == 7
 
 
 def test_missing_config_file(tmp_path):
-    with pytest.raises(DataError, match="dataset config .*none.yaml not found"):
+    with pytest.raises(DataError, match="none.yaml: dataset config not found"):
         load_dataset_config(tmp_path / "none.yaml")
