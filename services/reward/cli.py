@@ -101,7 +101,11 @@ def run_serve(args: argparse.Namespace) -> int:
         plugins=dict(args.verifier_plugin), lease_s=args.lease_s, metrics_port=args.metrics_port,
         advertise_host=args.advertise_host,
     )
-    worker = RewardWorker(options).start()
+    try:
+        worker = RewardWorker(options).start()
+    except ValueError as e:  # a bad flag value (deadline, plugin, --verifier-allow): say which, no traceback
+        print(f"rlfabric reward serve: {e}", file=sys.stderr)
+        return 2
     # One parseable line for launchers and tests that started us with port 0.
     print(f"reward worker {worker.worker_id} listening on {worker.endpoint} metrics :{worker.server.metrics_port}",
           flush=True)

@@ -16,6 +16,7 @@ from services.common.server import ServiceServer, ServiceSpec, create_server
 from services.reward.endpoints import DEFAULT_ALLOW, EndpointPolicy, member_hosts
 from services.reward.pool import VerifierPool
 from services.reward.remote import RemoteVerifiers
+from services.reward.scoring import MAX_DEADLINE_S
 from services.reward.server import AUTH_METHODS, SERVICE_NAME, RewardServicer, add_to_server
 from services.reward.verifier_store import VerifierStore
 
@@ -47,11 +48,13 @@ class RewardWorker:
     def __init__(self, options: RewardWorkerOptions) -> None:
         self.options = options
         self.worker_id = options.worker_id or f"reward-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.pool = VerifierPool(options.processes, plugins=options.plugins)
+        if not 0 < options.deadline_s <= MAX_DEADLINE_S:
+            raise ValueError(f"--deadline-s must be in (0, {MAX_DEADLINE_S:g}] seconds, got {options.deadline_s}")
         redis_client = connect(options.redis_url) if options.redis_url else None
-        self.store = VerifierStore(redis_client) if redis_client is not None else None
         registry = Registry(redis_client) if redis_client is not None else None
         endpoints = EndpointPolicy.parse(options.verifier_allow, lambda: member_hosts(registry))
+        self.pool = VerifierPool(options.processes, plugins=options.plugins)
+        self.store = VerifierStore(redis_client) if redis_client is not None else None
         self.remote = RemoteVerifiers(self.store, endpoints=endpoints, local_names=frozenset(self.pool.names),
                                       poll_s=options.registry_poll_s)
         self.servicer = RewardServicer(

@@ -182,7 +182,9 @@ def test_unresponsive_worker_samples_are_resent_after_the_deadline(spawn, redis_
     registry = Registry(connect(redis_url))
     frozen, healthy = spawn("frozen"), spawn("healthy")
     wait_registered(registry, {"frozen", "healthy"})
-    pool = RewardClientPool(registry, max_inflight_per_worker=16, refresh_s=0.2, sample_timeout_s=2.0)
+    # keepalive_s: long enough that only the sample timeout can notice the silent worker in this test.
+    pool = RewardClientPool(registry, max_inflight_per_worker=16, refresh_s=0.2, sample_timeout_s=2.0,
+                            keepalive_s=120.0)
     answers = Counter()
     try:
         for response in pool.score(sample_requests(raw_responses, 300, "frozen")):

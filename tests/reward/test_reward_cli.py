@@ -98,3 +98,11 @@ def test_score_with_a_registered_remote_verifier(tmp_path, repo_root, redis_url,
         assert "last_number" in missing.stderr  # what is registered
     finally:
         store.unregister("last_number")
+
+
+def test_serve_refuses_bad_flags_with_a_message(repo_root):
+    for flags, message in ((["--verifier-allow", "10.0.0.0/99"], "not a CIDR network"),
+                           (["--deadline-s", "1e9"], "--deadline-s must be in (0, 3600]")):
+        result = subprocess.run([sys.executable, "-m", "services.cli", "reward", "serve", *flags], cwd=repo_root,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
