@@ -19,39 +19,53 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config.errors import ConfigError, ConfigIssue
-from services.common.config.schema import normalize_key, parse_section, setting
+from services.common.config.schema import (
+    REFUSED,
+    field_default,
+    field_status,
+    inert,
+    normalize_key,
+    parse_section,
+    read,
+    refused,
+    setting,
+)
 from services.common.config.yaml_io import SourcedDict, parse_yaml, read_yaml
 from services.common.errors import DataError
 
-SUPPORTED_TOKENIZER_TYPES = ("HuggingFaceTokenizer",)
 MAP_KEY_SLOTS = ("prompt", "query", "response", "system")
 SECTION = "dataset"  # how messages name the file's one mapping
 _STRIPPED = ("input", "tokenizer_name_or_path", "output_prefix", "handler_name", "prompt_type")
+_READ = read("services/data/preprocess.py")
 
 
 @dataclass
 class DatasetConfig:
     """One dataset's preprocessing settings (MindSpeed-RL `configs/datasets/*.yaml`)."""
 
-    input: str = setting(help="data file (.json, .jsonl, .parquet) or a directory of them")
-    tokenizer_name_or_path: str = setting(help="Hugging Face model/tokenizer folder")
-    output_prefix: str = setting(help="outputs go to {output_prefix}_packed_{field}_document.bin/.idx")
-    handler_name: str = setting(help="R1AlpacaStyleInstructionHandler or Math17kAlpacaStyleInstructionHandler")
-    tokenizer_type: str = setting("HuggingFaceTokenizer", "only HuggingFaceTokenizer")
-    workers: int = setting(1, "tokenizer processes")
-    prompt_type: str = setting("empty", "template name in prompt_type_path")
-    log_interval: int = setting(100, "log progress every this many rows")
+    input: str = setting(help="data file (.json, .jsonl, .parquet) or a directory of them", status=_READ)
+    tokenizer_name_or_path: str = setting(help="Hugging Face model/tokenizer folder", status=_READ)
+    output_prefix: str = setting(help="outputs go to {output_prefix}_packed_{field}_document.bin/.idx",
+                                 status=_READ)
+    handler_name: str = setting(help="R1AlpacaStyleInstructionHandler or Math17kAlpacaStyleInstructionHandler",
+                                status=_READ)
+    tokenizer_type: str = setting("HuggingFaceTokenizer", "only HuggingFaceTokenizer", refused(
+        "only Hugging Face tokenizers are loaded (transformers.AutoTokenizer)"))
+    workers: int = setting(1, "tokenizer processes", _READ)
+    prompt_type: str = setting("empty", "template name in prompt_type_path", _READ)
+    log_interval: int = setting(100, "log progress every this many rows", _READ)
     map_keys: dict[str, str] | None = setting(
         None, "raw field feeding each slot (prompt, query, response, system); '' leaves a slot unused; "
-              "dotted paths reach nested fields (reward_model.ground_truth)")
+              "dotted paths reach nested fields (reward_model.ground_truth)", _READ)
     dataset_additional_keys: list[str] = setting(
         help="extra fields written beside input_ids/attention_mask; `labels` = the tokenised response",
-        factory=list)
+        status=_READ, factory=list)
     seq_length: int | None = setting(None, "drop rows with any written field of this many tokens or more; "
-                                           "None keeps all")
-    seed: int = setting(1234, "accepted for parity; preprocessing keeps input order, so nothing here is random")
+                                           "None keeps all", _READ)
+    seed: int = setting(1234, "upstream's preprocessing seed", inert(
+        "preprocessing keeps the input order and draws nothing at random"))
     prompt_type_path: str | None = setting(None, "templates.json to read prompt_type from; default "
-                                                 "configs/model/templates.json")
+                                                 "configs/model/templates.json", _READ)
 
     def __post_init__(self) -> None:
         problems = value_problems(vars(self))
@@ -66,9 +80,13 @@ class DatasetConfig:
 def value_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
     """(key, message) for every value the types allow but preprocessing cannot use."""
     problems = []
-    if values["tokenizer_type"] not in SUPPORTED_TOKENIZER_TYPES:
-        problems.append(("tokenizer_type", f"tokenizer_type {values['tokenizer_type']!r} is not supported; "
-                                           f"use one of {list(SUPPORTED_TOKENIZER_TYPES)}"))
+    for f in dataclasses.fields(DatasetConfig):
+        status = field_status(f)
+        if status is not None and status.kind == REFUSED:
+            allowed = status.allowed if status.allowed is not None else (field_default(f),)
+            if values[f.name] not in allowed:
+                problems.append((f.name, f"{f.name} {values[f.name]!r} is not supported ({status.reason}); "
+                                         f"use one of {list(allowed)}"))
     for name in ("workers", "log_interval"):
         if values[name] < 1:
             problems.append((name, f"{name} must be >= 1, got {values[name]}"))
@@ -93,13 +111,8 @@ def value_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 def _defaults() -> dict[str, Any]:
-    out = {}
-    for f in dataclasses.fields(DatasetConfig):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-    return out
+    return {f.name: field_default(f) for f in dataclasses.fields(DatasetConfig)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
 
 
 def _apply_overrides(raw: SourcedDict, overrides: Iterable[str], issues: list[ConfigIssue]) -> None:

@@ -86,3 +86,18 @@ def test_dashes_read_as_underscores_as_upstream(tmp_path):
 def test_missing_config_file(tmp_path):
     with pytest.raises(DataError, match="none.yaml: dataset config not found"):
         load_dataset_config(tmp_path / "none.yaml")
+
+
+def test_every_dataset_key_has_a_true_status(repo_root):
+    import ast
+    import dataclasses
+
+    from services.common.config.schema import INERT, READ, REFUSED, field_status
+    from services.data.dataset_config import DatasetConfig
+
+    for f in dataclasses.fields(DatasetConfig):
+        status = field_status(f)
+        assert status is not None and status.kind in (READ, REFUSED, INERT), f.name
+        for module in status.modules:  # a READ key is read where it says (an attribute access in the code)
+            tree = ast.parse((repo_root / module).read_text())
+            assert f.name in {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}, (f.name, module)
