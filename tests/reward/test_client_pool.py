@@ -124,8 +124,8 @@ def test_sigkill_before_the_first_answer_fails_over_within_seconds_once_per_samp
     def requests():
         yield from sleepy_requests(count, "kill", 1.0, 0.05)
         time.sleep(0.3)  # dispatched to both workers; the first answers take 1 s
-        victim.kill()
         killed_at.append(time.monotonic())
+        victim.kill()
 
     started = time.monotonic()
     answers = Counter()
