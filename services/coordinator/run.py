@@ -22,14 +22,11 @@ from typing import Any
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.common.client import make_channel
 from services.common.redis_store import Registry, RunJournal
-from services.coordinator.iteration import (
-    GrpoIteration,
-    IterationError,
-    Replica,
-    WeightSync,
-    settings_from_config,
-)
+from services.coordinator.errors import IterationError
+from services.coordinator.iteration import GrpoIteration
+from services.coordinator.settings import settings_from_config
 from services.coordinator.sinks import MetricsSink
+from services.coordinator.weight_sync import Replica, WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +134,7 @@ class RunDriver:
                 batch = loader.next_batch()
                 iteration += 1
                 self.journal.write(phase="rollout", current_iteration=iteration, batch_index=batch.batch_index)
-                result = loop.run(batch.prompts, batch.labels, iteration, version, batch.prompt_indices.tolist())
+                result = loop.run(batch, iteration, version)
                 version = result.weights_version
                 metrics = {**result.metrics, "iteration": float(iteration), "weights_version": float(version),
                            "data/batch_index": float(batch.batch_index), "data/epoch": float(batch.epoch)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.common.config import load_config
-from services.coordinator.iteration import settings_from_config
+from services.coordinator.settings import settings_from_config
 
 
 def test_reward_and_shaping_settings_from_a_mindspeed_yaml(repo_root: Path) -> None:

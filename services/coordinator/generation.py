@@ -1,0 +1,267 @@
+"""Generation of one prompt batch: groups out to the rollout replicas, finished samples on to scoring.
+
+`Generator.generate` sends each prompt group (token ids, never re-tokenised text) to a replica holding the
+expected weights version; as samples stream back, each is decoded (without special tokens) and sent on to the
+reward stream and, when a `LogProbStream` is given, to a trainer's log-prob stream in micro-batches, so that
+scoring and the reference pass overlap the rollout. It returns when every sample of the batch is in and
+scored. A sample that failed (for example a prompt longer than `max_model_len`) keeps its place in its group.
+
+`RequestStream` is the one helper behind both streams: a streaming RPC fed from a queue by this thread and
+drained on its own, timed as one phase from its first request to its last reply.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from rlfabric.v1 import common_pb2, reward_pb2, rollout_pb2, trainer_pb2
+from services.common.sequences import Sequences, split_response_values
+from services.common.tensors import to_numpy, to_proto
+from services.coordinator.errors import IterationError
+from services.coordinator.iteration_metrics import PhaseClock
+from services.coordinator.settings import IterationSettings
+from services.coordinator.weight_sync import Replica
+
+_DONE = object()
+
+
+@dataclass(frozen=True)
+class GroupPrompt:
+    """One prompt to sample a group for: its group id, token ids and ground-truth answer text."""
+
+    group_id: str
+    prompt: np.ndarray  # int32 token ids
+    answer: str
+
+
+@dataclass
+class Group:
+    """A generated group: its prompt and its n samples (by index), each with its scores."""
+
+    prompt: GroupPrompt
+    samples: list[common_pb2.Sample]
+    scores: list[reward_pb2.ScoreResponse]
+
+    @property
+    def group_id(self) -> str:
+        return self.prompt.group_id
+
+    def trainable(self) -> list[common_pb2.Sample]:
+        """The samples that train: a response of at least one token and no error."""
+        return [x for x in self.samples if x.response_length > 0 and not x.error]
+
+
+class RequestStream:
+    """A streaming RPC fed from a queue (`put`, then `close`) and drained on a background thread.
+
+    Args:
+        name: the phase it is timed as (`clock.record(name, first request, last reply)`).
+        call: requests iterator -> replies iterator (the RPC with its deadline bound).
+        sink: called with every reply, on the stream's thread.
+    """
+
+    def __init__(self, name: str, call: Callable[[Iterator[Any]], Iterator[Any]], sink: Callable[[Any], None],
+                 clock: PhaseClock) -> None:
+        self.name = name
+        self._call, self._sink, self._clock = call, sink, clock
+        self._requests: queue.Queue = queue.Queue()
+        self._error: Exception | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, request: Any) -> None:
+        self._requests.put(request)
+
+    def close(self) -> None:
+        """No more requests; idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._requests.put(_DONE)
+
+    def join(self) -> None:
+        """Waits for the last reply; raises the stream's error, if it had one."""
+        self.close()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        first: float | None = None
+
+        def requests() -> Iterator[Any]:
+            nonlocal first
+            while (item := self._requests.get()) is not _DONE:
+                if first is None:
+                    first = time.perf_counter()
+                yield item
+
+        try:
+            for reply in self._call(requests()):
+                self._sink(reply)
+        except grpc.RpcError as e:
+            self._error = IterationError(f"{self.name}: {e.code().name}: {e.details()}")
+        finally:
+            if first is not None:
+                self._clock.record(self.name, first, time.perf_counter())
+
+
+def sequences_of(samples: Sequence[common_pb2.Sample], prompts: Sequence[np.ndarray],
+                 weights_version: int) -> Sequences:
+    """Each sample's prompt followed by its response, as one flat batch."""
+    return Sequences.from_lists([x.sample_id for x in samples], prompts,
+                                [to_numpy(x.response_token_ids) for x in samples], weights_version)
+
+
+def collect_log_probs(reply: trainer_pb2.LogProbResponse, lengths: dict[str, int],
+                      out: dict[str, np.ndarray]) -> None:
+    """Splits a reply's flat log-probs per sample; the lengths are those of the request, by sample id."""
+    ids = list(reply.sample_ids)
+    parts = split_response_values(to_numpy(reply.log_probs), [lengths[x] for x in ids])
+    out.update(zip(ids, parts, strict=True))
+
+
+class LogProbStream:
+    """Sends samples to a trainer's `ComputeLogProbs` in micro-batches as they come; log-probs by sample id."""
+
+    def __init__(self, name: str, stub: Any, settings: IterationSettings, micro_batch_size: int,
+                 clock: PhaseClock) -> None:
+        self.log_probs: dict[str, np.ndarray] = {}
+        self._lengths: dict[str, int] = {}
+        self._pending: list[tuple[common_pb2.Sample, np.ndarray]] = []
+        self._micro = micro_batch_size
+        self._temperature = settings.temperature
+        self._stream = RequestStream(name, lambda it: stub.ComputeLogProbs(it, timeout=settings.deadline_s),
+                                     lambda r: collect_log_probs(r, self._lengths, self.log_probs), clock)
+
+    def add(self, sample: common_pb2.Sample, prompt: np.ndarray, weights_version: int) -> None:
+        self._lengths[sample.sample_id] = sample.response_length
+        self._pending.append((sample, prompt))
+        if len(self._pending) >= self._micro:
+            self.flush(weights_version)
+
+    def flush(self, weights_version: int) -> None:
+        if self._pending:
+            samples, prompts = zip(*self._pending, strict=True)
+            seqs = sequences_of(samples, prompts, weights_version)
+            self._stream.put(trainer_pb2.LogProbRequest(batch=seqs.to_proto(), temperature=self._temperature))
+            self._pending = []
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def join(self) -> dict[str, np.ndarray]:
+        self._stream.join()
+        return self.log_probs
+
+
+class Generator:
+    """Samples prompt groups on the replicas and scores every sample (see module docstring).
+
+    Args:
+        replicas: the rollout replicas; groups are dealt round-robin.
+        score: the reward stream (`Reward.Score` of a worker, or the coordinator's reward pool).
+        decode: token ids -> text without special tokens.
+    """
+
+    def __init__(self, replicas: Sequence[Replica],
+                 score: Callable[[Iterator[reward_pb2.ScoreRequest]], Iterator[reward_pb2.ScoreResponse]],
+                 decode: Callable[[Sequence[int]], str], settings: IterationSettings) -> None:
+        if not replicas:
+            raise ValueError("at least one rollout replica is needed")
+        self.replicas = list(replicas)
+        self.score = score
+        self.decode = decode
+        self.settings = settings
+        self._verifiers = [reward_pb2.VerifierSpec(name=name, weight=w) for name, w in settings.verifiers]
+
+    def generate(self, prompts: Sequence[GroupPrompt], weights_version: int, clock: PhaseClock,
+                 reference: LogProbStream | None = None) -> list[Group]:
+        """Every group of `prompts`, sampled at `weights_version` and scored, in prompt order."""
+        scores: dict[str, reward_pb2.ScoreResponse] = {}
+        samples_q: queue.Queue = queue.Queue()
+        reward = RequestStream("rule_reward", self.score, lambda r: scores.__setitem__(r.sample_id, r), clock)
+        threads = self._start_rollout(prompts, weights_version, clock, samples_q)
+        try:
+            samples = self._receive(prompts, samples_q, reward, reference, weights_version)
+        finally:
+            reward.close()
+        for t in threads:
+            t.join()
+        reward.join()
+        missing = [x for x in samples if x not in scores]
+        if missing:
+            raise IterationError(f"reward: no score for {len(missing)} samples (first: {missing[:3]})")
+        n = self.settings.n_samples_per_prompt
+        out = []
+        for p in prompts:
+            ids = [f"{p.group_id}/{i}" for i in range(n)]
+            out.append(Group(p, [samples[x] for x in ids], [scores[x] for x in ids]))
+        return out
+
+    def _start_rollout(self, prompts: Sequence[GroupPrompt], version: int, clock: PhaseClock,
+                       out: queue.Queue) -> list[threading.Thread]:
+        s = self.settings
+        sampling = common_pb2.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, has_temperature=True,
+                                             top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                                             seed=s.seed or 0, has_seed=s.seed is not None)
+        groups = [common_pb2.PromptGroup(group_id=p.group_id, prompt_token_ids=to_proto(np.asarray(p.prompt, np.int32)),
+                                         n=s.n_samples_per_prompt) for p in prompts]
+        threads = []
+        for r, replica in enumerate(self.replicas):
+            requests = [rollout_pb2.GenerateRequest(group=g, expected_weights_version=version, sampling=sampling)
+                        for g in groups[r::len(self.replicas)]]
+            if requests:
+                threads.append(threading.Thread(target=self._rollout_on, args=(replica, requests, clock, out),
+                                                name=f"rollout-{r}", daemon=True))
+        for t in threads:
+            t.start()
+        return threads
+
+    def _rollout_on(self, replica: Replica, requests: list[rollout_pb2.GenerateRequest], clock: PhaseClock,
+                    out: queue.Queue) -> None:
+        start = time.perf_counter()
+        try:
+            for reply in replica.stub.Generate(iter(requests), timeout=self.settings.deadline_s):
+                out.put(reply.sample)
+        except grpc.RpcError as e:
+            out.put(IterationError(f"rollout {replica.address}: {e.code().name}: {e.details()}"))
+        finally:
+            clock.record("rollout", start, time.perf_counter())
+
+    def _receive(self, prompts: Sequence[GroupPrompt], samples_q: queue.Queue, reward: RequestStream,
+                 reference: LogProbStream | None, version: int) -> dict[str, common_pb2.Sample]:
+        """Takes every sample off the rollout queue, forwarding each to scoring (and to the reference)."""
+        by_group = {p.group_id: p for p in prompts}
+        samples: dict[str, common_pb2.Sample] = {}
+        expected = len(prompts) * self.settings.n_samples_per_prompt
+        deadline_s = self.settings.deadline_s
+        while len(samples) < expected:
+            try:
+                item = samples_q.get(timeout=deadline_s)
+            except queue.Empty:
+                raise IterationError(f"rollout: {expected - len(samples)} of {expected} samples missing after "
+                                     f"{deadline_s:.0f}s") from None
+            if isinstance(item, Exception):
+                raise item
+            if item.sample_id in samples:
+                continue  # a retried group re-sent a sample we already hold
+            samples[item.sample_id] = item
+            prompt = by_group[item.group_id]
+            response = to_numpy(item.response_token_ids) if item.response_length else np.zeros(0, np.int32)
+            reward.put(reward_pb2.ScoreRequest(
+                sample_id=item.sample_id, response=self.decode(response.tolist()), ground_truth=prompt.answer,
+                verifiers=self._verifiers))
+            if reference is not None and item.response_length and not item.error:
+                reference.add(item, prompt.prompt, version)
+        if reference is not None:
+            reference.flush(version)
+        return samples

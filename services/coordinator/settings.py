@@ -1,0 +1,83 @@
+"""What one GRPO iteration takes from the configuration: `IterationSettings` and `settings_from_config`.
+
+Every value comes from the loaded `RLFabricConfig` (services/common/config): the config's fields are the one
+home of each default, so IterationSettings has none of its own (except `update_chunk_size`, an rlfabric
+wire detail with no YAML key). Rules such as "is there a KL term" or "can old log-probs be skipped" are read
+from `cfg.derived`, never re-derived here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class IterationSettings:
+    """What one iteration needs from the config (built by `settings_from_config`)."""
+
+    # Sampling (generate_config.sampling_config).
+    n_samples_per_prompt: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    # The run's sampling seed (sampling_config.seed, or one drawn for the run and journaled; see RunDriver).
+    seed: int | None
+    # Rewards: (verifier_function, verifier_weight) pairs, and DAPO overlong shaping.
+    verifiers: tuple[tuple[str, float], ...]
+    overlong_buffer_enable: bool
+    overlong_buffer: int
+    overlong_buffer_penalty_factor: float
+    rollout_max_tokens: int
+    # Loss inputs.
+    use_reference: bool  # cfg.derived.use_kl_loss: a KL term, hence reference log-probs
+    skip_old_log_probs: bool  # cfg.derived.skip_old_log_probs
+    kl_ctrl_type: str
+    init_kl_coef: float
+    kl_target: float | None
+    kl_horizon: float | None
+    # Forward passes, in rows per request.
+    ref_forward_micro_batch_size: int
+    actor_forward_micro_batch_size: int
+    # Metrics.
+    global_batch_size: int
+    world_size: int
+    log_max_throughput: bool
+    # rlfabric.rpc_deadline_s: the deadline of every call to another service.
+    deadline_s: float
+    # Rows per UpdateRequest message (one Update call carries the whole batch in chunks of this size).
+    update_chunk_size: int = 64
+
+
+def settings_from_config(cfg: Any) -> IterationSettings:
+    """IterationSettings from a loaded `RLFabricConfig` (see services/common/config)."""
+    rl, sampling, derived = cfg.rl_config, cfg.generate_config.sampling_config, cfg.derived
+    return IterationSettings(
+        n_samples_per_prompt=rl.n_samples_per_prompt,
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        seed=sampling.seed,
+        verifiers=tuple(zip(rl.verifier_function, (float(w) for w in rl.verifier_weight), strict=True)),
+        overlong_buffer_enable=rl.overlong_buffer_enable,
+        overlong_buffer=rl.overlong_buffer,
+        overlong_buffer_penalty_factor=rl.overlong_buffer_penalty_factor,
+        rollout_max_tokens=rl.rollout_max_tokens,
+        use_reference=derived.use_kl_loss,
+        skip_old_log_probs=derived.skip_old_log_probs,
+        kl_ctrl_type=rl.kl_ctrl_type,
+        init_kl_coef=rl.init_kl_coef,
+        kl_target=rl.kl_target,
+        kl_horizon=rl.kl_horizon,
+        ref_forward_micro_batch_size=derived.ref_forward_micro_batch_size or 1,
+        actor_forward_micro_batch_size=derived.actor_forward_micro_batch_size or 1,
+        global_batch_size=int(cfg.actor_config.global_batch_size),
+        # TODO(lead): cfg.derived.world_size (every device of the run) once the config branch lands.
+        world_size=derived.actor_world_size or 1,
+        log_max_throughput=rl.log_max_throughput,
+        deadline_s=cfg.rlfabric.rpc_deadline_s,
+    )
