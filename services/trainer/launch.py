@@ -197,7 +197,11 @@ def _worker_options(args: argparse.Namespace):
         mt = cfg.actor_config if args.role == "actor" else cfg.ref_config
         tp, pp = mt.tensor_model_parallel_size, mt.pipeline_model_parallel_size
     else:
-        opts = WorkerOptions(role=args.role, hf_dir=args.hf_dir, finetune=True)
+        from services.trainer.update import UpdateOptions
+
+        # Without a config, --kl-coef plays init_kl_coef: a KL term (and required ref_log_probs) iff it is non-zero.
+        opts = WorkerOptions(role=args.role, hf_dir=args.hf_dir, finetune=True,
+                             update=UpdateOptions(use_kl=bool(args.kl_coef)))
         tp, pp = 1, 1
     changes = {}
     if args.load:

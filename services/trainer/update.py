@@ -220,6 +220,10 @@ def grpo_update(
     """One iteration's update; returns the averaged metrics (identical on every rank)."""
     from megatron.core import parallel_state as ps
 
+    if opts.use_kl and exp.ref_log_probs is None:
+        # A KL run (init_kl_coef != 0) that trained without its KL term would diverge silently from the config.
+        raise ValueError("ref_log_probs is required: this trainer's loss has a KL term (rl_config.init_kl_coef != 0), "
+                         "so every UpdateRequest must carry the reference model's log-probs")
     pp = ps.get_pipeline_model_parallel_world_size()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mb_metrics: list[dict[str, float]] = []
@@ -251,7 +255,7 @@ def grpo_update(
             clip_ratio_high=opts.clip_ratio_high,
             kl_penalty=opts.kl_penalty,
             kl_coef=kl_coef,
-            use_kl=opts.use_kl and ref is not None,
+            use_kl=opts.use_kl,
             entropy_coeff=opts.entropy_coeff,
             entropy=ent,
             token_level_loss=opts.token_level_loss,

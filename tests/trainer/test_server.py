@@ -167,6 +167,18 @@ def test_update_checkpoint_offload(group):
     assert off.duration_s >= 0 and on.duration_s >= 0
 
 
+def test_update_of_a_kl_trainer_without_reference_log_probs_is_refused(group):
+    """A trainer whose loss has a KL term never trains without it: the call fails naming the missing field."""
+    stub = group["stub"]
+    before = stub.Info(trainer_pb2.TrainerInfoRequest(), timeout=30)
+    seqs = _batch(4, version=before.weights_version, seed=6)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Update(iter([_update_request(seqs, 100)]), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ref_log_probs" in e.value.details()
+    after = stub.Info(trainer_pb2.TrainerInfoRequest(), timeout=30)
+    assert (after.weights_version, after.iteration) == (before.weights_version, before.iteration)  # nothing applied
+
+
 def _cut(seqs: Sequences, a: int, b: int):
     lens = seqs.prompt_lengths.astype(np.int64) + seqs.response_lengths
     off = np.concatenate([[0], np.cumsum(lens)])
