@@ -257,6 +257,7 @@ class RunJournal:
     def __post_init__(self) -> None:
         self._state_key = f"{self.prefix}:run:{self.run_id}:state"
         self._iter_key = f"{self.prefix}:run:{self.run_id}:iterations"
+        self._detail_key = f"{self.prefix}:run:{self.run_id}:details"
 
     def write(self, **fields: Any) -> None:
         """Sets state fields (values JSON-encoded), atomically."""
@@ -269,15 +270,23 @@ class RunJournal:
     def exists(self) -> bool:
         return bool(self.client.exists(self._state_key))
 
-    def record_iteration(self, iteration: int, metrics: dict[str, float], **state: Any) -> None:
-        """Journals a finished iteration and the state after it in one transaction."""
+    def record_iteration(self, iteration: int, metrics: dict[str, float], *, detail: dict[str, Any] | None = None,
+                         **state: Any) -> None:
+        """Journals a finished iteration (its metrics, and `detail`: what it consumed and trained) and the state
+        after it, in one transaction."""
         pipe = self.client.pipeline(transaction=True)
         pipe.hset(self._iter_key, str(iteration), json.dumps(metrics))
+        if detail is not None:
+            pipe.hset(self._detail_key, str(iteration), json.dumps(detail))
         pipe.hset(self._state_key, mapping={k: json.dumps(v) for k, v in {"iteration": iteration, **state}.items()})
         pipe.execute()
 
     def iterations(self) -> dict[int, dict[str, float]]:
         return {int(k): json.loads(v) for k, v in self.client.hgetall(self._iter_key).items()}
 
+    def details(self) -> dict[int, dict[str, Any]]:
+        """Iteration -> the `detail` it was recorded with."""
+        return {int(k): json.loads(v) for k, v in self.client.hgetall(self._detail_key).items()}
+
     def delete(self) -> None:
-        self.client.delete(self._state_key, self._iter_key)
+        self.client.delete(self._state_key, self._iter_key, self._detail_key)

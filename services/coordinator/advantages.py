@@ -8,7 +8,10 @@ Pure numpy functions the coordinator runs between the reward service and the tra
   in float64. The trainer broadcasts each sample's A over its response tokens.
 - `apply_overlong_penalty` (`overlong_buffer_enable`, DAPO https://arxiv.org/abs/2503.14476):
   a linear penalty for responses that run into the last `overlong_buffer` tokens of
-  `rollout_max_tokens`, added to the reward before normalisation.
+  `rollout_max_tokens`, added to the reward before normalisation. This is rlfabric's one home of
+  overlong shaping: the coordinator applies it to every sample's final reward (the verifiers' weighted
+  sum); the per-verifier scores, and so `filter_groups_metric` and `{name}_rewards/mean`, stay unshaped,
+  as in MindSpeed-RL's `compute_verifier_score`.
 - `FixedKLController` / `AdaptiveKLController` (`kl_ctrl_type`, `init_kl_coef`, `kl_target`,
   `kl_horizon`): the weight of the KL term in the loss; the adaptive rule is the proportional
   controller of Ziegler et al., https://arxiv.org/abs/1909.08593 (section 2.2).
@@ -80,15 +83,18 @@ def compute_overlong_penalty(
     overlong_buffer: int,
     penalty_factor: float,
 ) -> np.ndarray:
-    """DAPO soft overlong punishment, one value (<= 0) per sample.
+    """DAPO soft overlong punishment, one value (<= 0) per sample, as MindSpeed-RL computes it.
 
-    expected = rollout_max_tokens - overlong_buffer; exceed = length - expected;
+    expected = rollout_max_tokens - overlong_buffer; exceed = min(length - expected, overlong_buffer);
     penalty = min(-exceed / overlong_buffer * penalty_factor, 0). Responses up to `expected`
-    tokens get 0; the penalty falls linearly to -penalty_factor at `rollout_max_tokens`.
+    tokens get 0; the penalty falls linearly to -penalty_factor at `rollout_max_tokens` and stays
+    there (the cap on `exceed`) for anything longer.
 
     Args:
-        response_lengths: `[num_samples]` response lengths in tokens.
-        rollout_max_tokens: `rl_config.rollout_max_tokens` (the generation limit).
+        response_lengths: `[num_samples]` response lengths in tokens, as generated (the sample's
+            `response_length`, the end-of-sequence token included when the engine produced one).
+        rollout_max_tokens: `rl_config.rollout_max_tokens` (the config requires it to equal
+            `sampling_config.max_tokens`, the generation limit).
         overlong_buffer: `rl_config.overlong_buffer`, in tokens; 0 < buffer < rollout_max_tokens.
         penalty_factor: `rl_config.overlong_buffer_penalty_factor`.
     """
@@ -99,7 +105,7 @@ def compute_overlong_penalty(
         )
     lengths = _as_float64(response_lengths, "response_lengths")
     expected = rollout_max_tokens - overlong_buffer
-    exceed = lengths - expected
+    exceed = np.minimum(lengths - expected, overlong_buffer)
     return np.minimum(-exceed / overlong_buffer * penalty_factor, 0.0)
 
 

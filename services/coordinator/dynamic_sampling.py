@@ -3,18 +3,25 @@
 DAPO (https://arxiv.org/abs/2503.14476, section 3.2) observes that a group whose samples all get
 the same score (all right or all wrong) has zero advantage everywhere and only dilutes the
 gradient. With `rl_config.filter_groups_enable`, the coordinator generates batches of
-`global_batch_size` prompts, keeps the groups whose `filter_groups_metric` has a spread
-(std > 0), and keeps generating until `filter_groups_train_batch_size` prompts are kept; after
-`filter_groups_max_batches` generation batches without reaching it, it gives up with
-`DynamicSamplingExhausted` (0 or less means no limit, as in MindSpeed-RL).
+`global_batch_size` prompts, keeps the groups whose `filter_groups_metric` (the per-sample scores of
+that verifier, before weighting and shaping) has a spread (std > 0), and keeps generating until
+`filter_groups_train_batch_size` prompts are kept. As in MindSpeed-RL (`RayDAPOTrainer.dynamic_sampling`),
+after `filter_groups_max_batches` generation batches without reaching it the run fails
+(`DynamicSamplingExhausted`); 0 or less means no limit.
 
 Choices:
 - "std > 0" is tested as max != min, which is what it means mathematically; a computed std of
-  equal floats can be a rounding residue above 0 (std of [0.1, 0.1, 0.1] is 1.4e-17).
+  equal floats can be a rounding residue above 0 (std of [0.1, 0.1, 0.1] is 1.4e-17), which would
+  keep a group whose advantages are all 0. With 0/1 or +-1 verifier scores both tests agree.
 - A group of one sample is kept (it cannot have spread, and dropping it would never fill a
-  batch), as verl's DAPO recipe does.
+  batch), as MindSpeed-RL does.
 - Kept groups beyond the target are dropped, first-come first-kept, so the trained batch has
-  exactly `filter_groups_train_batch_size` prompts.
+  exactly `filter_groups_train_batch_size` prompts (MindSpeed-RL truncates the kept samples to the
+  free slots of its training batch the same way).
+- No limit (`filter_groups_max_batches <= 0`) is bounded by the data: when `data_batches` (one pass
+  over the prompt set, the loader's batches per epoch) have been generated in one iteration without
+  filling the batch, it stops with `DynamicSamplingExhausted` naming the data, where MindSpeed-RL
+  would start the data over and over for ever.
 
 Pure bookkeeping: groups are opaque objects (the coordinator's sample records); nothing here
 talks to a service.
@@ -112,6 +119,7 @@ class GroupAccumulator(Generic[T]):
     train_batch_size: int
     n_samples_per_prompt: int
     max_batches: int = 0
+    data_batches: int = 0  # generation batches in one pass over the data; 0 = unknown
     num_gen_batches: int = field(default=0, init=False)
     num_groups_seen: int = field(default=0, init=False)
     _kept: list[T] = field(default_factory=list, init=False, repr=False)
@@ -153,17 +161,23 @@ class GroupAccumulator(Generic[T]):
         self.num_groups_seen += len(groups)
         kept = [group for group, k in zip(groups, keep, strict=True) if k]
         self._kept.extend(kept)
-        if not self.ready and 0 < self.max_batches <= self.num_gen_batches:
-            raise DynamicSamplingExhausted(
-                f"dynamic sampling kept {len(self._kept)} of the {self.train_batch_size} prompts "
-                f"needed (rl_config.filter_groups_train_batch_size) after {self.num_gen_batches} "
-                f"generation batches (rl_config.filter_groups_max_batches={self.max_batches}); "
-                f"{self.num_groups_seen - len(self._kept)} of {self.num_groups_seen} groups had no spread in "
-                "filter_groups_metric. Check that the rewards vary within a group (a too easy or too hard "
-                "dataset, a broken verifier), raise filter_groups_max_batches (0 = no limit), or lower "
-                "filter_groups_train_batch_size."
-            )
-        return len(kept)
+        if self.ready:
+            return len(kept)
+        if 0 < self.max_batches <= self.num_gen_batches:
+            limit = f"generation batches (rl_config.filter_groups_max_batches={self.max_batches})"
+        elif self.max_batches <= 0 and 0 < self.data_batches <= self.num_gen_batches:
+            limit = (f"generation batches, every prompt of the data set once (filter_groups_max_batches="
+                     f"{self.max_batches}, no limit, stops when the data runs out)")
+        else:
+            return len(kept)
+        raise DynamicSamplingExhausted(
+            f"dynamic sampling kept {len(self._kept)} of the {self.train_batch_size} prompts "
+            f"needed (rl_config.filter_groups_train_batch_size) after {self.num_gen_batches} {limit}; "
+            f"{self.num_groups_seen - len(self._kept)} of {self.num_groups_seen} groups had no spread in "
+            "filter_groups_metric. Check that the rewards vary within a group (a too easy or too hard "
+            "dataset, a broken verifier), raise filter_groups_max_batches (-1 = no limit), or lower "
+            "filter_groups_train_batch_size."
+        )
 
     def take(self) -> SampledBatch[T]:
         """The first `train_batch_size` kept groups and this iteration's counts; resets for the next."""

@@ -2,7 +2,10 @@
 
 `GrpoIteration.run` reads as its phases (see docs/architecture.md, "One GRPO iteration"):
 1. generate + stream: prompt groups go to the rollout replicas holding `weights_version`; as samples stream
-   back they are scored and, in micro-batches, sent to the reference trainer (`generation.py`);
+   back they are scored and, in micro-batches, sent to the reference trainer (`generation.py`). With DAPO
+   dynamic sampling (`filter_groups_enable`) further prompt batches are generated until
+   `filter_groups_train_batch_size` groups with a spread in `filter_groups_metric` are kept
+   (`dynamic_sampling.py`); only those train;
 2. score: final rewards (verifier sum, DAPO overlong shaping);
 3. reference: the reference log-probs streamed during the rollout;
 4. old log-probs: the actor's, skipped when fully on-policy;
@@ -17,6 +20,7 @@ keeps its place in its group for the normalisation, and contributes no tokens to
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +38,7 @@ from services.coordinator.advantages import (
     compute_group_advantages,
     make_kl_controller,
 )
+from services.coordinator.dynamic_sampling import DynamicSamplingExhausted, GroupAccumulator, select_metric
 from services.coordinator.errors import IterationError
 from services.coordinator.generation import (
     Generator,
@@ -52,8 +57,22 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class IterationResult:
+    """What an iteration did: its metrics, the version the replicas serve next, what it consumed and trained."""
+
     metrics: dict[str, float]
     weights_version: int
+    batches: list[Any]  # the loader's PromptBatch objects this iteration consumed, in order
+    trained_groups: list[str]  # group ids, in training order
+
+
+@dataclass
+class _Generated:
+    """The generation phase's outcome: every group generated, and the ones that train."""
+
+    generated: list[Group]
+    trained: list[Group]
+    batches: list[Any]
+    num_groups_kept: int  # groups with a spread in filter_groups_metric, before the cut to the target
 
 
 @dataclass
@@ -97,31 +116,68 @@ class GrpoIteration:
         self.kl_controller = make_kl_controller(settings.kl_ctrl_type, settings.init_kl_coef, settings.kl_target,
                                                 settings.kl_horizon)
 
-    def run(self, batch: Any, iteration: int, weights_version: int) -> IterationResult:
-        """Runs iteration `iteration` on the loader's `batch` with the replicas at `weights_version`."""
+    def run(self, next_batch: Callable[[], Any], iteration: int, weights_version: int,
+            data_batches: int = 0) -> IterationResult:
+        """Runs iteration `iteration` with the replicas at `weights_version`.
+
+        Args:
+            next_batch: takes the loader's next `PromptBatch` (advancing its cursor); called once per
+                generation batch, so more than once with DAPO dynamic sampling.
+            data_batches: generation batches in one pass over the data (bounds an unlimited
+                `filter_groups_max_batches`).
+        """
         clock = PhaseClock()
         t0 = time.perf_counter()
-        prompts = self._group_prompts(batch, iteration)
         ref_stream = self._reference_stream(clock)
         try:
-            groups = self.generator.generate(prompts, weights_version, clock, ref_stream)
+            gen = self._generate(next_batch, iteration, weights_version, data_batches, clock, ref_stream)
         finally:
             if ref_stream is not None:
                 ref_stream.close()
-        trained = self._score(groups, weights_version)
+        trained = self._score(gen.trained, weights_version)
         ref_lp = ref_stream.join() if ref_stream is not None else {}
         old_lp = self._old_log_probs(trained.seqs, clock)
         adv_of = self._advantages(trained, clock)
         actor_metrics = self._update(trained.seqs, adv_of, old_lp, ref_lp, iteration, clock)
         new_version = self._sync(weights_version + 1, clock)
         timings = timing_metrics(clock, t0, time.perf_counter())
-        return IterationResult({**timings, **actor_metrics, **self._metrics(trained, timings)}, new_version)
+        metrics = {**timings, **actor_metrics, **self._metrics(gen, trained, timings)}
+        trained_ids = [g.group_id for g in gen.trained]
+        logger.info("iteration %d trained %d groups (%d kept of %d generated in %d batches): %s", iteration,
+                    len(trained_ids), gen.num_groups_kept, len(gen.generated), len(gen.batches),
+                    json.dumps(trained_ids))
+        return IterationResult(metrics, new_version, gen.batches, trained_ids)
 
     # -- phases, in order ---------------------------------------------------------------------------------
 
+    def _generate(self, next_batch: Callable[[], Any], iteration: int, version: int, data_batches: int,
+                  clock: PhaseClock, ref_stream: LogProbStream | None) -> _Generated:
+        """One prompt batch; with DAPO dynamic sampling, batches until enough groups have a spread."""
+        s = self.settings
+        if not s.filter_groups_enable:
+            batch = next_batch()
+            groups = self.generator.generate(self._group_prompts(batch, iteration), version, clock, ref_stream)
+            return _Generated(groups, groups, [batch], len(groups))
+        acc: GroupAccumulator[Group] = GroupAccumulator(
+            s.filter_groups_train_batch_size, s.n_samples_per_prompt, s.filter_groups_max_batches, data_batches)
+        generated: list[Group] = []
+        batches: list[Any] = []
+        while not acc.ready:
+            batch = next_batch()
+            batches.append(batch)
+            groups = self.generator.generate(self._group_prompts(batch, iteration), version, clock, ref_stream)
+            generated.extend(groups)
+            try:
+                acc.add(groups, select_metric(self._verifier_scores(groups), s.filter_groups_metric))
+            except DynamicSamplingExhausted as e:
+                raise IterationError(str(e)) from e
+        taken = acc.take()
+        return _Generated(generated, taken.groups, batches, taken.num_groups_kept)
+
     def _group_prompts(self, batch: Any, iteration: int) -> list[GroupPrompt]:
+        # The batch index makes a group id unique in the run even when a prompt comes back in another batch.
         labels = batch.labels if batch.labels is not None else [None] * len(batch.prompts)
-        return [GroupPrompt(f"it{iteration}/p{int(pid)}", np.asarray(p, np.int32),
+        return [GroupPrompt(f"it{iteration}/b{batch.batch_index}/p{int(pid)}", np.asarray(p, np.int32),
                             self.decode(lab.tolist()) if lab is not None else "")
                 for pid, p, lab in zip(batch.prompt_indices, batch.prompts, labels, strict=True)]
 
@@ -186,19 +242,30 @@ class GrpoIteration:
         clock.record("resharding_to_infer", start, time.perf_counter())
         return new_version
 
-    def _metrics(self, trained: _Batch, timings: dict[str, float]) -> dict[str, float]:
+    def _metrics(self, gen: _Generated, trained: _Batch, timings: dict[str, float]) -> dict[str, float]:
+        """As MindSpeed-RL's DAPO trainer: scores and lengths over the trained samples, the verifiers' means
+        and the generation throughputs over everything generated."""
         s = self.settings
         samples = trained.samples
-        verifier_scores = {name: [0.0 if x.error else r.scores[i].score for g in trained.groups
-                                  for x, r in zip(g.samples, g.scores, strict=True)]
-                           for i, (name, _w) in enumerate(s.verifiers)}
         metrics = batch_metrics(
-            rewards=trained.rewards, verifier_scores=verifier_scores,
+            rewards=trained.rewards, verifier_scores=self._verifier_scores(gen.generated),
             prompt_lengths=[x.prompt_length for x in samples], response_lengths=[x.response_length for x in samples],
-            global_batch_size=len(trained.groups), n_samples_per_prompt=s.n_samples_per_prompt,
-            world_size=s.world_size, timings=timings, log_max_throughput=s.log_max_throughput)
-        metrics["failed_samples"] = float(sum(1 for x in samples if x.error))
+            global_batch_size=len(trained.groups), generated_prompts=len(gen.generated),
+            n_samples_per_prompt=s.n_samples_per_prompt, world_size=s.world_size, timings=timings,
+            log_max_throughput=s.log_max_throughput)
+        metrics["failed_samples"] = float(sum(1 for g in gen.generated for x in g.samples if x.error))
+        if s.filter_groups_enable:
+            metrics.update({"train/num_gen_batches": float(len(gen.batches)),
+                            "dapo/num_groups_generated": float(len(gen.generated)),
+                            "dapo/num_groups_kept": float(gen.num_groups_kept),
+                            "dapo/num_groups_trained": float(len(gen.trained))})
         return metrics
+
+    def _verifier_scores(self, groups: list[Group]) -> dict[str, list[float]]:
+        """Each verifier's unweighted score per sample, in group order (0 for a failed sample)."""
+        return {name: [0.0 if x.error else r.scores[i].score for g in groups
+                       for x, r in zip(g.samples, g.scores, strict=True)]
+                for i, (name, _w) in enumerate(self.settings.verifiers)}
 
     # -- helpers ------------------------------------------------------------------------------------------
 

@@ -89,8 +89,15 @@ def batch_metrics(
     world_size: int,
     timings: Mapping[str, float],
     log_max_throughput: bool = False,
+    generated_prompts: int | None = None,
 ) -> dict[str, float]:
-    """Reward, length, size and throughput metrics of one iteration (names as in the seed)."""
+    """Reward, length, size and throughput metrics of one iteration (names as in the seed).
+
+    `global_batch_size` is the number of prompts trained on, `generated_prompts` (default: the same) the
+    number generated; they differ under DAPO dynamic sampling, where MindSpeed-RL counts the generated
+    prompts in `e2e_tps` and `vllm_tps` and the trained ones in `update_tps`, all with the trained
+    samples' mean lengths. `verifier_scores` are taken over whatever the caller passes (every generated
+    sample, as MindSpeed-RL accumulates them)."""
     out: dict[str, float] = {}
     out.update(_stats("grpo/score", rewards))
     out.update(_stats("grpo/rewards", rewards))
@@ -102,8 +109,12 @@ def batch_metrics(
     out["n_samples_per_prompt"] = float(n_samples_per_prompt)
     out["world_size"] = float(world_size)
     key = "max" if log_max_throughput else "mean"
-    tokens = (out[f"response_length/{key}"] + out[f"prompt_length/{key}"]) * global_batch_size * n_samples_per_prompt
-    for metric, phase in (("e2e_tps", "timing/all"), ("update_tps", "timing/update"), ("vllm_tps", "timing/rollout")):
+    per_sample = out[f"response_length/{key}"] + out[f"prompt_length/{key}"]
+    generated = global_batch_size if generated_prompts is None else generated_prompts
+    for metric, phase, prompts in (("e2e_tps", "timing/all", generated), ("update_tps", "timing/update",
+                                                                          global_batch_size),
+                                   ("vllm_tps", "timing/rollout", generated)):
         seconds = timings.get(phase, 0.0)
+        tokens = per_sample * prompts * n_samples_per_prompt
         out[metric] = tokens / world_size / seconds if seconds > 0 else 0.0
     return out

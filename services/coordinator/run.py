@@ -131,14 +131,15 @@ class RunDriver:
             self.journal.write(phase="running", iteration=iteration, weights_version=version, consumed_batches=consumed,
                                train_iters=train_iters, rollout=endpoints.rollout, sampling_seed=seed, error="")
             while iteration < train_iters and not self.stop_event.is_set():
-                batch = loader.next_batch()
                 iteration += 1
-                self.journal.write(phase="rollout", current_iteration=iteration, batch_index=batch.batch_index)
-                result = loop.run(batch, iteration, version)
+                result = loop.run(self._journaled(loader, iteration), iteration, version, loader.batches_per_epoch)
                 version = result.weights_version
+                first = result.batches[0]
                 metrics = {**result.metrics, "iteration": float(iteration), "weights_version": float(version),
-                           "data/batch_index": float(batch.batch_index), "data/epoch": float(batch.epoch)}
-                self.journal.record_iteration(iteration, metrics, weights_version=version,
+                           "data/batch_index": float(first.batch_index), "data/epoch": float(first.epoch),
+                           "data/consumed_batches": float(loader.consumed_batches)}
+                detail = {"batches": [b.batch_index for b in result.batches], "trained_groups": result.trained_groups}
+                self.journal.record_iteration(iteration, metrics, detail=detail, weights_version=version,
                                               consumed_batches=loader.consumed_batches, phase="iteration_done")
                 self.sink.write(iteration, metrics)
                 if mt.save and ((mt.save_interval and iteration % mt.save_interval == 0) or iteration == train_iters):
@@ -147,6 +148,16 @@ class RunDriver:
         finally:
             for c in channels:
                 c.close()
+
+    def _journaled(self, loader: Any, iteration: int) -> Callable[[], Any]:
+        """The loader's next batch, each one journaled as it is taken (DAPO may take several per iteration)."""
+
+        def next_batch() -> Any:
+            batch = loader.next_batch()
+            self.journal.write(phase="rollout", current_iteration=iteration, batch_index=batch.batch_index)
+            return batch
+
+        return next_batch
 
     def _sampling_seed(self, previous: dict[str, Any]) -> int:
         """The run's sampling seed: the config's, else the one journaled by an earlier start, else fresh entropy.

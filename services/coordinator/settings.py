@@ -31,6 +31,11 @@ class IterationSettings:
     overlong_buffer: int
     overlong_buffer_penalty_factor: float
     rollout_max_tokens: int
+    # DAPO dynamic sampling (rl_config.filter_groups_*).
+    filter_groups_enable: bool
+    filter_groups_metric: str
+    filter_groups_max_batches: int
+    filter_groups_train_batch_size: int
     # Loss inputs.
     use_reference: bool  # cfg.derived.use_kl_loss: a KL term, hence reference log-probs
     skip_old_log_probs: bool  # cfg.derived.skip_old_log_probs
@@ -67,6 +72,10 @@ def settings_from_config(cfg: Any) -> IterationSettings:
         overlong_buffer=rl.overlong_buffer,
         overlong_buffer_penalty_factor=rl.overlong_buffer_penalty_factor,
         rollout_max_tokens=rl.rollout_max_tokens,
+        filter_groups_enable=rl.filter_groups_enable,
+        filter_groups_metric=rl.filter_groups_metric,
+        filter_groups_max_batches=rl.filter_groups_max_batches,
+        filter_groups_train_batch_size=rl.filter_groups_train_batch_size,
         use_reference=derived.use_kl_loss,
         skip_old_log_probs=derived.skip_old_log_probs,
         kl_ctrl_type=rl.kl_ctrl_type,

@@ -100,9 +100,9 @@ def test_advantage_properties(n, groups, data):
 def test_overlong_penalty_values():
     # rollout_max_tokens 20, buffer 4, factor 1: expected = 16
     #   len 10 -> exceed -6 -> min(1.5, 0) = 0;  len 16 -> 0;  len 17 -> -1/4 = -0.25
-    #   len 18 -> -0.5;  len 20 -> -1.0
-    penalty = compute_overlong_penalty([10, 16, 17, 18, 20], 20, 4, 1.0)
-    assert penalty.tolist() == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0])
+    #   len 18 -> -0.5;  len 20 -> -1.0;  len 24 -> exceed min(8, 4) = 4 -> -1.0 (capped, as MindSpeed-RL)
+    penalty = compute_overlong_penalty([10, 16, 17, 18, 20, 24], 20, 4, 1.0)
+    assert penalty.tolist() == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
     # factor 0.5 halves it
     assert compute_overlong_penalty([18], 20, 4, 0.5).tolist() == pytest.approx([-0.25])
     # added to the reward: 1 + (-0.5) = 0.5; 0 + 0 = 0

@@ -61,6 +61,28 @@ def test_max_batches_zero_means_no_limit():
     assert acc.take().num_gen_batches == 51
 
 
+def test_no_limit_stops_when_the_data_runs_out():
+    # max_batches -1 (no limit) over data of 3 batches: 3 batches without a full batch is one pass over every
+    # prompt; a fourth would only sample the same prompts again, so it stops there, naming the data.
+    acc: GroupAccumulator[int] = GroupAccumulator(train_batch_size=2, n_samples_per_prompt=2, max_batches=-1,
+                                                  data_batches=3)
+    acc.add([0], [1, 1])
+    acc.add([1], [0, 1])
+    with pytest.raises(DynamicSamplingExhausted, match="every prompt of the data set once") as info:
+        acc.add([2], [0, 0])
+    assert "kept 1 of the 2 prompts" in str(info.value) and "after 3 generation batches" in str(info.value)
+
+
+def test_an_explicit_limit_is_not_bounded_by_the_data():
+    # filter_groups_max_batches 4 over data of 2 batches: the config asked for 4 batches (re-sampling prompts).
+    acc: GroupAccumulator[int] = GroupAccumulator(train_batch_size=1, n_samples_per_prompt=2, max_batches=4,
+                                                  data_batches=2)
+    for _ in range(3):
+        acc.add([0], [1, 1])
+    acc.add([1], [0, 1])
+    assert acc.take().num_gen_batches == 4
+
+
 def test_filling_on_the_last_allowed_batch_is_fine():
     acc: GroupAccumulator[int] = GroupAccumulator(train_batch_size=1, n_samples_per_prompt=2, max_batches=2)
     acc.add([0], [1, 1])

@@ -71,3 +71,15 @@ def test_log_max_throughput_uses_max_lengths() -> None:
                       global_batch_size=1, n_samples_per_prompt=2, world_size=1, timings={"timing/all": 2.0},
                       log_max_throughput=True)
     assert m["e2e_tps"] == (15 + 20) * 2 / 2.0
+
+
+def test_dapo_throughputs_count_generated_prompts_for_rollout_and_e2e_and_trained_ones_for_update() -> None:
+    # 2 prompts trained (n 2), 6 generated; trained lengths: response mean 25, prompt mean 12 -> 37 per sample.
+    m = batch_metrics(rewards=[1.0, 0.0, 1.0, 0.0], verifier_scores={"acc": [1.0, 0.0] * 6},
+                      prompt_lengths=[10, 10, 14, 14], response_lengths=[20, 30, 40, 10], global_batch_size=2,
+                      generated_prompts=6, n_samples_per_prompt=2, world_size=1,
+                      timings={"timing/all": 4.0, "timing/update": 1.0, "timing/rollout": 2.0})
+    assert m["e2e_tps"] == 37 * 6 * 2 / 4.0  # generated prompts
+    assert m["vllm_tps"] == 37 * 6 * 2 / 2.0  # generated prompts
+    assert m["update_tps"] == 37 * 2 * 2 / 1.0  # trained prompts
+    assert m["global_batch_size"] == 2.0 and m["acc_rewards/mean"] == 0.5  # verifier mean over all 12 passed
