@@ -52,20 +52,24 @@ class SleepRequest(_message.Message):
     def __init__(self, level: _Optional[int] = ...) -> None: ...
 
 class SleepResponse(_message.Message):
-    __slots__ = ("duration_s",)
+    __slots__ = ("duration_s", "resident_bytes")
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     duration_s: float
-    def __init__(self, duration_s: _Optional[float] = ...) -> None: ...
+    resident_bytes: int
+    def __init__(self, duration_s: _Optional[float] = ..., resident_bytes: _Optional[int] = ...) -> None: ...
 
 class WakeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WakeResponse(_message.Message):
-    __slots__ = ("duration_s",)
+    __slots__ = ("duration_s", "resident_bytes")
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     duration_s: float
-    def __init__(self, duration_s: _Optional[float] = ...) -> None: ...
+    resident_bytes: int
+    def __init__(self, duration_s: _Optional[float] = ..., resident_bytes: _Optional[int] = ...) -> None: ...
 
 class RolloutInfoRequest(_message.Message):
     __slots__ = ("include_parameters",)

@@ -148,12 +148,14 @@ class OffloadRequest(_message.Message):
     def __init__(self, params: _Optional[bool] = ..., grads: _Optional[bool] = ..., optimizer: _Optional[bool] = ...) -> None: ...
 
 class OffloadResponse(_message.Message):
-    __slots__ = ("duration_s", "bytes")
+    __slots__ = ("duration_s", "bytes", "resident_bytes")
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     duration_s: float
     bytes: int
-    def __init__(self, duration_s: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
+    resident_bytes: int
+    def __init__(self, duration_s: _Optional[float] = ..., bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ...) -> None: ...
 
 class OnloadRequest(_message.Message):
     __slots__ = ("params", "grads", "optimizer")

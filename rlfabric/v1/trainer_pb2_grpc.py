@@ -125,14 +125,19 @@ class TrainerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Offload(self, request, context):
-        """Moves parameters / gradients / optimizer state to host memory. Idempotent.
+        """Moves parameters / gradients / optimizer state out of device memory (to host memory; on a CPU-only
+        host, to a temporary file, so that the process's memory is really freed). Idempotent per kind.
+        While a kind is offloaded, the calls that need it fail with FAILED_PRECONDITION (ComputeLogProbs:
+        params; Update: all three; SaveCheckpoint and LoadCheckpoint: params and optimizer).
+        Errors: UNAVAILABLE (a rank died), DEADLINE_EXCEEDED, INTERNAL. Retry-safe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Onload(self, request, context):
-        """Moves what Offload moved back to the device. Idempotent.
+        """Moves what Offload moved back to the device. Idempotent per kind.
+        Errors: UNAVAILABLE (a rank died), DEADLINE_EXCEEDED, INTERNAL. Retry-safe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -2,17 +2,18 @@
 
 `GrpoIteration.run` reads as its phases (see docs/architecture.md, "One GRPO iteration"):
 1. generate + stream: prompt groups go to the rollout replicas holding `weights_version`; as samples stream
-   back they are scored and, in micro-batches, sent to the reference trainer (`generation.py`). With DAPO
-   dynamic sampling (`filter_groups_enable`) further prompt batches are generated until
-   `filter_groups_train_batch_size` groups with a spread in `filter_groups_metric` are kept
+   back they are scored and, on devices of its own, sent in micro-batches to the reference trainer
+   (`generation.py`). With DAPO dynamic sampling (`filter_groups_enable`) further prompt batches are generated
+   until `filter_groups_train_batch_size` groups with a spread in `filter_groups_metric` are kept
    (`dynamic_sampling.py`); only those train;
-2. score: final rewards (verifier sum, DAPO overlong shaping);
-3. reference: the reference log-probs streamed during the rollout;
-4. old log-probs: the actor's, skipped when fully on-policy;
-5. advantages: group normalisation;
-6. update: the actor's `Update` over the whole batch;
-7. sync: the actor pushes the new version to every replica, which acks it with a checksum;
-8. metrics: the seed's table.
+2. score: final rewards (the verifiers' weighted sum, DAPO overlong shaping);
+3. advantages: group normalisation (before the log-prob passes, as MindSpeed-RL orders them);
+4. reference and old log-probs: the reference's (streamed during the rollout, or in integrated mode one pass
+   with its weights onloaded around it) and the actor's (skipped when fully on-policy);
+5. update: the actor's `Update` over the trained batch;
+6. sync: the actor pushes the new version to every replica, which acks it with a checksum;
+7. metrics: the seed's table, the iteration timeline, DAPO's counts.
+In integrated mode (`use_integrated_worker`) `placement.py` moves the services' memory between the phases.
 
 A sample that fails (for example a prompt longer than `max_model_len`) costs that sample: it scores 0,
 keeps its place in its group for the normalisation, and contributes no tokens to the update.
@@ -20,7 +21,6 @@ keeps its place in its group for the normalisation, and contributes no tokens to
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -48,9 +48,10 @@ from services.coordinator.generation import (
     collect_log_probs,
     sequences_of,
 )
-from services.coordinator.iteration_metrics import PhaseClock, batch_metrics, timing_metrics
+from services.coordinator.iteration_metrics import PhaseClock, batch_metrics, timeline_metrics, timing_metrics
+from services.coordinator.placement import Placement
 from services.coordinator.settings import IterationSettings
-from services.coordinator.weight_sync import Replica, WeightSync
+from services.coordinator.weight_sync import Replica
 
 logger = logging.getLogger(__name__)
 
@@ -98,13 +99,13 @@ class GrpoIteration:
         reference: the reference trainer stub (None when no KL term is used).
         decode: token ids -> text without special tokens (the tokenizer of the run).
         settings: see IterationSettings.
-        weight_sync: pushes the updated weights to the replicas.
+        placement: the device-sharing transitions and the weight sync (`placement.py`).
     """
 
     def __init__(self, replicas: Sequence[Replica],
                  score: Callable[[Iterator[reward_pb2.ScoreRequest]], Iterator[reward_pb2.ScoreResponse]],
                  actor: Any, reference: Any | None, decode: Callable[[Sequence[int]], str],
-                 settings: IterationSettings, weight_sync: WeightSync) -> None:
+                 settings: IterationSettings, placement: Placement) -> None:
         if settings.use_reference and reference is None:
             raise ValueError("a KL term needs a reference trainer")
         self.generator = Generator(replicas, score, decode, settings)
@@ -112,7 +113,7 @@ class GrpoIteration:
         self.reference = reference
         self.decode = decode
         self.settings = settings
-        self.weight_sync = weight_sync
+        self.placement = placement
         self.kl_controller = make_kl_controller(settings.kl_ctrl_type, settings.init_kl_coef, settings.kl_target,
                                                 settings.kl_horizon)
 
@@ -128,25 +129,27 @@ class GrpoIteration:
         """
         clock = PhaseClock()
         t0 = time.perf_counter()
+        self.placement.enter_infer(clock, weights_version)
         ref_stream = self._reference_stream(clock)
         try:
             gen = self._generate(next_batch, iteration, weights_version, data_batches, clock, ref_stream)
         finally:
             if ref_stream is not None:
                 ref_stream.close()
+        self.placement.exit_infer(clock)
         trained = self._score(gen.trained, weights_version)
-        ref_lp = ref_stream.join() if ref_stream is not None else {}
-        old_lp = self._old_log_probs(trained.seqs, clock)
         adv_of = self._advantages(trained, clock)
+        old_lp, ref_lp = self._log_prob_passes(trained.seqs, ref_stream, clock)
         actor_metrics = self._update(trained.seqs, adv_of, old_lp, ref_lp, iteration, clock)
-        new_version = self._sync(weights_version + 1, clock)
-        timings = timing_metrics(clock, t0, time.perf_counter())
-        metrics = {**timings, **actor_metrics, **self._metrics(gen, trained, timings)}
+        self.placement.after_update(clock, weights_version + 1)
+        t_end = time.perf_counter()
+        timings = timing_metrics(clock, t0, t_end)
+        metrics = {**timings, **timeline_metrics(clock, t0), **actor_metrics, **self._metrics(gen, trained, timings),
+                   **self.placement.take_memory_metrics()}
         trained_ids = [g.group_id for g in gen.trained]
-        logger.info("iteration %d trained %d groups (%d kept of %d generated in %d batches): %s", iteration,
-                    len(trained_ids), gen.num_groups_kept, len(gen.generated), len(gen.batches),
-                    json.dumps(trained_ids))
-        return IterationResult(metrics, new_version, gen.batches, trained_ids)
+        logger.info("iteration %d trained %d groups (%d kept of %d generated in %d batches)", iteration,
+                    len(trained_ids), gen.num_groups_kept, len(gen.generated), len(gen.batches))
+        return IterationResult(metrics, weights_version + 1, gen.batches, trained_ids)
 
     # -- phases, in order ---------------------------------------------------------------------------------
 
@@ -182,7 +185,7 @@ class GrpoIteration:
                 for pid, p, lab in zip(batch.prompt_indices, batch.prompts, labels, strict=True)]
 
     def _reference_stream(self, clock: PhaseClock) -> LogProbStream | None:
-        if not self.settings.use_reference:
+        if not (self.settings.use_reference and self.placement.streams_reference):
             return None
         return LogProbStream("reference_model", self.reference, self.settings,
                              self.settings.ref_forward_micro_batch_size, clock)
@@ -201,20 +204,32 @@ class GrpoIteration:
         seqs = sequences_of([x for x, _ in trainable], [p for _, p in trainable], weights_version)
         return _Batch(groups, rewards, seqs)
 
-    def _old_log_probs(self, seqs: Sequences, clock: PhaseClock) -> dict[str, np.ndarray]:
-        if self.settings.skip_old_log_probs or not len(seqs):
-            return {}
-        start = time.perf_counter()
-        out = self._log_probs(self.actor, seqs, self.settings.actor_forward_micro_batch_size)
-        clock.record("old_log_p", start, time.perf_counter())
-        return out
-
     def _advantages(self, trained: _Batch, clock: PhaseClock) -> dict[str, float]:
         start = time.perf_counter()
         advantages = compute_group_advantages(trained.rewards, self.settings.n_samples_per_prompt)
         adv_of = {x.sample_id: float(a) for x, a in zip(trained.samples, advantages, strict=True)}
         clock.record("adv", start, time.perf_counter())
         return adv_of
+
+    def _log_prob_passes(self, seqs: Sequences, ref_stream: LogProbStream | None,
+                         clock: PhaseClock) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(old log-probs, reference log-probs) of the trainable samples, by sample id.
+
+        A streamed reference finishes while the actor's old-log-prob pass runs (the overlap the non-overlap
+        timings measure); a reference sharing the actor's devices runs first, onloaded around its pass.
+        """
+        s = self.settings
+        ref_lp: dict[str, np.ndarray] = {}
+        if s.use_reference and ref_stream is None and len(seqs):
+            ref_lp = self.placement.reference_pass(clock, lambda: self._timed_log_probs(
+                "reference_model", self.reference, seqs, s.ref_forward_micro_batch_size, clock))
+        old_lp: dict[str, np.ndarray] = {}
+        if not s.skip_old_log_probs and len(seqs):
+            self.placement.enter_forward()
+            old_lp = self._timed_log_probs("old_log_p", self.actor, seqs, s.actor_forward_micro_batch_size, clock)
+        if ref_stream is not None:
+            ref_lp = ref_stream.join()
+        return old_lp, ref_lp
 
     def _update(self, seqs: Sequences, adv_of: dict[str, float], old_lp: dict[str, np.ndarray],
                 ref_lp: dict[str, np.ndarray], iteration: int, clock: PhaseClock) -> dict[str, float]:
@@ -224,23 +239,19 @@ class GrpoIteration:
         kl_coef = self.kl_controller.value if s.use_reference else 0.0
         requests = [self._update_request(seqs.take(i, i + s.update_chunk_size), adv_of, old_lp, ref_lp, iteration,
                                          kl_coef) for i in range(0, len(seqs), s.update_chunk_size)]
+        self.placement.enter_train(clock)
         start = time.perf_counter()
         try:
             reply = self.actor.Update(iter(requests), timeout=s.deadline_s)
         except grpc.RpcError as e:
             raise IterationError(f"actor Update: {e.code().name}: {e.details()}") from e
         clock.record("update", start, time.perf_counter())
+        self.placement.exit_train(clock)
         metrics = dict(reply.metrics.values)
         if s.use_reference:
             metrics["actor/kl_coef"] = kl_coef
             self.kl_controller.update(metrics.get("actor/kl_loss", 0.0), len(seqs))
         return metrics
-
-    def _sync(self, new_version: int, clock: PhaseClock) -> int:
-        start = time.perf_counter()
-        self.weight_sync.push(new_version)
-        clock.record("resharding_to_infer", start, time.perf_counter())
-        return new_version
 
     def _metrics(self, gen: _Generated, trained: _Batch, timings: dict[str, float]) -> dict[str, float]:
         """As MindSpeed-RL's DAPO trainer: scores and lengths over the trained samples, the verifiers' means
@@ -284,15 +295,19 @@ class GrpoIteration:
             req.ref_log_probs.CopyFrom(to_proto(np.concatenate([ref_lp[x] for x in ids]).astype(np.float32)))
         return req
 
-    def _log_probs(self, stub: Any, seqs: Sequences, micro: int) -> dict[str, np.ndarray]:
+    def _timed_log_probs(self, phase: str, stub: Any, seqs: Sequences, micro: int,
+                         clock: PhaseClock) -> dict[str, np.ndarray]:
+        """`stub`'s log-probs of every sequence, `micro` rows per request, timed as `phase`."""
         requests = [trainer_pb2.LogProbRequest(batch=seqs.take(i, i + micro).to_proto(),
                                                temperature=self.settings.temperature)
                     for i in range(0, len(seqs), micro)]
         lengths = dict(zip(seqs.sample_ids, seqs.response_lengths.tolist(), strict=True))
         out: dict[str, np.ndarray] = {}
+        start = time.perf_counter()
         try:
             for reply in stub.ComputeLogProbs(iter(requests), timeout=self.settings.deadline_s):
                 collect_log_probs(reply, lengths, out)
         except grpc.RpcError as e:
-            raise IterationError(f"ComputeLogProbs: {e.code().name}: {e.details()}") from e
+            raise IterationError(f"{phase} ComputeLogProbs: {e.code().name}: {e.details()}") from e
+        clock.record(phase, start, time.perf_counter())
         return out

@@ -1,15 +1,23 @@
 """The seed's per-iteration metric table, computed from phase spans and the batch (pure functions).
 
-Timing semantics follow MindSpeed-RL (see the design notes on parity):
+Timing semantics follow MindSpeed-RL (`metrics_post_processing` and `metrics_sort` in its utils):
 - each `timing/{phase}` is the wall span from the earliest start to the latest end over every record of
-  that phase (ranks, micro-batches, replicas);
-- resharding timings are the longest single duration;
-- `timing/non_overlap_reference_model = ref_end - max(old_log_p_end, ref_start)`, clipped at 0: the part of
-  the reference pass that was not hidden behind the actor's old-log-prob pass (the rollout end stands in
-  for `old_log_p_end` when old log-probs are skipped); the same shape for `rule_reward` and `reward_model`;
-  `timing/non_overlap_adv = adv_end - old_log_p_end`;
-- throughput: (response_length/mean + prompt_length/mean) x global_batch_size x n_samples_per_prompt /
-  world_size / timing/{all|update|rollout} for `e2e_tps`, `update_tps` and `vllm_tps`.
+  that phase (ranks, micro-batches, replicas, generation batches);
+- `timing/resharding_to_infer` and `timing/resharding_to_train` add up the durations of the transitions
+  recorded as `resharding_enter_infer` + `resharding_exit_infer` and `resharding_enter_train` +
+  `resharding_exit_train` (services/coordinator/placement.py says which calls each one covers);
+- the non-overlap timings measure what the actor's old-log-prob pass did not hide. With
+  `old_end` = the end of `old_log_p`, or when old log-probs were skipped the end of `reference_model`, or
+  when neither ran the iteration start (MindSpeed-RL's 0):
+  `non_overlap_reference_model = max(ref_end - max(old_end, ref_start), 0)` (0 without a reference),
+  the same shape for `rule_reward` and `reward_model` (0 when they did not run), and
+  `non_overlap_adv = max(adv_end - old_end, 0)`, or `timing/adv` itself when neither old log-probs nor a
+  reference ran;
+- throughput: (response_length/mean + prompt_length/mean) x prompts x n_samples_per_prompt / world_size /
+  timing/{all|update|rollout} for `e2e_tps`, `update_tps` and `vllm_tps` (see `batch_metrics`).
+
+`timeline_metrics` gives every recorded phase's `timeline/{phase}/start` and `/end`, in seconds since the
+iteration's start, for the iteration-timeline chart (`rlfabric plot`).
 
 With rule rewards only, `grpo/score/*` and `grpo/rewards/*` both describe the final per-sample reward;
 they differ once a reward model (whose scores are normalised) joins.
@@ -25,7 +33,8 @@ import numpy as np
 
 SPAN_PHASES = ("rollout", "old_log_p", "reference_model", "rule_reward", "reward_model", "adv", "update",
                "ref_onload", "ref_offload")
-DURATION_PHASES = ("resharding_to_train", "resharding_to_infer")
+RESHARDING = {"resharding_to_infer": ("resharding_enter_infer", "resharding_exit_infer"),
+              "resharding_to_train": ("resharding_enter_train", "resharding_exit_train")}
 
 
 @dataclass
@@ -51,23 +60,43 @@ class PhaseClock:
         start, end = self.start(phase), self.end(phase)
         return 0.0 if start is None or end is None else end - start
 
-    def longest(self, phase: str) -> float:
-        return max((e - s for s, e in self.spans.get(phase, ())), default=0.0)
+    def total(self, phase: str) -> float:
+        """The sum of the phase's record durations (for transitions that happen in several pieces)."""
+        return sum(e - s for s, e in self.spans.get(phase, ()))
 
 
 def timing_metrics(clock: PhaseClock, iteration_start: float, iteration_end: float) -> dict[str, float]:
     """`timing/*` for one iteration; `iteration_end` excludes logging and checkpointing."""
     out = {f"timing/{p}": clock.span(p) for p in SPAN_PHASES}
-    out.update({f"timing/{p}": clock.longest(p) for p in DURATION_PHASES})
+    out.update({f"timing/{name}": sum(clock.total(p) for p in parts) for name, parts in RESHARDING.items()})
     out["timing/all"] = iteration_end - iteration_start
-    old_end = clock.end("old_log_p")
+    out.update(non_overlap_metrics(clock, iteration_start))
+    return out
+
+
+def non_overlap_metrics(clock: PhaseClock, iteration_start: float) -> dict[str, float]:
+    """The `timing/non_overlap_*` metrics, as MindSpeed-RL's `metrics_sort` computes them (module docstring)."""
+    ref_end, old_end = clock.end("reference_model"), clock.end("old_log_p")
     if old_end is None:
-        old_end = clock.end("rollout") or iteration_start
+        old_end = ref_end if ref_end is not None else iteration_start
+    out = {}
     for phase in ("reference_model", "rule_reward", "reward_model"):
         start, end = clock.start(phase), clock.end(phase)
         out[f"timing/non_overlap_{phase}"] = 0.0 if start is None else max(0.0, end - max(old_end, start))
-    adv_end = clock.end("adv")
-    out["timing/non_overlap_adv"] = 0.0 if adv_end is None else max(0.0, adv_end - old_end)
+    if clock.end("old_log_p") is None and ref_end is None:
+        out["timing/non_overlap_adv"] = clock.span("adv")
+    else:
+        adv_end = clock.end("adv")
+        out["timing/non_overlap_adv"] = 0.0 if adv_end is None else max(0.0, adv_end - old_end)
+    return out
+
+
+def timeline_metrics(clock: PhaseClock, iteration_start: float) -> dict[str, float]:
+    """`timeline/{phase}/start` and `/end` of every recorded phase, in seconds since the iteration's start."""
+    out = {}
+    for phase in sorted(clock.spans):
+        out[f"timeline/{phase}/start"] = clock.start(phase) - iteration_start
+        out[f"timeline/{phase}/end"] = clock.end(phase) - iteration_start
     return out
 
 

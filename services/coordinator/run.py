@@ -10,6 +10,7 @@ re-synced to a fresh weights version before anything is generated, so no stale w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import secrets
 import threading
@@ -24,6 +25,7 @@ from services.common.client import make_channel
 from services.common.redis_store import Registry, RunJournal
 from services.coordinator.errors import IterationError
 from services.coordinator.iteration import GrpoIteration
+from services.coordinator.placement import OffloadKeys, Placement
 from services.coordinator.settings import settings_from_config
 from services.coordinator.sinks import MetricsSink
 from services.coordinator.weight_sync import Replica, WeightSync
@@ -122,12 +124,17 @@ class RunDriver:
             channels.append(make_channel(endpoints.reference, token=self.token))
             reference = trainer_pb2_grpc.TrainerStub(channels[-1])
         try:
-            sync = WeightSync(actor, replicas, self.hf_config, self.settings.deadline_s)
+            s = self.settings
+            sync = WeightSync(actor, replicas, self.hf_config, s.deadline_s)
+            placement = Placement(s.use_integrated_worker, actor, reference, replicas, sync,
+                                  OffloadKeys(s.offload_train_param, s.offload_train_grad, s.offload_train_optimizer),
+                                  s.deadline_s)
+            placement.prepare()
             iteration, consumed, version = self._starting_point(previous, actor, replicas, sync)
             loader = self.loader_factory(consumed)
             seed = self._sampling_seed(previous)
-            settings = dataclasses.replace(self.settings, seed=seed)
-            loop = GrpoIteration(replicas, self.score, actor, reference, self.decode, settings, sync)
+            settings = dataclasses.replace(s, seed=seed)
+            loop = GrpoIteration(replicas, self.score, actor, reference, self.decode, settings, placement)
             self.journal.write(phase="running", iteration=iteration, weights_version=version, consumed_batches=consumed,
                                train_iters=train_iters, rollout=endpoints.rollout, sampling_seed=seed, error="")
             while iteration < train_iters and not self.stop_event.is_set():
@@ -143,7 +150,7 @@ class RunDriver:
                                               consumed_batches=loader.consumed_batches, phase="iteration_done")
                 self.sink.write(iteration, metrics)
                 if mt.save and ((mt.save_interval and iteration % mt.save_interval == 0) or iteration == train_iters):
-                    self._checkpoint(actor, iteration, loader.consumed_batches)
+                    placement.checkpoint(functools.partial(self._checkpoint, actor, iteration, loader.consumed_batches))
             self.journal.write(phase="done" if iteration >= train_iters else "stopped")
         finally:
             for c in channels:

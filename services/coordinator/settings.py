@@ -46,6 +46,11 @@ class IterationSettings:
     # Forward passes, in rows per request.
     ref_forward_micro_batch_size: int
     actor_forward_micro_batch_size: int
+    # Placement: integrated (all-shared-device) mode and what the actor offloads in it.
+    use_integrated_worker: bool
+    offload_train_param: bool
+    offload_train_grad: bool
+    offload_train_optimizer: bool
     # Metrics.
     global_batch_size: int
     world_size: int
@@ -84,6 +89,10 @@ def settings_from_config(cfg: Any) -> IterationSettings:
         kl_horizon=rl.kl_horizon,
         ref_forward_micro_batch_size=derived.ref_forward_micro_batch_size or 1,
         actor_forward_micro_batch_size=derived.actor_forward_micro_batch_size or 1,
+        use_integrated_worker=rl.use_integrated_worker,
+        offload_train_param=cfg.generate_config.offload_train_param,
+        offload_train_grad=cfg.generate_config.offload_train_grad,
+        offload_train_optimizer=cfg.generate_config.offload_train_optimizer,
         global_batch_size=int(cfg.actor_config.global_batch_size),
         # TODO(lead): cfg.derived.world_size (every device of the run) once the config branch lands.
         world_size=derived.actor_world_size or 1,

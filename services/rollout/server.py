@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from services.common.memory import resident_bytes
 from services.common.seeds import sample_seed
 from services.common.server import ServiceServer, ServiceSpec, create_server
 from services.common.tensors import TensorDecodeError, to_numpy, to_proto
@@ -315,12 +316,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"level must be 1 or 2, got {request.level}")
         seconds = self.engine.sleep(level)
         metrics.SLEEP_SECONDS.labels("sleep").observe(seconds)
-        return rollout_pb2.SleepResponse(duration_s=seconds)
+        return rollout_pb2.SleepResponse(duration_s=seconds, resident_bytes=resident_bytes())
 
     def Wake(self, request, context):  # noqa: N802
         seconds = self.engine.wake()
         metrics.SLEEP_SECONDS.labels("wake").observe(seconds)
-        return rollout_pb2.WakeResponse(duration_s=seconds)
+        return rollout_pb2.WakeResponse(duration_s=seconds, resident_bytes=resident_bytes())
 
     def Info(self, request, context):  # noqa: N802
         engine = self.engine

@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 
 from rlfabric.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from services.common.memory import resident_bytes
 from services.common.reshard_plan import ReshardPlan
 from services.common.sequences import Sequences
 from services.common.server import ServiceServer, ServiceSpec, create_server
@@ -56,6 +57,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {e}")
             if e.kinds <= {"FileNotFoundError"}:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"{what}: {e}")
+            if e.kinds <= {"Offloaded"}:  # services/trainer/offload.py: state moved out, Onload first
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: {e}")
             context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {e}")
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {e}")
@@ -201,14 +204,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             t0 = time.monotonic()
             moved = self._run(context, "offload", params=request.params, grads=request.grads,
                               optimizer=request.optimizer)
-        return trainer_pb2.OffloadResponse(duration_s=time.monotonic() - t0, bytes=int(moved))
+        return trainer_pb2.OffloadResponse(duration_s=time.monotonic() - t0, bytes=int(moved),
+                                           resident_bytes=resident_bytes())
 
     def Onload(self, request, context) -> trainer_pb2.OffloadResponse:
         with self._errors(context, "Onload"):
             t0 = time.monotonic()
             moved = self._run(context, "onload", params=request.params, grads=request.grads,
                               optimizer=request.optimizer)
-        return trainer_pb2.OffloadResponse(duration_s=time.monotonic() - t0, bytes=int(moved))
+        return trainer_pb2.OffloadResponse(duration_s=time.monotonic() - t0, bytes=int(moved),
+                                           resident_bytes=resident_bytes())
 
     def Info(self, request, context) -> trainer_pb2.TrainerInfo:
         w = self.worker

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from services.common.model_spec import ModelSpec, read_hf_config, spec_from_hf_config
 from services.trainer import checkpoint, convert, megatron_compat
 from services.trainer.model import build_gpt_model
+from services.trainer.offload import StateOffloader
 from services.trainer.parallel import Layout, current_layout
 from services.trainer.step import SequenceRows
 from services.trainer.update import Experience, OptimizerOptions, UpdateOptions, build_optimizer, grpo_update
@@ -60,7 +61,7 @@ class TrainerWorker:
         self.consumed_samples = 0
         self.weights_version = 0
         self.last_update_step: int | None = None
-        self._offloaded: dict[str, int] = {}
+        self.offloader = StateOffloader(self.model, self.optimizer, _training_device())
         self._tp_rank, self._pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self._load_initial()
 
@@ -113,7 +114,7 @@ class TrainerWorker:
     def compute_log_probs(self, rows: SequenceRows, temperature: float, with_entropy: bool = False):
         from services.trainer.logprobs import compute_log_probs_rows
 
-        self._require_onloaded()
+        self.offloader.require("params", what="ComputeLogProbs")
         return compute_log_probs_rows(
             self.model,
             rows,
@@ -125,7 +126,7 @@ class TrainerWorker:
     def update(self, exp: Experience, *, temperature: float, kl_coef: float, step: int) -> dict[str, float]:
         if self.optimizer is None:
             raise ValueError(f"the {self.opts.role} trainer has no optimizer; Update is for the actor")
-        self._require_onloaded()
+        self.offloader.require("params", "grads", "optimizer", what="Update")
         t0 = time.monotonic()
         metrics = grpo_update(
             self.model,
@@ -150,7 +151,7 @@ class TrainerWorker:
             self.iteration = iteration
         if consumed_samples is not None and consumed_samples > 0:
             self.consumed_samples = consumed_samples
-        self._require_onloaded()
+        self.offloader.require("params", "optimizer", what="SaveCheckpoint")
         return checkpoint.save_checkpoint(
             root,
             self.iteration,
@@ -166,7 +167,7 @@ class TrainerWorker:
         self, root: str | Path, *, iteration: int | None = None, finetune: bool = False,
         no_load_optim: bool = False, no_load_rng: bool = False,
     ) -> checkpoint.LoadResult:
-        self._require_onloaded()
+        self.offloader.require("params", "optimizer", what="LoadCheckpoint")
         res = checkpoint.load_checkpoint(
             root,
             model=self.model,
@@ -181,51 +182,32 @@ class TrainerWorker:
         self.weights_version += 1
         return res
 
-    # ---- offload / onload -------------------------------------------------------------------
+    # ---- offload / onload (services/trainer/offload.py) ------------------------------------------
     def offload(self, *, params: bool, grads: bool, optimizer: bool) -> int:
-        """Move the chosen state to host memory; returns bytes moved (0 on a CPU-only host)."""
-        return self._move("cpu", params=params, grads=grads, optimizer=optimizer)
+        """Moves the chosen state out of device memory; returns the bytes moved."""
+        return self.offloader.offload(_kinds(params, grads, optimizer))
 
     def onload(self, *, params: bool, grads: bool, optimizer: bool) -> int:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        if device is None and megatron_compat.accelerator_present():
-            device = torch.device("npu")
-        return self._move(device or "cpu", params=params, grads=grads, optimizer=optimizer, onload=True)
-
-    def _move(self, device, *, params: bool, grads: bool, optimizer: bool, onload: bool = False) -> int:
-        moved = 0
-        kinds = [k for k, on in (("params", params), ("grads", grads), ("optimizer", optimizer)) if on]
-        for kind in kinds:
-            if onload:
-                self._offloaded.pop(kind, None)
-            else:
-                self._offloaded[kind] = 1
-        if params or grads:
-            for p in self.model.parameters():
-                if params and p.data.device != torch.device(device):
-                    moved += p.data.numel() * p.data.element_size()
-                    p.data = p.data.to(device)
-                if grads and p.grad is not None and p.grad.device != torch.device(device):
-                    moved += p.grad.numel() * p.grad.element_size()
-                    p.grad = p.grad.to(device)
-        if optimizer and self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor) and k != "step" and v.device != torch.device(device):
-                        moved += v.numel() * v.element_size()
-                        state[k] = v.to(device)
-        return moved
-
-    def _require_onloaded(self) -> None:
-        # On CPU offload is a no-op move, so only an accelerator run can be caught offloaded.
-        if "params" in self._offloaded and megatron_compat.accelerator_present():
-            raise RuntimeError("parameters are offloaded; call Onload first")
+        """Brings back what `offload` moved out; returns the bytes moved."""
+        return self.offloader.onload(_kinds(params, grads, optimizer))
 
     # ---- description ------------------------------------------------------------------------
     def shard_infos(self) -> list[dict]:
         from services.trainer.weights_export import iter_shards
 
         return [dataclasses.asdict(s.meta) for s in iter_shards(self.model, self.spec)]
+
+
+def _kinds(params: bool, grads: bool, optimizer: bool) -> list[str]:
+    return [k for k, on in (("params", params), ("grads", grads), ("optimizer", optimizer)) if on]
+
+
+def _training_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if megatron_compat.accelerator_present():
+        return torch.device("npu", torch.npu.current_device())
+    return torch.device("cpu")
 
 
 def gather_objects(obj) -> list | None:

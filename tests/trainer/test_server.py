@@ -162,9 +162,17 @@ def test_update_checkpoint_offload(group):
         stub.LoadCheckpoint(trainer_pb2.LoadCheckpointRequest(dir=str(tp1)), timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "rlfabric convert" in e.value.details()
 
+    probe = [trainer_pb2.LogProbRequest(batch=_batch(2, seed=7).to_proto(), temperature=1.0)]
+    before = to_numpy(next(stub.ComputeLogProbs(iter(probe), timeout=60)).log_probs)
     off = stub.Offload(trainer_pb2.OffloadRequest(params=True, grads=True, optimizer=True), timeout=60)
+    assert off.bytes > 0 and off.resident_bytes > 0
+    with pytest.raises(grpc.RpcError) as e:  # the weights are out: no forward pass until Onload
+        list(stub.ComputeLogProbs(iter(probe), timeout=60))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "Onload" in e.value.details()
     on = stub.Onload(trainer_pb2.OnloadRequest(params=True, grads=True, optimizer=True), timeout=60)
-    assert off.duration_s >= 0 and on.duration_s >= 0
+    assert on.bytes == off.bytes and on.duration_s >= 0
+    after = to_numpy(next(stub.ComputeLogProbs(iter(probe), timeout=60)).log_probs)
+    assert np.array_equal(before, after)  # the same weights came back
 
 
 def test_update_of_a_kl_trainer_without_reference_log_probs_is_refused(group):
