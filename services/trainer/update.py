@@ -258,37 +258,7 @@ def grpo_update(
     mb_metrics: list[dict[str, float]] = []
     step_metrics: list[tuple[float, float]] = []
 
-    def loss_fn(logits: torch.Tensor, mb: dict):
-        logits = gather_response_logits(logits, mb)
-        dev = logits.device
-        tokens = mb["resp_tokens"].to(dev)
-        logp, ent = grpo_loss.compute_log_probs(logits, tokens, temperature, with_entropy=opts.entropy_coeff != 0)
-        if ent is None:
-            ent = entropy_without_grad(logits, temperature)
-        rows_idx = [i for i in mb["rows"] if i >= 0]
-        width = logp.shape[1]
-        mask = mb["response_mask"].to(dev)[: len(rows_idx)]
-        logp, ent = logp[: len(rows_idx)], ent[: len(rows_idx)]
-        old = None if exp.old_log_probs is None else response_slices(exp.old_log_probs, exp.rows, rows_idx, width)
-        ref = None if exp.ref_log_probs is None else response_slices(exp.ref_log_probs, exp.rows, rows_idx, width)
-        loss, metrics = grpo_loss.grpo_loss(
-            logp,
-            None if old is None else old.to(dev),
-            None if ref is None else ref.to(dev),
-            exp.advantages[rows_idx].to(dev),
-            mask,
-            clip_ratio=opts.clip_ratio,
-            clip_ratio_low=opts.clip_ratio_low,
-            clip_ratio_high=opts.clip_ratio_high,
-            kl_penalty=opts.kl_penalty,
-            kl_coef=kl_coef,
-            use_kl=opts.use_kl,
-            entropy_coeff=opts.entropy_coeff,
-            entropy=ent,
-            token_level_loss=opts.token_level_loss,
-        )
-        return loss, metrics
-
+    loss_fn = _micro_batch_loss(exp, opts, temperature, kl_coef)
     model.train()
     for epoch in range(opts.epochs):
         for mini in mini_batches(len(exp.rows), opts, step, epoch):
@@ -314,6 +284,42 @@ def grpo_update(
                 scheduler.step(increment=1)
             step_metrics.append((norm, lr))
     return _reduce_metrics(mb_metrics, step_metrics)
+
+
+def _micro_batch_loss(exp: Experience, opts: UpdateOptions, temperature: float, kl_coef: float):
+    """The loss function Megatron's schedule calls per micro-batch: (logits, micro-batch) -> (loss, metrics)."""
+
+    def loss_fn(logits: torch.Tensor, mb: dict):
+        logits = gather_response_logits(logits, mb)
+        dev = logits.device
+        tokens = mb["resp_tokens"].to(dev)
+        logp, ent = grpo_loss.compute_log_probs(logits, tokens, temperature, with_entropy=opts.entropy_coeff != 0)
+        if ent is None:
+            ent = entropy_without_grad(logits, temperature)
+        rows_idx = [i for i in mb["rows"] if i >= 0]
+        width = logp.shape[1]
+        mask = mb["response_mask"].to(dev)[: len(rows_idx)]
+        logp, ent = logp[: len(rows_idx)], ent[: len(rows_idx)]
+        old = None if exp.old_log_probs is None else response_slices(exp.old_log_probs, exp.rows, rows_idx, width)
+        ref = None if exp.ref_log_probs is None else response_slices(exp.ref_log_probs, exp.rows, rows_idx, width)
+        return grpo_loss.grpo_loss(
+            logp,
+            None if old is None else old.to(dev),
+            None if ref is None else ref.to(dev),
+            exp.advantages[rows_idx].to(dev),
+            mask,
+            clip_ratio=opts.clip_ratio,
+            clip_ratio_low=opts.clip_ratio_low,
+            clip_ratio_high=opts.clip_ratio_high,
+            kl_penalty=opts.kl_penalty,
+            kl_coef=kl_coef,
+            use_kl=opts.use_kl,
+            entropy_coeff=opts.entropy_coeff,
+            entropy=ent,
+            token_level_loss=opts.token_level_loss,
+        )
+
+    return loss_fn
 
 
 def _reduce_metrics(mb_metrics: list[dict[str, float]], step_metrics: list[tuple[float, float]]) -> dict[str, float]:
