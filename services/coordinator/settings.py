@@ -94,8 +94,7 @@ def settings_from_config(cfg: Any) -> IterationSettings:
         offload_train_grad=cfg.generate_config.offload_train_grad,
         offload_train_optimizer=cfg.generate_config.offload_train_optimizer,
         global_batch_size=int(cfg.actor_config.global_batch_size),
-        # TODO(lead): cfg.derived.world_size (every device of the run) once the config branch lands.
-        world_size=derived.actor_world_size or 1,
+        world_size=derived.world_size or 1,
         log_max_throughput=rl.log_max_throughput,
         deadline_s=cfg.rlfabric.rpc_deadline_s,
     )

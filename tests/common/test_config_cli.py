@@ -107,7 +107,7 @@ def test_check_dapo_resolves_no_kl_and_lists_inert_keys(repo_root: Path):
     assert "algorithm: DAPO (stage: ray_dapo): no KL term, no reference model; token-level loss, " \
            "clip [1 - 0.2, 1 + 0.28]" in text
     assert "# keys this file sets that rlfabric accepts and does not act on (inert), by reason:" in text
-    assert "not yet implemented (issue 10): nothing is offloaded:\n#     generate_config.offload_train_optimizer" in text
+    assert "generate_config.offload_train_optimizer" not in text  # read by the coordinator (integrated mode)
     assert "megatron_training.use_flash_attn" in text
     assert "# rl_config.ref_forward_micro_batch_size is not read: ray_dapo has no KL term" in text
 

@@ -23,16 +23,16 @@ def test_sampling_kl_and_batch_settings_from_the_tiny_yaml(repo_root: Path) -> N
     assert (s.n_samples_per_prompt, s.max_tokens, s.temperature, s.top_k) == (8, 64, 1.0, -1)
     assert s.use_reference and s.init_kl_coef == 0.001 and s.kl_ctrl_type == "fixed"
     assert s.skip_old_log_probs  # mini_batch_size == global_batch_size and one epoch
-    assert s.world_size == 1
+    assert s.world_size == 3  # disaggregated: actor, reference and rollout on a device each (cfg.derived)
 
 
 def test_dapo_and_integrated_settings(repo_root: Path) -> None:
-    s = settings_from_config(load_config(repo_root / "configs" / "grpo_tiny_cpu.yaml", overrides=[
-        "rl_config.filter_groups_enable=true", "rl_config.filter_groups_metric=math_17k_acc",
+    s = settings_from_config(load_config(repo_root / "configs" / "dapo_tiny_cpu.yaml", overrides=[
         "rl_config.filter_groups_max_batches=-1", "rl_config.filter_groups_train_batch_size=4",
         "rl_config.use_integrated_worker=true", "generate_config.offload_train_param=true",
         "generate_config.offload_train_optimizer=true"]))
     assert (s.filter_groups_enable, s.filter_groups_metric, s.filter_groups_max_batches,
             s.filter_groups_train_batch_size) == (True, "math_17k_acc", -1, 4)
-    assert s.use_integrated_worker
+    assert s.use_integrated_worker and s.world_size == 1  # integrated: the actor's device, shared
+    assert not s.use_reference  # DAPO: no KL term, no reference (cfg.derived.use_kl_loss)
     assert (s.offload_train_param, s.offload_train_grad, s.offload_train_optimizer) == (True, False, True)

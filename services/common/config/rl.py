@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from services.common.config.schema import inert, read, refused, setting
 from services.common.config.statuses import (
     COORDINATOR_APP,
+    COORDINATOR_RUN,
+    COORDINATOR_SETTINGS,
     DERIVED,
     DISPATCH,
     ITERATION,
@@ -25,7 +27,6 @@ from services.common.config.statuses import (
     TRAINER_OPTIONS,
     UPSTREAM_UNUSED,
     VALIDATION,
-    not_yet,
 )
 
 KL_PENALTIES = ("low_var_kl", "kl", "abs", "mse")
@@ -41,7 +42,7 @@ _MULTIMODAL = refused("rlfabric trains text-only models", feature=MULTIMODAL)
 _DYNAMIC_BSZ_ONLY = inert("only read with use_dynamic_bsz, which rlfabric does not implement (inert)")
 _PARTIAL_ONLY = inert("partial rollout only (partial_rollout_max_split > 1 is refused)")
 _SWANLAB_ONLY = inert("only read with use_swanlab (refused)")
-_DYNAMIC_SAMPLING = not_yet("dynamic sampling is off; every generated group is trained")
+_DYNAMIC_SAMPLING = read(COORDINATOR_SETTINGS, ITERATION)
 
 
 @dataclass(kw_only=True)
@@ -67,7 +68,7 @@ class RLConfig:
 
     # Samples and batches.
     n_samples_per_prompt: int = setting(1, "Samples generated per prompt (the GRPO group size n).",
-                                        read(ITERATION, TRAINER_OPTIONS, DERIVED))
+                                        read(COORDINATOR_SETTINGS, TRAINER_OPTIONS, DERIVED))
     mini_batch_size: int = setting(1, "Prompts per optimizer step; each step updates on mini_batch_size * n samples.",
                                    read(TRAINER_OPTIONS, DERIVED))
     epochs: int = setting(1, "Passes of optimizer steps over each iteration's samples.", read(TRAINER_OPTIONS, DERIVED))
@@ -78,10 +79,10 @@ class RLConfig:
     num_samples_per_step: int = setting(1, "Legacy sample count per step (unused by rlfabric).", UPSTREAM_UNUSED)
     actor_forward_micro_batch_size: int | None = setting(
         None, "Rows per forward pass when the actor computes old log-probs; unset means micro_batch_size.",
-        read(ITERATION, DERIVED))
+        read(COORDINATOR_SETTINGS, DERIVED))
     ref_forward_micro_batch_size: int | None = setting(
         None, "Rows per forward pass when the reference computes log-probs; unset means micro_batch_size.",
-        read(ITERATION, DERIVED))
+        read(COORDINATOR_SETTINGS, DERIVED))
     vit_forward_micro_batch_size: int | None = setting(None, "Vision encoder micro-batch (unsupported).", _MULTIMODAL)
 
     # Advantages, loss and KL.
@@ -96,11 +97,11 @@ class RLConfig:
     entropy_coeff: float = setting(0.0, "Entropy bonus coefficient (entropy is only computed when non-zero).",
                                    read(TRAINER_OPTIONS))
     kl_penalty: str = setting("low_var_kl", f"KL estimator: {', '.join(KL_PENALTIES)}.", read(TRAINER_OPTIONS))
-    kl_ctrl_type: str = setting("fixed", f"KL coefficient controller: {', '.join(KL_CTRL_TYPES)}.", read(ITERATION))
+    kl_ctrl_type: str = setting("fixed", f"KL coefficient controller: {', '.join(KL_CTRL_TYPES)}.", read(COORDINATOR_SETTINGS))
     init_kl_coef: float = setting(0.01, "KL loss coefficient (initial value for the adaptive controller).",
-                                  read(ITERATION, DERIVED))
-    kl_horizon: int = setting(1000, "Adaptive KL controller horizon.", read(ITERATION))
-    kl_target: float = setting(100.0, "Adaptive KL controller target.", read(ITERATION))
+                                  read(COORDINATOR_SETTINGS, DERIVED))
+    kl_horizon: int = setting(1000, "Adaptive KL controller horizon.", read(COORDINATOR_SETTINGS))
+    kl_target: float = setting(100.0, "Adaptive KL controller target.", read(COORDINATOR_SETTINGS))
     use_kl_in_reward: bool = setting(False, "Apply the KL penalty in the reward instead of the loss.",
                                      refused("rlfabric applies KL in the loss (GRPO), never in the reward"))
     token_level_loss: bool = setting(True, "Token-mean over the micro-batch (true) or sequence-mean-token-mean (false).",
@@ -116,19 +117,19 @@ class RLConfig:
     beta: float = setting(0.1, "Weight between rule and model rewards (model rewards unsupported).",
                           inert("weights rule against model rewards; rlfabric has rule rewards only"))
     verifier_function: list[str] = setting(help="Rule verifiers whose weighted scores sum to the reward.",
-                                           factory=lambda: list(DEFAULT_VERIFIER_FUNCTION), status=read(ITERATION))
+                                           factory=lambda: list(DEFAULT_VERIFIER_FUNCTION), status=read(COORDINATOR_SETTINGS))
     verifier_weight: list[float] = setting(help="Weight of each verifier (same length as verifier_function).",
-                                           factory=lambda: list(DEFAULT_VERIFIER_WEIGHT), status=read(ITERATION))
+                                           factory=lambda: list(DEFAULT_VERIFIER_WEIGHT), status=read(COORDINATOR_SETTINGS))
     verifier_parallel: int = setting(1, "Verifier processes per reward worker.", inert(
         "a reward worker's verifier processes are its `--processes` flag (rlfabric reward serve)"))
     verifier_timeout: int = setting(30, "Seconds before a verification counts as failed (score 0).", inert(
         "a reward worker's per-sample deadline is its `--deadline-s` flag (rlfabric reward serve)"))
-    overlong_buffer_enable: bool = setting(False, "DAPO overlong reward shaping.", read(ITERATION))
+    overlong_buffer_enable: bool = setting(False, "DAPO overlong reward shaping.", read(COORDINATOR_SETTINGS))
     overlong_buffer: int = setting(0, "DAPO: tokens before rollout_max_tokens where the length penalty starts.",
-                                   read(ITERATION))
-    overlong_buffer_penalty_factor: float = setting(1.0, "DAPO: penalty at rollout_max_tokens.", read(ITERATION))
+                                   read(COORDINATOR_SETTINGS))
+    overlong_buffer_penalty_factor: float = setting(1.0, "DAPO: penalty at rollout_max_tokens.", read(COORDINATOR_SETTINGS))
     rollout_max_tokens: int = setting(2048, "DAPO: response length limit the overlong penalty refers to.",
-                                      read(ITERATION))
+                                      read(COORDINATOR_SETTINGS))
     filter_groups_enable: bool = setting(False, "DAPO dynamic sampling: keep groups whose metric varies.",
                                          _DYNAMIC_SAMPLING)
     filter_groups_metric: str = setting("acc", "DAPO: verifier whose scores must vary within a group.",
@@ -148,7 +149,7 @@ class RLConfig:
                                                      refused("no critic runs", feature=PPO))
     vit_resource: ResourceConfig | None = setting(None, "Devices of a vision encoder (unsupported).", _MULTIMODAL)
     use_integrated_worker: bool = setting(True, "Actor, reference and rollout share devices (integrated mode).",
-                                          not_yet("the services run disaggregated"))
+                                          read(COORDINATOR_SETTINGS, COORDINATOR_RUN, DERIVED))
     integrated_mode_config: IntegratedModeConfig | None = setting(None, "Integrated mode options.", read(DERIVED))
     blocking: bool = setting(True, "Wait for each phase to finish before the next starts.", inert(
         "Ray call scheduling; rlfabric's coordinator overlaps scoring and the reference pass with rollout and "
@@ -244,4 +245,4 @@ class RLConfig:
     swanlab_project: str = setting("", "SwanLab project.", _SWANLAB_ONLY)
     swanlab_exp_name: str = setting("", "SwanLab run name.", _SWANLAB_ONLY)
     swanlab_save_dir: str = setting("", "SwanLab local directory.", _SWANLAB_ONLY)
-    log_max_throughput: bool = setting(True, "Compute throughput from maximum (padded) lengths.", read(ITERATION))
+    log_max_throughput: bool = setting(True, "Compute throughput from maximum (padded) lengths.", read(COORDINATOR_SETTINGS))

@@ -17,17 +17,17 @@ from typing import Any
 from services.common.config.schema import inert, read, refused, setting
 from services.common.config.statuses import (
     CONFIG_SECTIONS,
+    COORDINATOR_RUN,
+    COORDINATOR_SETTINGS,
     DERIVED,
-    ITERATION,
     MOE,
     MULTIMODAL,
     ROLLOUT_ENGINE,
     VALIDATION,
-    not_yet,
 )
 
 _ENGINE = read(ROLLOUT_ENGINE)
-_SAMPLING = read(ROLLOUT_ENGINE, ITERATION)
+_SAMPLING = read(ROLLOUT_ENGINE, COORDINATOR_SETTINGS)
 _ASCEND_CONFIG = read(CONFIG_SECTIONS, platform="ascend", note="in vLLM's additional_config as MindSpeed-RL builds "
                                                                "it (vllm_additional_config, passed on by "
                                                                "services/rollout/engine.py); only vllm-ascend acts on it")
@@ -78,11 +78,11 @@ class GenerateConfig:
     dtype: str = setting("bfloat16", "Rollout weight dtype: bfloat16, float16, float32 or auto.", _ENGINE)
     gpu_memory_utilization: float = setting(0.5, "Fraction of device memory the engine may use.", _ENGINE)
     offload_train_optimizer: bool = setting(False, "Integrated mode: offload optimizer state during rollout.",
-                                            not_yet("nothing is offloaded"))
+                                            read(COORDINATOR_SETTINGS, COORDINATOR_RUN))
     offload_train_grad: bool = setting(False, "Integrated mode: offload gradients during rollout.",
-                                       not_yet("nothing is offloaded"))
+                                       read(COORDINATOR_SETTINGS, COORDINATOR_RUN))
     offload_train_param: bool = setting(False, "Integrated mode: offload training weights during rollout.",
-                                        not_yet("nothing is offloaded"))
+                                        read(COORDINATOR_SETTINGS, COORDINATOR_RUN))
     enable_prefix_caching: bool = setting(False, "Reuse KV cache across prompts sharing a prefix.", _ENGINE)
     num_scheduler_steps: int = setting(1, "Scheduler steps per engine step (legacy vLLM).", inert(
         "multi-step scheduling is gone from vLLM's V1 engine, which rlfabric runs"))
@@ -146,7 +146,7 @@ class FabricConfig:
 
     rpc_deadline_s: float = setting(
         600.0, "Longest one coordinator call to a service (a Generate stream, an Update, a weight push) may take, "
-               "in seconds; a call past it fails the iteration naming the service.", read(ITERATION))
+               "in seconds; a call past it fails the iteration naming the service.", read(COORDINATOR_SETTINGS))
 
 
 @dataclass(kw_only=True)
