@@ -38,7 +38,7 @@ def boxed_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(0)
-    for _ in range(80):
+    for _ in range(40):
         ids, labels = [], []
         for _ in range(32):
             prompt = tok(f"What is {rng.randint(0, 999)} + {rng.randint(0, 999)}? The answer is").input_ids
