@@ -264,7 +264,10 @@ class GrpoIteration:
             global_batch_size=len(trained.groups), generated_prompts=len(gen.generated),
             n_samples_per_prompt=s.n_samples_per_prompt, world_size=s.world_size, timings=timings,
             log_max_throughput=s.log_max_throughput)
-        metrics["failed_samples"] = float(sum(1 for g in gen.generated for x in g.samples if x.error))
+        # A sample fails in rollout (`Sample.error`) or in reward (an error on a verifier score: a timeout,
+        # a crash, or no worker left to score it); either way its reward is not a verdict.
+        metrics["failed_samples"] = float(sum(1 for g in gen.generated for x, r in zip(g.samples, g.scores, strict=True)
+                                              if x.error or any(v.error for v in r.scores)))
         if s.filter_groups_enable:
             metrics.update({"train/num_gen_batches": float(len(gen.batches)),
                             "dapo/num_groups_generated": float(len(gen.generated)),
