@@ -1,8 +1,8 @@
 """Per-sample sampling seeds: one stream per (run seed, prompt group, sample index).
 
-A group id names its iteration and prompt (the coordinator builds `it{iteration}/p{prompt}`), so deriving each
-sample's seed from the group id gives every (iteration, group, sample) its own random stream, and asking for the
-same group again (a retry, a resumed run) redraws exactly the same samples. `base + index` would not do: it hands
+A group id names its iteration, batch and prompt (the coordinator builds `it{iteration}/b{batch}/p{prompt}`), so
+deriving each sample's seed from the group id gives every (iteration, group, sample) its own random stream, and
+asking for the same group again (a retry, a resumed run) redraws exactly the same samples. `base + index` would not do: it hands
 sample i of every group, in every iteration, the same stream, and the policy then learns those streams.
 """
 

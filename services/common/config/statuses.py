@@ -8,7 +8,7 @@ a stale table in docs/config.md.
 
 from __future__ import annotations
 
-from services.common.config.schema import KeyStatus, inert
+from services.common.config.schema import inert
 
 # Readers (paths from the repository root).
 DERIVED = "services/common/config/derived.py"
@@ -50,7 +50,3 @@ DISPATCH = inert("samples per MindSpeed-RL worker call (scheduling only); rlfabr
                  "samples to the services itself. Validated as upstream does")
 UPSTREAM_UNUSED = inert("MindSpeed-RL's RL trainers do not read it either")
 
-
-def not_yet(effect: str) -> KeyStatus:
-    """A key another change is implementing now: inert until then, and not refused (upstream configs set it)."""
-    return inert(f"not yet implemented (issue 10): {effect}")
