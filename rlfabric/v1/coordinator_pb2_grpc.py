@@ -70,7 +70,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetRun(self, request, context):
-        """The current state of a run. NOT_FOUND for an unknown id.
+        """The current state of a run. NOT_FOUND for an unknown id. Read-only, so retry-safe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -79,13 +79,18 @@ class CoordinatorServicer:
     def StreamMetrics(self, request, context):
         """One message per finished iteration with its full metric table, starting with the next
         iteration (or from `from_iteration` out of the journal). Ends when the run ends.
+        Errors: NOT_FOUND for an unknown id. Retry-safe: iterations come from the journal, so a client
+        that lost the stream reconnects with `from_iteration` = the last one it saw + 1.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def StopRun(self, request, context):
-        """Stops a run after the current phase, journaling where it stopped so it can resume.
+        """Stops a run after the current phase, journaling where it stopped so it can resume; replies with
+        the status once the run has stopped or the call's deadline is near (the phase then tells which).
+        Errors: NOT_FOUND for an unknown id. Idempotent (stopping a stopped run returns its status), so
+        retry-safe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -71,10 +71,14 @@ class RolloutServicer:
         finishes (not when its group or batch finishes). The server admits a bounded amount of work
         and stops reading requests while full (back-pressure). Closing or cancelling the stream
         aborts the unfinished work.
-        Errors: FAILED_PRECONDITION when the replica does not hold `expected_weights_version`
-        (retry after a weight sync, or on another replica); INVALID_ARGUMENT for bad sampling values,
-        naming the field. A prompt that cannot be served (too long) yields a sample with
-        FINISH_REASON_ERROR, and the other prompts proceed. Retry-safe: sample ids are stable.
+        Errors: FAILED_PRECONDITION when the replica does not hold `expected_weights_version`, or is
+        asleep, or its last weight update failed midway (retry after a weight sync or Wake, or on another
+        replica); INVALID_ARGUMENT for bad sampling values or groups, naming the field: among them
+        `group.n` above the replica's `max_samples_per_group` (RolloutInfo) and `sampling.max_tokens`
+        that no prompt could get within `max_model_len` (the engine never shortens a response silently).
+        A prompt that cannot be served (prompt length + max_tokens above `max_model_len`) yields samples
+        with FINISH_REASON_ERROR, and the other prompts proceed.
+        Retry-safe: sample ids are stable, and a seeded group redraws the same samples.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,29 +87,36 @@ class RolloutServicer:
     def UpdateWeights(self, request_iterator, context):
         """A stream of weight buckets followed by one commit. Tensors are staged, then applied into the
         running engine atomically at the commit; the reply acknowledges the version and a checksum of
-        what was applied. Errors: DATA_LOSS on a checksum mismatch or missing bucket (nothing applied,
-        the old version keeps serving); INVALID_ARGUMENT for unknown names or shapes. Retry-safe.
+        what was applied. Errors (nothing applied, the old version keeps serving): DATA_LOSS on a
+        checksum mismatch or missing bucket; INVALID_ARGUMENT for unknown names, wrong shapes, non-float
+        dtypes or non-finite values (naming the tensor); FAILED_PRECONDITION for a version below the one
+        held (versions only move forward) or while asleep in a sleep mode that moved the weights;
+        INTERNAL when the engine failed while applying (the replica then refuses Generate until a
+        complete update lands). Retry-safe: re-sending the same version is applied again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Sleep(self, request, context):
-        """Releases device memory held by the engine (all-shared-device mode). Idempotent.
+        """Releases device memory held by the engine (all-shared-device mode); samples in flight end with
+        FINISH_REASON_ABORT. Errors: INVALID_ARGUMENT for a level other than 1 or 2.
+        Idempotent, so retry-safe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Wake(self, request, context):
-        """Re-acquires what Sleep released. Idempotent.
+        """Re-acquires what Sleep released. Errors: none of its own. Idempotent, so retry-safe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Info(self, request, context):
-        """Describes the engine: model, layout, weights version, parameter names and shapes.
+        """Describes the engine: model, layout, limits, weights version, and the parameters UpdateWeights
+        accepts. Errors: none of its own. Read-only, so retry-safe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

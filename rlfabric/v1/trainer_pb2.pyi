@@ -1,11 +1,19 @@
 from rlfabric.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class WeightTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WEIGHT_TRANSPORT_UNSPECIFIED: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_GRPC_STREAM: _ClassVar[WeightTransport]
+WEIGHT_TRANSPORT_UNSPECIFIED: WeightTransport
+WEIGHT_TRANSPORT_GRPC_STREAM: WeightTransport
 
 class SequenceBatch(_message.Message):
     __slots__ = ("sample_ids", "token_ids", "prompt_lengths", "response_lengths", "weights_version")
@@ -108,18 +116,60 @@ class CheckpointResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ..., iteration: _Optional[int] = ..., consumed_samples: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
 
 class PushWeightsRequest(_message.Message):
-    __slots__ = ("version", "targets", "transport", "bucket_bytes", "plan")
+    __slots__ = ("version", "targets", "bucket_bytes", "transport", "plan")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
-    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     version: int
     targets: _containers.RepeatedScalarFieldContainer[str]
-    transport: str
     bucket_bytes: int
-    plan: bytes
-    def __init__(self, version: _Optional[int] = ..., targets: _Optional[_Iterable[str]] = ..., transport: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., plan: _Optional[bytes] = ...) -> None: ...
+    transport: WeightTransport
+    plan: ReshardPlan
+    def __init__(self, version: _Optional[int] = ..., targets: _Optional[_Iterable[str]] = ..., bucket_bytes: _Optional[int] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., plan: _Optional[_Union[ReshardPlan, _Mapping]] = ...) -> None: ...
+
+class ReshardPlan(_message.Message):
+    __slots__ = ("trainer_tensor_parallel_size", "trainer_pipeline_parallel_size", "dtype", "tensors")
+    TRAINER_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    trainer_tensor_parallel_size: int
+    trainer_pipeline_parallel_size: int
+    dtype: _common_pb2.DType
+    tensors: _containers.RepeatedCompositeFieldContainer[PlannedTensor]
+    def __init__(self, trainer_tensor_parallel_size: _Optional[int] = ..., trainer_pipeline_parallel_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., tensors: _Optional[_Iterable[_Union[PlannedTensor, _Mapping]]] = ...) -> None: ...
+
+class PlannedTensor(_message.Message):
+    __slots__ = ("name", "shape", "concat_dim", "sources")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CONCAT_DIM_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    concat_dim: int
+    sources: _containers.RepeatedCompositeFieldContainer[ShardSlice]
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., concat_dim: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[ShardSlice, _Mapping]]] = ...) -> None: ...
+
+class ShardSlice(_message.Message):
+    __slots__ = ("name", "tp_rank", "pp_rank", "shard_shape", "groups", "start", "stop")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    SHARD_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tp_rank: int
+    pp_rank: int
+    shard_shape: _containers.RepeatedScalarFieldContainer[int]
+    groups: int
+    start: int
+    stop: int
+    def __init__(self, name: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., shard_shape: _Optional[_Iterable[int]] = ..., groups: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class PushWeightsProgress(_message.Message):
     __slots__ = ("target", "bytes_sent", "bytes_total", "done", "checksum", "elapsed_s")
@@ -204,5 +254,5 @@ class TrainerInfo(_message.Message):
     weights_version: int
     iteration: int
     shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
-    dtype: str
-    def __init__(self, role: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., weights_version: _Optional[int] = ..., iteration: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., dtype: _Optional[str] = ...) -> None: ...
+    dtype: _common_pb2.DType
+    def __init__(self, role: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., weights_version: _Optional[int] = ..., iteration: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...

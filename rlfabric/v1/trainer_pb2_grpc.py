@@ -27,6 +27,10 @@ if _version_not_supported:
 
 class TrainerStub:
     """Trains and evaluates one model role.
+
+    Every rpc can also end with the group errors: UNAVAILABLE when a rank died (the call fails within
+    its deadline, never hangs, and the server turns NOT_SERVING), DEADLINE_EXCEEDED when the operation
+    outlives the call's deadline, INTERNAL when the operation failed on some rank.
     """
 
     def __init__(self, channel):
@@ -79,13 +83,19 @@ class TrainerStub:
 
 class TrainerServicer:
     """Trains and evaluates one model role.
+
+    Every rpc can also end with the group errors: UNAVAILABLE when a rank died (the call fails within
+    its deadline, never hangs, and the server turns NOT_SERVING), DEADLINE_EXCEEDED when the operation
+    outlives the call's deadline, INTERNAL when the operation failed on some rank.
     """
 
     def ComputeLogProbs(self, request_iterator, context):
         """Streams of sequence batches in, log-probs of their response tokens out (one reply per
         request, same order). Logits are divided by `temperature` before the log-softmax.
-        Errors: UNAVAILABLE when a rank died (the call fails within its deadline, never hangs);
-        INVALID_ARGUMENT for malformed batches. Retry-safe (pure function of weights and input).
+        Errors: INVALID_ARGUMENT for malformed batches, a temperature that is not a finite value > 0, or
+        token ids outside the vocabulary (naming the first one and the vocabulary size);
+        FAILED_PRECONDITION while the parameters are offloaded; the group errors.
+        Retry-safe (a pure function of weights and input).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,23 +104,34 @@ class TrainerServicer:
     def Update(self, request_iterator, context):
         """A stream of experience batches that together form one global batch, then one GRPO
         optimizer pass over them (mini-batches x epochs). Returns the loss metrics.
-        Errors: UNAVAILABLE (rank died), INVALID_ARGUMENT, FAILED_PRECONDITION when the batch was built
-        from a weights version other than the trainer's. Not retry-safe after the reply: the
-        update is keyed by `step`, and a repeated step is refused with ALREADY_EXISTS.
+        Errors: INVALID_ARGUMENT for malformed batches, token ids outside the vocabulary, non-finite
+        advantages or log-probs, a temperature that is not a finite value > 0, or no ref_log_probs for a
+        trainer with a KL term; FAILED_PRECONDITION when the batch was built from a weights version other
+        than the trainer's, or while any state is offloaded; ALREADY_EXISTS for a step
+        at or below the last one applied; the group errors. A failed call never moves the weights version
+        or the last step. Not retry-safe after the reply: the update is keyed by `step`, and a repeated
+        step is refused with ALREADY_EXISTS; a call that failed may be sent again with the same step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SaveCheckpoint(self, request, context):
-        """Writes a Megatron-layout checkpoint (iter_XXXXXXX/mp_rank_*) atomically.
+        """Writes a Megatron-layout checkpoint (iter_XXXXXXX/mp_rank_*) atomically (a crash leaves the
+        previous checkpoint and tracker intact). Errors: INVALID_ARGUMENT when `dir` is empty;
+        FAILED_PRECONDITION while parameters or optimizer state are offloaded; the group errors.
+        Retry-safe: writing the same iteration again replaces it with the same state.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def LoadCheckpoint(self, request, context):
-        """Loads a checkpoint with the finetune / no_load_optim / no_load_rng semantics.
+        """Loads a checkpoint with the finetune / no_load_optim / no_load_rng semantics; the weights version
+        moves forward by one (the weights changed). Errors: INVALID_ARGUMENT when `dir` is empty or the
+        checkpoint was saved with another TP x PP layout (convert it with `rlfabric convert`); NOT_FOUND
+        when `dir` holds no such checkpoint; FAILED_PRECONDITION while parameters or optimizer state are
+        offloaded; the group errors. Retry-safe: loading again gives the same state.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -118,7 +139,13 @@ class TrainerServicer:
 
     def PushWeights(self, request, context):
         """Streams this model's weights, re-laid out per the plan, to the targets (rollout replicas);
-        replies with progress per target, then the final acknowledgements.
+        replies with progress per target, then the final acknowledgements. The trainer adopts `version`
+        as the label of its weights only when every target acknowledged it.
+        Errors: INVALID_ARGUMENT for empty or duplicate targets, a missing or malformed plan, a plan for
+        another trainer layout, or an unknown transport; FAILED_PRECONDITION for a version below the
+        trainer's (versions only move forward); UNAVAILABLE when some target did not apply the version
+        (the message names each with its code; the others did apply it); the group errors.
+        Retry-safe: replicas accept the same version again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,7 +171,9 @@ class TrainerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Info(self, request, context):
-        """Describes the model group: role, layout, parameters.
+        """Describes the model group: role, layout, parameters. Errors: only the group errors (UNAVAILABLE,
+        DEADLINE_EXCEEDED, INTERNAL), and only with `include_parameters`, which asks every rank.
+        Read-only, so retry-safe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -203,6 +232,10 @@ def add_TrainerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Trainer:
     """Trains and evaluates one model role.
+
+    Every rpc can also end with the group errors: UNAVAILABLE when a rank died (the call fails within
+    its deadline, never hangs, and the server turns NOT_SERVING), DEADLINE_EXCEEDED when the operation
+    outlives the call's deadline, INTERNAL when the operation failed on some rank.
     """
 
     @staticmethod

@@ -1,23 +1,28 @@
-"""The resharding plan as it travels: `ReshardPlan`, its JSON form, and its error type.
+"""The resharding plan as it travels: `ReshardPlan`, its proto form (`trainer_pb2.ReshardPlan`), its error type.
 
 The coordinator builds plans (`services/coordinator/resharding.py`, `plan_resharding`); the trainer executes
 them (`services/trainer/weight_sync.py`). Both only share this data type and the layout rules of
 `services/common/weight_layout.py`, so neither service imports the other.
+
+`from_proto` checks everything a rank relies on before any byte moves (sizes, ranks in the layout, slices
+inside their shards, pieces that add up to the tensor), so a malformed plan is the caller's
+INVALID_ARGUMENT, never a rank blocked in a send.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Mapping
-from typing import Any
 
+from rlfabric.v1 import common_pb2, trainer_pb2
+from services.common.status import echo
+from services.common.tensors import dtype_code, dtype_name
 from services.common.weight_layout import ShardSlice, TensorRecipe
 
-PLAN_FORMAT = "rlfabric.reshard_plan/1"
+_FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
 
 class ReshardError(ValueError):
-    """The trainer and rollout layouts do not fit the model (the message names the first bad tensor)."""
+    """The trainer and rollout layouts do not fit the model, or a plan is malformed (the message says where)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,46 +48,73 @@ class ReshardPlan:
             total += n
         return total
 
-    def to_json(self) -> bytes:
-        return json.dumps({
-            "format": PLAN_FORMAT,
-            "trainer_tp": self.trainer_tp,
-            "trainer_pp": self.trainer_pp,
-            "dtype": self.dtype,
-            "tensors": [_recipe_to_dict(r) for r in self.tensors],
-        }, separators=(",", ":")).encode()
+    def to_proto(self) -> trainer_pb2.ReshardPlan:
+        return trainer_pb2.ReshardPlan(
+            trainer_tensor_parallel_size=self.trainer_tp,
+            trainer_pipeline_parallel_size=self.trainer_pp,
+            dtype=dtype_code(self.dtype) if self.dtype else common_pb2.DTYPE_UNSPECIFIED,
+            tensors=[_tensor_to_proto(r) for r in self.tensors],
+        )
 
     @classmethod
-    def from_json(cls, data: bytes | str) -> ReshardPlan:
-        try:
-            raw = json.loads(data)
-        except ValueError as e:
-            raise ReshardError(f"plan is not valid JSON ({e}); build it with ReshardPlan.to_json") from e
-        if not isinstance(raw, dict) or raw.get("format") != PLAN_FORMAT:
-            got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
-            raise ReshardError(f"plan format {got!r} is not {PLAN_FORMAT!r}; build it with ReshardPlan.to_json")
-        try:
-            return cls(int(raw["trainer_tp"]), int(raw["trainer_pp"]),
-                       tuple(_recipe_from_dict(t) for t in raw["tensors"]), str(raw.get("dtype", "")))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ReshardError(f"plan JSON is missing or mistypes a field: {e!r}") from e
+    def from_proto(cls, msg: trainer_pb2.ReshardPlan) -> ReshardPlan:
+        """The plan, checked (see module docstring); raises ReshardError naming the first problem."""
+        tp, pp = msg.trainer_tensor_parallel_size, msg.trainer_pipeline_parallel_size
+        if tp < 1 or pp < 1:
+            raise ReshardError(f"plan: trainer sizes must be >= 1, got TP={tp} PP={pp}; build plans with "
+                               "plan_resharding (services/coordinator/resharding.py)")
+        if not msg.tensors:
+            raise ReshardError("plan: no tensors")
+        dtype = ""
+        if msg.dtype != common_pb2.DTYPE_UNSPECIFIED:
+            dtype = dtype_name(msg.dtype) if msg.dtype in common_pb2.DType.values() else ""
+            if dtype not in _FLOAT_DTYPES:
+                raise ReshardError(f"plan: dtype {msg.dtype} is not a float type ({', '.join(_FLOAT_DTYPES)})")
+        return cls(tp, pp, tuple(_tensor_from_proto(t, tp, pp) for t in msg.tensors), dtype)
 
 
-def _recipe_to_dict(r: TensorRecipe) -> dict[str, Any]:
-    return {
-        "name": r.hf_name, "shape": list(r.hf_shape), "concat_dim": r.concat_dim, "relay": r.relay, "layer": r.layer,
-        "sources": [{"name": s.name, "tp_rank": s.tp_rank, "pp_rank": s.pp_rank, "shard_shape": list(s.shard_shape),
-                     "groups": s.groups, "start": s.start, "stop": s.stop} for s in r.sources],
-    }
-
-
-def _recipe_from_dict(d: Mapping[str, Any]) -> TensorRecipe:
-    sources = tuple(
-        ShardSlice(str(s["name"]), int(s["tp_rank"]), int(s["pp_rank"]), tuple(int(n) for n in s["shard_shape"]),
-                   int(s["groups"]), int(s["start"]), None if s["stop"] is None else int(s["stop"]))
-        for s in d["sources"]
+def _tensor_to_proto(r: TensorRecipe) -> trainer_pb2.PlannedTensor:
+    return trainer_pb2.PlannedTensor(
+        name=r.hf_name, shape=r.hf_shape, concat_dim=r.concat_dim,
+        sources=[trainer_pb2.ShardSlice(name=s.name, tp_rank=s.tp_rank, pp_rank=s.pp_rank,
+                                        shard_shape=s.shard_shape, groups=s.groups, start=s.start, stop=s.stop)
+                 for s in r.sources],
     )
-    if not sources:
-        raise ValueError(f"tensor {d['name']!r} has no sources")
-    return TensorRecipe(str(d["name"]), tuple(int(n) for n in d["shape"]), sources, int(d["concat_dim"]),
-                        relay=str(d.get("relay", "")), layer=d.get("layer"))
+
+
+def _tensor_from_proto(t: trainer_pb2.PlannedTensor, tp: int, pp: int) -> TensorRecipe:
+    where = f"plan tensor {echo(t.name)}"
+    shape = tuple(int(n) for n in t.shape)
+    if not shape or any(n < 1 for n in shape):
+        raise ReshardError(f"{where}: shape {echo(shape)} must have positive dimensions")
+    if t.concat_dim >= len(shape):
+        raise ReshardError(f"{where}: concat_dim {t.concat_dim} is not a dimension of shape {shape}")
+    if not t.sources:
+        raise ReshardError(f"{where}: no sources")
+    sources = tuple(_slice_from_proto(s, where, tp, pp) for s in t.sources)
+    for s in sources:
+        if len(s.shape) != len(shape) or any(a != b for i, (a, b) in enumerate(zip(s.shape, shape, strict=True))
+                                             if i != t.concat_dim):
+            raise ReshardError(f"{where}: the piece of {echo(s.name)} has shape {s.shape}, which does not fit "
+                               f"shape {shape} along concat_dim {t.concat_dim}")
+    if sum(s.shape[t.concat_dim] for s in sources) != shape[t.concat_dim]:
+        raise ReshardError(f"{where}: the pieces add up to {sum(s.shape[t.concat_dim] for s in sources)} along "
+                           f"concat_dim {t.concat_dim}, the shape has {shape[t.concat_dim]}")
+    return TensorRecipe(t.name, shape, sources, int(t.concat_dim))
+
+
+def _slice_from_proto(s: trainer_pb2.ShardSlice, where: str, tp: int, pp: int) -> ShardSlice:
+    here = f"{where}, source {echo(s.name)}"
+    if s.tp_rank >= tp or s.pp_rank >= pp:
+        raise ReshardError(f"{here}: tp_rank {s.tp_rank}, pp_rank {s.pp_rank} is outside TP={tp} PP={pp}")
+    shard_shape = tuple(int(n) for n in s.shard_shape)
+    if not shard_shape or any(n < 1 for n in shard_shape):
+        raise ReshardError(f"{here}: shard_shape {echo(shard_shape)} must have positive dimensions")
+    if s.groups < 1 or shard_shape[0] % s.groups:
+        raise ReshardError(f"{here}: groups {s.groups} must be >= 1 and divide shard_shape[0] {shard_shape[0]}")
+    block = shard_shape[0] // s.groups
+    stop = s.stop if s.HasField("stop") else None
+    if not s.start < (block if stop is None else stop) <= block:
+        raise ReshardError(f"{here}: rows [{s.start}, {stop}) must be non-empty and inside a block of {block}")
+    return ShardSlice(s.name, int(s.tp_rank), int(s.pp_rank), shard_shape, int(s.groups), int(s.start),
+                      None if stop is None else int(stop))

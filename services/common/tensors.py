@@ -52,6 +52,7 @@ _TORCH_NAMES: dict[int, str] = {
     common_pb2.DTYPE_INT64: "int64",
     common_pb2.DTYPE_BOOL: "bool",
 }
+_CODES: dict[str, int] = {name: code for code, name in _TORCH_NAMES.items()}
 
 
 class TensorDecodeError(ValueError):
@@ -60,6 +61,22 @@ class TensorDecodeError(ValueError):
 
 def itemsize(dtype: int) -> int:
     return _NUMPY_DTYPES[dtype].itemsize
+
+
+def dtype_code(dtype: Any) -> int:
+    """The `DType` value of a torch dtype or its name ("float32", "torch.bfloat16", ...)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _CODES:
+        raise ValueError(f"dtype {name!r} has no wire type (supported: {sorted(_CODES)})")
+    return _CODES[name]
+
+
+def dtype_name(code: int) -> str:
+    """The torch dtype name ("float32", "bfloat16", ...) of a `DType` value."""
+    if code not in _TORCH_NAMES:
+        raise ValueError(f"dtype {code} is not set or unknown (known: "
+                         f"{[common_pb2.DType.Name(c) for c in _TORCH_NAMES]})")
+    return _TORCH_NAMES[code]
 
 
 def to_proto(x: Any) -> common_pb2.Tensor:
@@ -119,8 +136,7 @@ def _torch_to_proto(x: torch.Tensor) -> common_pb2.Tensor:
     if x.device.type != "cpu":
         x = x.cpu()
     x = x.contiguous()
-    name = str(x.dtype).removeprefix("torch.")
-    code = {v: k for k, v in _TORCH_NAMES.items()}.get(name)
+    code = _CODES.get(str(x.dtype).removeprefix("torch."))
     if code is None:
         raise TypeError(f"unsupported torch dtype {x.dtype} for the wire")
     raw = x.view(torch.int16) if x.dtype == torch.bfloat16 else x

@@ -4,18 +4,17 @@
 
 - `trainer_shards`: the trainer's layout, as `Trainer.Info(include_parameters=True)` reports it (Megatron
   names with model-wide layer numbers, per (tp_rank, pp_rank) shapes); the TP and PP sizes follow from it.
-- `rollout_params`: what one replica loads, as `Rollout.Info(include_parameters=True)` reports it. vLLM's
-  fused names (`qkv_proj`, `gate_up_proj`) and its padded vocabulary rows are accepted and mapped to the HF
-  checkpoint names and shapes that `UpdateWeights` takes; plain HF names are taken as they are. The replica
-  receives full, unsharded HF tensors and shards them itself, so its own TP size does not change the plan.
+- `rollout_params`: what one replica loads, as `Rollout.Info(include_parameters=True)` reports it: the HF
+  checkpoint names and full shapes that `UpdateWeights` takes. The replica receives full, unsharded HF
+  tensors and fuses and shards them itself, so its own TP size does not change the plan.
 - `model_config`: the architecture (a raw HF config dict, or any object with the `ModelSpec` fields).
 
 The plan lists, per HF tensor in send order, the trainer shard slices that compose it and how (concat dim,
 QKV / gate-up re-lay, vocabulary padding cut); the layout knowledge itself lives in
 services/common/weight_layout.py. It is validated here, not at push time: every trainer shard it reads must
 exist with the expected shape, and every rollout parameter must be covered exactly once with a matching
-shape; the first mismatch raises `ReshardError` naming the tensor. Plans travel as JSON bytes in
-`PushWeightsRequest.plan` (`ReshardPlan.to_json` / `ReshardPlan.from_json`).
+shape; the first mismatch raises `ReshardError` naming the tensor. Plans travel as a `trainer_pb2.ReshardPlan`
+message in `PushWeightsRequest.plan` (`ReshardPlan.to_proto` / `ReshardPlan.from_proto`).
 """
 
 from __future__ import annotations
@@ -27,10 +26,7 @@ from typing import Any
 from services.common import weight_layout
 from services.common.model_spec import ModelSpec, spec_from_hf_config
 from services.common.reshard_plan import ReshardError, ReshardPlan
-
-# vLLM fuses these HF tensors into one parameter (rows concatenated in this order).
-_VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+from services.common.tensors import dtype_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +62,9 @@ def plan_resharding(
 ) -> ReshardPlan:
     """The plan moving the trainer's shards into the rollout's tensors (see module docstring).
 
-    `rollout_params`: name -> shape, or items with `.name`, `.shape` (and optionally `.dtype`, a DType enum
-    value or a name), such as `rollout_pb2.ParameterInfo`. `dtype` overrides the dtype to send; by default
-    it is the rollout parameters' dtype when they report one.
+    `rollout_params`: HF name -> shape, or items with `.name`, `.shape` (and optionally `.dtype`, a DType
+    enum value or a name), such as `rollout_pb2.ParameterInfo`. `dtype` overrides the dtype to send; by
+    default it is the rollout parameters' dtype when they report one.
     """
     spec = model_facts(model_config)
     shards = [TrainerShard.of(s) for s in trainer_shards]
@@ -86,8 +82,8 @@ def plan_resharding(
     for name, shape in wanted.items():
         r = by_name.get(name)
         if r is None:
-            raise ReshardError(f"rollout parameter {name!r} has no counterpart in the trainer's model "
-                               f"(is the replica serving another architecture?)")
+            raise ReshardError(f"rollout parameter {name!r} has no counterpart in the trainer's model (Rollout.Info "
+                               f"lists HF checkpoint names; is the replica serving another architecture?)")
         if r.hf_shape != shape:
             raise ReshardError(f"rollout parameter {name!r} has shape {shape}, the trainer's model gives {r.hf_shape}")
     missing = [r.hf_name for r in recipes if r.hf_name not in wanted]
@@ -96,7 +92,8 @@ def plan_resharding(
                            f"is the replica serving another architecture?")
     if dtype is None:
         dtype = dtypes.pop() if len(dtypes) == 1 else ""
-    tensors = tuple(dataclasses.replace(r, mirrors=()) for r in recipes)
+    # What the trainer needs to cut and join each tensor; mirrors, re-lay and layer labels stay layout facts.
+    tensors = tuple(weight_layout.TensorRecipe(r.hf_name, r.hf_shape, r.sources, r.concat_dim) for r in recipes)
     return ReshardPlan(tp, pp, tensors, dtype)
 
 
@@ -125,48 +122,20 @@ def _check_trainer_shards(shards: list[TrainerShard], spec: ModelSpec, tp: int, 
 
 
 def _rollout_hf_shapes(params: Any, spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """HF name -> shape the rollout loads (vLLM fusions split, vocab padding dropped), and the dtypes seen."""
+    """HF name -> shape the rollout loads, and the dtypes seen."""
     items: list[tuple[str, tuple[int, ...], Any]]
     if isinstance(params, Mapping):
         items = [(n, tuple(int(d) for d in s), None) for n, s in params.items()]
     else:
         items = [(p.name, tuple(int(d) for d in p.shape), getattr(p, "dtype", None)) for p in params]
-    d, g = spec.head_dim, spec.num_key_value_heads
-    split_rows = {"q_proj": spec.num_attention_heads * d, "k_proj": g * d, "v_proj": g * d,
-                  "gate_proj": spec.intermediate_size, "up_proj": spec.intermediate_size}
     out: dict[str, tuple[int, ...]] = {}
     dtypes: set[str] = set()
-
-    def add(name: str, shape: tuple[int, ...]) -> None:
-        if name in out:
-            raise ReshardError(f"rollout parameter {name!r} is covered twice (listed both fused and unfused?)")
-        out[name] = shape
-
     for name, shape, dt in items:
         if dt is not None and dt != "" and dt != 0:
-            dtypes.add(_dtype_name(dt))
+            dtypes.add(dt.removeprefix("torch.") if isinstance(dt, str) else dtype_name(int(dt)))
         if spec.tie_word_embeddings and name == "lm_head.weight":
             continue  # tied: the replica's lm_head is its embedding, which is sent
-        prefix, _, rest = name.rpartition(".")[0].rpartition(".")
-        suffix = name.rpartition(".")[2]
-        if rest in _VLLM_FUSED:
-            parts = _VLLM_FUSED[rest]
-            rows = [split_rows[p] for p in parts]
-            if not shape or shape[0] != sum(rows):
-                raise ReshardError(f"rollout parameter {name!r} has shape {shape}, expected {sum(rows)} rows "
-                                   f"({' + '.join(f'{p} {n}' for p, n in zip(parts, rows, strict=True))})")
-            for p, n in zip(parts, rows, strict=True):
-                add(f"{prefix}.{p}.{suffix}", (n, *shape[1:]))
-        elif name in _VOCAB_TENSORS and shape and shape[0] > spec.vocab_size:
-            add(name, (spec.vocab_size, *shape[1:]))  # the engine pads its vocabulary; HF rows are what it loads
-        else:
-            add(name, shape)
+        if name in out:
+            raise ReshardError(f"rollout parameter {name!r} is listed twice")
+        out[name] = shape
     return out, dtypes
-
-
-def _dtype_name(dt: Any) -> str:
-    if isinstance(dt, str):
-        return dt.removeprefix("torch.")
-    from rlfabric.v1 import common_pb2
-
-    return common_pb2.DType.Name(int(dt)).removeprefix("DTYPE_").lower()

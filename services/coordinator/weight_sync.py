@@ -43,9 +43,9 @@ class WeightSync:
         self.hf_config = hf_config
         self.deadline_s = deadline_s
         self.version: int | None = None
-        self._plans: list[tuple[list[str], bytes]] | None = None  # (targets, plan) per replica layout
+        self._plans: list[tuple[list[str], trainer_pb2.ReshardPlan]] | None = None  # (targets, plan) per replica layout
 
-    def _plan(self) -> list[tuple[list[str], bytes]]:
+    def _plan(self) -> list[tuple[list[str], trainer_pb2.ReshardPlan]]:
         from services.coordinator.resharding import plan_resharding
 
         groups: dict[tuple, tuple[list[str], Any]] = {}
@@ -54,7 +54,7 @@ class WeightSync:
             signature = tuple((p.name, tuple(p.shape), p.dtype) for p in params)
             groups.setdefault(signature, ([], params))[0].append(r.address)
         shards = self.actor.Info(trainer_pb2.TrainerInfoRequest(include_parameters=True), timeout=60).shards
-        return [(targets, plan_resharding(shards, params, self.hf_config).to_json())
+        return [(targets, plan_resharding(shards, params, self.hf_config).to_proto())
                 for targets, params in groups.values()]
 
     def push(self, version: int) -> None:
@@ -71,7 +71,7 @@ class WeightSync:
             raise IterationError(f"weight sync: {e.code().name}: {e.details()}") from e
         self.version = version
 
-    def _push(self, targets: list[str], version: int, plan: bytes) -> None:
+    def _push(self, targets: list[str], version: int, plan: trainer_pb2.ReshardPlan) -> None:
         acked: dict[str, int] = {}
         request = trainer_pb2.PushWeightsRequest(version=version, targets=targets, plan=plan)
         for progress in self.actor.PushWeights(request, timeout=self.deadline_s):

@@ -45,3 +45,47 @@ def test_package_is_versioned(repo_root: Path) -> None:
     for proto in protogen.proto_files():
         assert "package rlfabric.v1;" in proto.read_text(), proto
         assert proto.parent == repo_root / "protos" / "rlfabric" / "v1"
+
+
+
+def _rpc_comments(proto: Path) -> dict[str, str]:
+    """rpc name -> the comment block right above it."""
+    lines = proto.read_text().splitlines()
+    out = {}
+    for i, line in enumerate(lines):
+        match = re.match(r"\s*rpc (\w+)\(", line)
+        if not match:
+            continue
+        block = []
+        j = i - 1
+        while j >= 0 and lines[j].strip().startswith("//"):
+            block.insert(0, lines[j].strip().removeprefix("//").strip())
+            j -= 1
+        out[match.group(1)] = " ".join(block)
+    return out
+
+
+def test_every_rpc_lists_its_error_codes_and_whether_to_retry() -> None:
+    import grpc
+
+    codes = {c.name for c in grpc.StatusCode} - {"OK"}
+    missing = []
+    for proto in protogen.proto_files():
+        for rpc, comment in _rpc_comments(proto).items():
+            # "any code": a contract others implement (Verifier.Verify) may end a stream with whatever it needs.
+            names_a_code = (any(re.search(rf"\b{c}\b", comment) for c in codes) or "Errors: none" in comment
+                            or "any code" in comment)
+            says_retry = re.search(r"retry|idempotent", comment, re.IGNORECASE)
+            if not (names_a_code and says_retry):
+                missing.append(f"{proto.name} {rpc}: " + ("" if names_a_code else "no status code; ")
+                               + ("" if says_retry else "no retry statement"))
+    assert not missing, "\n".join(missing)
+
+
+def test_the_contract_is_typed() -> None:
+    """No dtype as a string, no JSON in bytes: enums and messages."""
+    for proto in protogen.proto_files():
+        text = proto.read_text()
+        assert not re.search(r"^\s*string dtype = ", text, re.MULTILINE), proto.name
+        assert not re.search(r"^\s*bytes plan = ", text, re.MULTILINE), proto.name
+        assert not re.search(r"^\s*string transport = ", text, re.MULTILINE), proto.name

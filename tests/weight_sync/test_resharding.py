@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rlfabric.v1 import common_pb2, trainer_pb2
 from services.common import weight_layout
 from services.common.model_spec import read_hf_config, spec_from_hf_config
 from services.coordinator.resharding import ReshardError, ReshardPlan, TrainerShard, plan_resharding
@@ -47,29 +46,13 @@ def trainer_shards(shards: dict, spec, pp: int) -> list[TrainerShard]:
     return out
 
 
-def vllm_params(spec) -> dict[str, tuple[int, ...]]:
-    """The parameter names vLLM reports: q/k/v and gate/up fused, vocabulary padded to 64."""
-    out: dict[str, tuple[int, ...]] = {}
-    for r in weight_layout.recipes(spec, 1, 1):
-        name, shape = r.hf_name, r.hf_shape
-        for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
-            for i, part in enumerate(parts):
-                if f".{part}." in name:
-                    name = name.replace(part, fused)
-                    shape = (out[name][0] + shape[0], *shape[1:]) if i else shape
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            shape = (-(-shape[0] // 64) * 64, *shape[1:])
-        out[name] = shape
-    return out
-
-
-def check_plan_reproduces_mcore_to_hf(cfg: dict, tp: int, pp: int, rollout_names: str = "hf") -> ReshardPlan:
+def check_plan_reproduces_mcore_to_hf(cfg: dict, tp: int, pp: int) -> ReshardPlan:
     spec = spec_from_hf_config(cfg)
     hf = random_hf_state(spec)
     shards = hf_to_mcore(hf, spec, tp, pp)
-    rollout = {k: tuple(v.shape) for k, v in hf.items()} if rollout_names == "hf" else vllm_params(spec)
+    rollout = {k: tuple(v.shape) for k, v in hf.items()}  # what Rollout.Info lists: the HF checkpoint's tensors
     plan = plan_resharding(trainer_shards(shards, spec, pp), rollout, cfg)
-    decoded = ReshardPlan.from_json(plan.to_json())
+    decoded = ReshardPlan.from_proto(trainer_pb2.ReshardPlan.FromString(plan.to_proto().SerializeToString()))
     assert decoded == plan
     expected = mcore_to_hf(shards, spec, tp, pp)
     got = dict(weight_layout.to_hf(decoded.tensors, lambda s: shards[s.key][s.name]))
@@ -90,15 +73,15 @@ def test_plan_reproduces_mcore_to_hf(family: str, tp: int, pp: int) -> None:
 
 
 @pytest.mark.parametrize(("tp", "pp"), LAYOUTS)
-def test_plan_on_the_tiny_qwen2_with_vllm_names(tiny_model_dir, tp: int, pp: int) -> None:
+def test_plan_on_the_tiny_qwen2_checkpoint(tiny_model_dir, tp: int, pp: int) -> None:
     spec, raw = read_hf_config(tiny_model_dir)
     if spec.num_key_value_heads % tp:
         pytest.skip("TP does not divide the kv heads")
     hf = load_hf_state(tiny_model_dir)
     shards = hf_to_mcore(hf, spec, tp, pp)
-    plan = plan_resharding(trainer_shards(shards, spec, pp), vllm_params(spec), raw)
+    plan = plan_resharding(trainer_shards(shards, spec, pp), {k: tuple(v.shape) for k, v in hf.items()}, raw)
     assert (plan.trainer_tp, plan.trainer_pp) == (tp, pp)
-    got = dict(weight_layout.to_hf(ReshardPlan.from_json(plan.to_json()).tensors, lambda s: shards[s.key][s.name]))
+    got = dict(weight_layout.to_hf(ReshardPlan.from_proto(plan.to_proto()).tensors, lambda s: shards[s.key][s.name]))
     assert {r.hf_name for r in got} == set(hf)
     assert all(torch.equal(t, hf[r.hf_name]) for r, t in got.items())
 
@@ -114,29 +97,29 @@ def test_plan_on_the_tiny_qwen2_with_vllm_names(tiny_model_dir, tp: int, pp: int
     tie=st.booleans(),
     tp=st.sampled_from([1, 2, 4]),
     pp=st.sampled_from([1, 2]),
-    vllm_names=st.booleans(),
 )
-def test_any_layout_round_trips(model_type, groups, q_per_group, head_dim, layers, vocab, tie, tp, pp,
-                                vllm_names) -> None:
+def test_any_layout_round_trips(model_type, groups, q_per_group, head_dim, layers, vocab, tie, tp, pp) -> None:
     if groups % tp:
         tp = 1
     heads = groups * q_per_group
     cfg = dict(model_type=model_type, vocab_size=vocab, hidden_size=8, num_hidden_layers=layers,
                num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim, intermediate_size=4 * tp,
                tie_word_embeddings=tie)
-    check_plan_reproduces_mcore_to_hf(cfg, tp, pp, "vllm" if vllm_names else "hf")
+    check_plan_reproduces_mcore_to_hf(cfg, tp, pp)
 
 
-def test_plan_json_names_every_source_and_the_re_lay() -> None:
+def test_plan_message_names_every_source_slice() -> None:
     plan = check_plan_reproduces_mcore_to_hf(FAMILIES["qwen2"], 2, 2)
-    raw = json.loads(plan.to_json())
-    k = next(t for t in raw["tensors"] if t["name"] == "model.layers.1.self_attn.k_proj.weight")
-    assert k["relay"] == "qkv:k" and k["concat_dim"] == 0
-    # Layer 1 is stage 1's local layer 0; TP rank r holds query groups 2r, 2r+1 (8 heads, 4 groups, d=4).
-    assert [(s["name"], s["tp_rank"], s["pp_rank"], s["groups"], s["start"], s["stop"]) for s in k["sources"]] == [
+    msg = plan.to_proto()
+    assert (msg.trainer_tensor_parallel_size, msg.trainer_pipeline_parallel_size) == (2, 2)
+    k = next(t for t in msg.tensors if t.name == "model.layers.1.self_attn.k_proj.weight")
+    assert k.concat_dim == 0
+    # Layer 1 is stage 1's local layer 0; TP rank r holds query groups 2r, 2r+1 (8 heads, 4 groups, d=4), each
+    # block [q q; k; v] of 4 rows per head: k is rows [8, 12) of each of the rank's 2 blocks.
+    assert [(s.name, s.tp_rank, s.pp_rank, s.groups, s.start, s.stop) for s in k.sources] == [
         ("decoder.layers.0.self_attention.linear_qkv.weight", t, 1, 2, 8, 12) for t in (0, 1)]
-    o = next(t for t in raw["tensors"] if t["name"] == "model.layers.0.self_attn.o_proj.weight")
-    assert o["concat_dim"] == 1
+    o = next(t for t in msg.tensors if t.name == "model.layers.0.self_attn.o_proj.weight")
+    assert o.concat_dim == 1 and not o.sources[0].HasField("stop")
     # Tied embeddings: the last stage's output_layer copy is never read, the embedding is sent once.
     assert "output_layer.weight" not in plan.shards_of(1, 1)
     assert [r.hf_name for r in plan.tensors].count("model.embed_tokens.weight") == 1
@@ -165,8 +148,9 @@ def test_uncovered_and_unknown_rollout_parameters_are_named() -> None:
     rollout = {k: tuple(v.shape) for k, v in hf.items()} | {"model.layers.0.mlp.extra.weight": (2,)}
     with pytest.raises(ReshardError, match=r"'model\.layers\.0\.mlp\.extra\.weight' has no counterpart"):
         plan_resharding(shards, rollout, cfg)
+    # vLLM's fused names are not what UpdateWeights takes, so Rollout.Info never lists them.
     fused = {k: tuple(v.shape) for k, v in hf.items()} | {"model.layers.0.mlp.gate_up_proj.weight": (80, 32)}
-    with pytest.raises(ReshardError, match="covered twice"):
+    with pytest.raises(ReshardError, match="'model.layers.0.mlp.gate_up_proj.weight' has no counterpart"):
         plan_resharding(shards, fused, cfg)
 
 
@@ -182,8 +166,29 @@ def test_trainer_shard_mismatch_names_the_shard() -> None:
         plan_resharding(missing, rollout, cfg)
 
 
-def test_bad_plan_bytes_are_refused_clearly() -> None:
-    with pytest.raises(ReshardError, match="not valid JSON"):
-        ReshardPlan.from_json(b"{")
-    with pytest.raises(ReshardError, match="format"):
-        ReshardPlan.from_json(b'{"format": "other"}')
+def _plan_message() -> trainer_pb2.ReshardPlan:
+    cfg, spec, hf, shards = _tiny_inputs()
+    return plan_resharding(shards, {k: tuple(v.shape) for k, v in hf.items()}, cfg).to_proto()
+
+
+def _broken(edit) -> trainer_pb2.ReshardPlan:
+    msg = _plan_message()
+    edit(msg)
+    return msg
+
+
+@pytest.mark.parametrize(("edit", "words"), [
+    (lambda m: m.ClearField("tensors"), "no tensors"),
+    (lambda m: setattr(m, "trainer_tensor_parallel_size", 0), "trainer sizes must be >= 1"),
+    (lambda m: setattr(m, "dtype", common_pb2.DTYPE_INT32), "not a float type"),
+    (lambda m: m.tensors[0].ClearField("sources"), "no sources"),
+    (lambda m: setattr(m.tensors[0], "concat_dim", 5), "concat_dim 5"),
+    (lambda m: setattr(m.tensors[0].sources[0], "tp_rank", 2), "outside TP=2 PP=1"),
+    (lambda m: setattr(m.tensors[0].sources[0], "groups", 7), "groups 7"),
+    (lambda m: setattr(m.tensors[0].sources[0], "stop", 0), "inside a block"),
+    (lambda m: m.tensors[0].sources.append(m.tensors[0].sources[0]), "add up to"),
+    (lambda m: m.tensors[0].shape.append(3), "does not fit"),
+])
+def test_malformed_plans_are_refused_naming_the_problem(edit, words) -> None:
+    with pytest.raises(ReshardError, match=words):
+        ReshardPlan.from_proto(_broken(edit))

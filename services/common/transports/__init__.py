@@ -1,13 +1,15 @@
 """Weight transports: how one version of HF-named tensors travels from the trainer to the rollout replicas.
 
-`TRANSPORTS` maps the `PushWeightsRequest.transport` names to implementations (base.py has the interface).
+`TRANSPORTS` maps the `PushWeightsRequest.transport` values (the `WeightTransport` enum) to implementations
+(base.py has the interface); it lists exactly the transports that exist.
 """
 
 from __future__ import annotations
 
+from rlfabric.v1 import trainer_pb2
 from services.common.transports.base import TargetFailure, WeightAck, WeightTransport
 from services.common.transports.grpc_stream import GrpcStreamTransport
 
-TRANSPORTS: dict[str, type[WeightTransport]] = {"grpc": GrpcStreamTransport}
+TRANSPORTS: dict[int, type[WeightTransport]] = {trainer_pb2.WEIGHT_TRANSPORT_GRPC_STREAM: GrpcStreamTransport}
 
 __all__ = ["TRANSPORTS", "GrpcStreamTransport", "TargetFailure", "WeightAck", "WeightTransport"]

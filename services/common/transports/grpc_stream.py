@@ -10,8 +10,8 @@ sent. A target that fails (refuses a bucket, drops the connection) or misses the
 the other targets go on.
 
 Limits: one tensor must fit in one gRPC message (services/common/server.py MAX_MESSAGE_BYTES). Shared-memory
-(same host) and torch.distributed collective transports are not implemented yet (`PushWeightsRequest.transport`
-"shm" / "collective"); they would implement the same `WeightTransport.send`.
+(same host) and torch.distributed collective transports do not exist yet; they would implement the same
+`WeightTransport.send` and get their own `WeightTransport` enum value in trainer.proto.
 """
 
 from __future__ import annotations
