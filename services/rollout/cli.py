@@ -35,6 +35,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="overrides generate_config.max_model_len")
     p.add_argument("--max-in-flight", type=int, default=None,
                    help="samples admitted into the engine at once (default 2 x max_num_seqs)")
+    p.add_argument("--max-samples-per-group", type=int, default=None,
+                   help="largest PromptGroup.n served; a larger one is refused (default 4 x max_num_seqs)")
     p.add_argument("--cpu-kv-cache-gib", type=int, default=1, help="CPU only: KV-cache size in GiB (default 1)")
     p.add_argument("--num-threads", type=int, default=None, help="CPU only: torch threads for the engine")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
@@ -48,7 +50,7 @@ def build_options(args: argparse.Namespace):  # noqa: ANN201 - heavy types impor
     """EngineOptions and default SamplingOptions from the config (if any) and the flags."""
     import dataclasses
 
-    from services.rollout.engine import EngineOptions, SamplingOptions, options_from_config
+    from services.rollout.options import EngineOptions, SamplingOptions, options_from_config
 
     extra = {"cpu_kv_cache_gib": args.cpu_kv_cache_gib, "num_threads": args.num_threads, "seed": args.seed}
     if args.config:
@@ -75,13 +77,18 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from services.common.server import serve_until_signal
     from services.rollout.engine import RolloutEngine
+    from services.rollout.options import InvalidSamplingValue
     from services.rollout.server import SERVICE_NAME, create_rollout_server
 
     engine_options, sampling = build_options(args)
-    sampling.validate()
+    try:
+        sampling.validate(engine_options.max_model_len)
+    except InvalidSamplingValue as e:
+        raise SystemExit(f"rlfabric rollout serve: generate_config.sampling_config: {e}") from e
     engine = RolloutEngine(engine_options)
     guarded = {f"/{SERVICE_NAME}/{m}" for m in ("UpdateWeights", "Sleep", "Wake")}
     server, _ = create_rollout_server(engine, sampling, args.address, max_in_flight_samples=args.max_in_flight,
+                                      max_samples_per_group=args.max_samples_per_group,
                                       metrics_port=args.metrics_port, auth_token=args.auth_token,
                                       auth_methods=guarded if args.auth_token else None)
     server.start()

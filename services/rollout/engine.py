@@ -18,7 +18,9 @@ Choices:
   sleep), so on CPU `sleep` frees the KV-cache storage and `wake` re-allocates and zeroes it; weights stay
   in host memory (they already live there), so both levels behave the same on CPU.
 - vLLM settings that come from the environment (in-process engine core, cache root, CPU KV-cache size)
-  are set here from `EngineOptions`; users set none of them.
+  are set from `EngineOptions` (vllm_args.py); users set none of them.
+- A weight update never takes the served version backwards (checked here, where updates are applied,
+  because several servicers may share one engine).
 
 Knows nothing of gRPC (see server.py).
 """
@@ -27,122 +29,34 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
-import os
 import queue
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from services.rollout import metrics, worker_ops
-from services.rollout.weights import ParamSpec, StagedUpdate
+from services.rollout.options import EngineOptions
+from services.rollout.samples import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    SampleRequest,
+    SampleResult,
+)
+from services.rollout.vllm_args import configure_environment, engine_args, sampling_params
+from services.rollout.weights import StagedUpdate, WeightsVersionBehind, read_checkpoint_specs
 
 logger = logging.getLogger(__name__)
-
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-FINISH_ABORT = "abort"
-FINISH_ERROR = "error"
-
-
-class InvalidSamplingValue(ValueError):
-    """A sampling value out of range; `field` names the offending SamplingParams field."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"sampling.{field_name}: {message}")
-        self.field = field_name
 
 
 class EngineUnavailable(RuntimeError):
     """The engine cannot generate now (asleep, or its weights are invalid); the message says why."""
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """How to build the engine; the fields mirror `generate_config` (see `options_from_config`)."""
-
-    model: str
-    tensor_parallel_size: int = 1
-    max_num_seqs: int = 64
-    max_model_len: int = 2048
-    max_num_batched_tokens: int | None = None
-    dtype: str = "auto"
-    gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = True
-    enable_prefix_caching: bool = False
-    trust_remote_code: bool = False
-    seed: int = 0
-    logprobs_mode: str = "processed_logprobs"
-    # CPU only: GiB of host memory for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE).
-    cpu_kv_cache_gib: int = 1
-    # Where vLLM keeps its caches (VLLM_CACHE_ROOT); default: a folder under the system temp dir.
-    cache_root: str | None = None
-    # CPU only: torch threads for the engine (vLLM forbids changing them once the worker started).
-    num_threads: int | None = None
-    # vllm-ascend's options as MindSpeed-RL passes them (`generate_config.vllm_additional_config()`, expert
-    # parallelism); vLLM hands `additional_config` to its platform plugin, so other platforms ignore it.
-    additional_config: dict[str, Any] = field(default_factory=dict)
-    enable_expert_parallel: bool = False
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """Sampling values for one sample; mirrors `generate_config.sampling_config`."""
-
-    max_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    logprobs: int = 0
-    seed: int | None = None
-
-    def validate(self) -> None:
-        """Raises InvalidSamplingValue naming the first field out of range."""
-        if self.max_tokens < 1:
-            raise InvalidSamplingValue("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidSamplingValue("temperature", f"must be a finite value >= 0, got {self.temperature}")
-        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidSamplingValue("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1 or self.top_k == 0:
-            raise InvalidSamplingValue("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
-        if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
-            raise InvalidSamplingValue("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not 0 <= self.logprobs <= 20:
-            raise InvalidSamplingValue("logprobs", f"must be in [0, 20], got {self.logprobs}")
-
-
-@dataclass(frozen=True)
-class SampleRequest:
-    """One sample to generate."""
-
-    request_id: str
-    prompt_token_ids: Sequence[int]
-    sampling: SamplingOptions
-    # When non-zero, the sample starts only if the engine still holds this version when it is admitted.
-    expected_weights_version: int = 0
-
-
-@dataclass
-class SampleResult:
-    """One finished (or failed) sample."""
-
-    request_id: str
-    response_token_ids: np.ndarray  # int32 [response_length]
-    response_log_probs: np.ndarray  # float32 [response_length]
-    finish_reason: str  # FINISH_STOP | FINISH_LENGTH | FINISH_ABORT | FINISH_ERROR
-    prompt_length: int
-    weights_version: int
-    error: str = ""
-    finished_at: float = field(default_factory=time.monotonic)  # time.monotonic()
 
 
 @dataclass
@@ -153,54 +67,6 @@ class _InFlight:
     submitted_at: float
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
-
-
-def options_from_config(generate_config: Any, model: str, **extra: Any) -> tuple[EngineOptions, SamplingOptions]:
-    """Builds the engine and default sampling options from MindSpeed-RL's `generate_config` section.
-
-    Args:
-        generate_config: an object with the `generate_config` YAML keys as attributes (and `sampling_config`).
-        model: HF model folder the engine loads.
-        extra: EngineOptions fields not in the YAML (cpu_kv_cache_gib, cache_root, num_threads, seed, ...).
-    """
-    g = generate_config
-    s = g.sampling_config
-    engine = EngineOptions(
-        model=str(model),
-        tensor_parallel_size=int(g.infer_tensor_parallel_size),
-        max_num_seqs=int(g.max_num_seqs),
-        max_model_len=int(g.max_model_len),
-        max_num_batched_tokens=g.max_num_batched_tokens,
-        dtype=str(g.dtype),
-        gpu_memory_utilization=float(g.gpu_memory_utilization),
-        enforce_eager=bool(g.enforce_eager),
-        enable_prefix_caching=bool(g.enable_prefix_caching),
-        trust_remote_code=bool(g.trust_remote_code),
-        additional_config=g.vllm_additional_config(),
-        enable_expert_parallel=bool(g.enable_expert_parallel),
-        **extra,
-    )
-    sampling = SamplingOptions(
-        max_tokens=int(s.max_tokens),
-        temperature=float(s.temperature),
-        top_p=float(s.top_p),
-        top_k=int(s.top_k) if int(s.top_k) != 0 else -1,
-        min_p=float(s.min_p),
-        logprobs=int(s.logprobs or 0),
-        seed=s.seed,
-    )
-    return engine, sampling
-
-
-def configure_environment(options: EngineOptions) -> None:
-    """Sets the vLLM environment variables this adapter relies on (before vLLM reads them)."""
-    # One engine per service process, driven from our own thread: no engine-core subprocess.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    cache_root = options.cache_root or os.path.join(tempfile.gettempdir(), f"rlfabric-vllm-cache-{os.getuid()}")
-    os.environ["VLLM_CACHE_ROOT"] = cache_root
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(options.cpu_kv_cache_gib))
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
 
 
 class RolloutEngine:
@@ -233,46 +99,24 @@ class RolloutEngine:
         if options.num_threads:
             torch.set_num_threads(options.num_threads)
         import vllm
-        from vllm import EngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        from services.rollout.patches import apply_patches, engine_arg_overrides, keep_torch_set_num_threads
+        from services.rollout.patches import apply_patches, keep_torch_set_num_threads
 
         self.is_cpu = current_platform.is_cpu()
         self.patches = apply_patches()
         self.sleep_mode_native = not self.is_cpu and current_platform.is_sleep_mode_available()
         started = time.monotonic()
-        overrides = engine_arg_overrides(options.max_model_len, options.max_num_batched_tokens)
-        args = EngineArgs(
-            model=options.model,
-            tensor_parallel_size=options.tensor_parallel_size,
-            max_num_seqs=options.max_num_seqs,
-            max_model_len=options.max_model_len,
-            max_num_batched_tokens=overrides.get("max_num_batched_tokens", options.max_num_batched_tokens),
-            enable_chunked_prefill=overrides.get("enable_chunked_prefill"),
-            dtype=options.dtype,
-            gpu_memory_utilization=options.gpu_memory_utilization,
-            enforce_eager=options.enforce_eager,
-            enable_prefix_caching=options.enable_prefix_caching,
-            trust_remote_code=options.trust_remote_code,
-            seed=options.seed,
-            logprobs_mode=options.logprobs_mode,
-            enable_sleep_mode=self.sleep_mode_native,
-            disable_log_stats=True,
-            additional_config=dict(options.additional_config),
-            enable_expert_parallel=options.enable_expert_parallel,
-        )
+        args = engine_args(options, sleep_mode=self.sleep_mode_native)
         with keep_torch_set_num_threads():
             self._engine = LLMEngine.from_engine_args(args)
         self.engine_name = f"vllm {vllm.__version__}"
         self.dtype = str(self._engine.model_config.dtype).removeprefix("torch.")
         self.max_model_len = int(self._engine.model_config.max_model_len)
         self.build_seconds = time.monotonic() - started
+        # What UpdateWeights accepts, and what Info lists: the HF checkpoint's names and full shapes.
         self.expected_weights = read_checkpoint_specs(options.model, self._engine.model_config.dtype)
-        self.engine_parameters: list[tuple[str, tuple[int, ...], str]] = self._engine.apply_model(
-            worker_ops.describe_parameters
-        )[0]
 
     # --- public API (thread-safe) -----------------------------------------------------------------------
 
@@ -313,6 +157,10 @@ class RolloutEngine:
     def wake(self) -> float:
         """Re-acquires what `sleep` released; idempotent. Returns seconds taken."""
         return self._call(self._wake)
+
+    def engine_parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """vLLM's own parameters (fused, possibly repacked), for diagnostics; updates use HF names."""
+        return self._call(lambda: self._engine.apply_model(worker_ops.parameter_shapes)[0])
 
     def num_in_flight(self) -> int:
         return len(self._active)
@@ -376,41 +224,25 @@ class RolloutEngine:
                     self._abort(list(self._active), f"engine step failed: {e}")
 
     def _add(self, request: SampleRequest, on_finish: Callable[[SampleResult], None]) -> None:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
         reason = self.unavailable_reason()
         expected = request.expected_weights_version
         if reason is None and expected and expected != self._version:
             # The version changed between the caller's check and this point: never mix versions.
-            self._deliver(on_finish, _failed(request, self._version, FINISH_ABORT,
+            self._deliver(on_finish, SampleResult.failed(request, self._version, FINISH_ABORT,
                                              f"the weights changed to version {self._version} before this sample "
                                              f"started (expected {expected}); regenerate at the new version"))
             return
         if reason is None:
-            s = request.sampling
-            params = SamplingParams(
-                n=1,
-                max_tokens=s.max_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k if s.top_k > 0 else 0,
-                min_p=s.min_p,
-                seed=s.seed,
-                # Only the sampled token's log-prob travels back (Sample has no top-k field).
-                logprobs=0,
-                detokenize=False,
-                skip_special_tokens=False,
-                output_kind=RequestOutputKind.DELTA,
-            )
+            params = sampling_params(request.sampling)
             try:
                 prompt = TokensPrompt(prompt_token_ids=[int(t) for t in request.prompt_token_ids])
                 self._engine.add_request(request.request_id, prompt, params)
             except Exception as e:  # noqa: BLE001 - vLLM's input validation (length, vocab, ...): this sample only
                 reason = f"prompt rejected by the engine: {e}"
         if reason is not None:
-            self._deliver(on_finish, _failed(request, self._version, FINISH_ERROR, reason))
+            self._deliver(on_finish, SampleResult.failed(request, self._version, FINISH_ERROR, reason))
             return
         self._active[request.request_id] = _InFlight(request, on_finish, self._version, time.monotonic())
         metrics.REQUESTS_ADMITTED.inc()
@@ -467,7 +299,8 @@ class RolloutEngine:
             entry = self._active.pop(rid)
             metrics.SAMPLES_FINISHED.labels(FINISH_ABORT).inc()
             if reason is not None:
-                self._deliver(entry.on_finish, _failed(entry.request, entry.version, FINISH_ABORT, reason))
+                self._deliver(entry.on_finish, SampleResult.failed(entry.request, entry.version, FINISH_ABORT,
+                                                                  reason))
         self._update_queue_gauges()
 
     @staticmethod
@@ -481,6 +314,8 @@ class RolloutEngine:
         if self._sleeping and self.sleep_mode_native:
             # vLLM's sleep mode has moved or discarded the device weights; writing them now would be lost.
             raise EngineUnavailable("the replica is asleep; call Wake before UpdateWeights")
+        if update.version < self._version:
+            raise WeightsVersionBehind(update.version, self._version)
         started = time.monotonic()
         if self._active:
             self._abort(list(self._active),
@@ -543,30 +378,3 @@ class RolloutEngine:
 def _log_failure(future: Future) -> None:
     if future.exception() is not None:
         logger.error("engine command failed", exc_info=future.exception())
-
-
-def _failed(request: SampleRequest, version: int, reason: str, error: str) -> SampleResult:
-    return SampleResult(
-        request_id=request.request_id,
-        response_token_ids=np.zeros(0, dtype=np.int32),
-        response_log_probs=np.zeros(0, dtype=np.float32),
-        finish_reason=reason,
-        prompt_length=len(request.prompt_token_ids),
-        weights_version=version,
-        error=error,
-    )
-
-
-def read_checkpoint_specs(model_dir: str, dtype: Any) -> dict[str, ParamSpec]:
-    """Names and full shapes of the tensors in the model folder's safetensors files (the update names)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}: the rollout engine needs an HF folder")
-    specs: dict[str, ParamSpec] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                specs[name] = ParamSpec(tuple(f.get_slice(name).get_shape()), dtype)
-    return specs

@@ -4,11 +4,14 @@
 version, waits for admission capacity and hands the group's n samples to the engine, and the handler that
 streams each sample back the moment the engine finishes it. Admission is bounded service-wide
 (`max_in_flight_samples`, default 2 x max_num_seqs so the engine always has queued work): while full, the
-reader stops pulling request messages and gRPC flow control pushes back on the client. When the stream
-ends early (client cancel, deadline, error), the unfinished samples are aborted in the engine.
+reader stops pulling request messages and gRPC flow control pushes back on the client. A group larger
+than the bound runs alone; `max_samples_per_group` (default 4 x max_num_seqs) refuses groups so large
+that they would hold the engine for many rounds. When the stream ends early (client cancel, deadline,
+error), the unfinished samples are aborted in the engine.
 
 `UpdateWeights` stages and verifies buckets (weights.py) before the engine sees any tensor; updates are
-serialised. Error codes follow protos/rlfabric/v1/rollout.proto.
+serialised. Error codes follow protos/rlfabric/v1/rollout.proto; client values are quoted through
+services/common/status.py.
 """
 
 from __future__ import annotations
@@ -28,17 +31,12 @@ from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.memory import resident_bytes
 from services.common.seeds import sample_seed
 from services.common.server import ServiceServer, ServiceSpec, create_server
-from services.common.tensors import TensorDecodeError, to_numpy, to_proto
+from services.common.status import abort, echo
+from services.common.tensors import TensorDecodeError, dtype_code, to_numpy, to_proto
 from services.rollout import metrics
-from services.rollout.engine import (
-    FINISH_ERROR,
-    EngineUnavailable,
-    InvalidSamplingValue,
-    RolloutEngine,
-    SampleRequest,
-    SampleResult,
-    SamplingOptions,
-)
+from services.rollout.engine import EngineUnavailable, RolloutEngine
+from services.rollout.options import InvalidSamplingValue, SamplingOptions
+from services.rollout.samples import FINISH_ERROR, SampleRequest, SampleResult
 from services.rollout.weights import WeightStager, WeightUpdateError
 
 logger = logging.getLogger(__name__)
@@ -51,8 +49,6 @@ _FINISH_REASONS = {
     "abort": common_pb2.FINISH_REASON_ABORT,
     "error": common_pb2.FINISH_REASON_ERROR,
 }
-_DTYPES = {"float32": common_pb2.DTYPE_FLOAT32, "float16": common_pb2.DTYPE_FLOAT16,
-           "bfloat16": common_pb2.DTYPE_BFLOAT16, "float64": common_pb2.DTYPE_FLOAT64}
 
 
 class Admission:
@@ -145,7 +141,7 @@ class _GenerateStream:
         servicer = self.servicer
         engine = servicer.engine
         group = request.group
-        where = f"group {group.group_id!r}"
+        where = f"group {echo(group.group_id)}"
         if request.expected_weights_version and request.expected_weights_version != engine.weights_version:
             raise _StreamError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -155,26 +151,12 @@ class _GenerateStream:
         reason = engine.unavailable_reason()
         if reason is not None:
             raise _StreamError(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {reason}")
-        if not group.group_id:
-            raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, "group.group_id must be set (sample ids derive from it)")
-        if group.n < 1:
-            raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: group.n must be >= 1, got {group.n}")
-        if group.prompt_token_ids.dtype not in (common_pb2.DTYPE_INT32, common_pb2.DTYPE_INT64):
-            raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{where}: group.prompt_token_ids must hold DTYPE_INT32 (or DTYPE_INT64) token ids")
-        try:
-            prompt = to_numpy(group.prompt_token_ids).reshape(-1).tolist()
-        except TensorDecodeError as e:
-            raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: group.prompt_token_ids: {e}") from e
-        sampling = merge_sampling(servicer.defaults, request.sampling)
-        try:
-            sampling.validate()
-        except InvalidSamplingValue as e:
-            raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {e}") from e
+        prompt, sampling = self._validate(request, where)
         arrival = time.monotonic()
         if not servicer.admission.acquire(group.n, self.cancelled):
             return
-        too_long = len(prompt) >= engine.max_model_len
+        # Decided here so the reason names the limit; the engine would otherwise stop the response short.
+        unfit = _unfit_reason(len(prompt), sampling.max_tokens, engine.max_model_len)
         for i in range(group.n):
             seed = None if sampling.seed is None else sample_seed(sampling.seed, group.group_id, i)
             engine_id = f"{self.uid}:{next(self._seq)}"
@@ -185,11 +167,33 @@ class _GenerateStream:
                 self._pending[engine_id] = (group.group_id, i, arrival)
             sample = SampleRequest(engine_id, prompt, dataclasses.replace(sampling, seed=seed),
                                    expected_weights_version=request.expected_weights_version)
-            if too_long:
-                # Decided here so the reason names the limit; the engine would refuse it the same way.
-                self._on_finish(_too_long(sample, len(prompt), engine.max_model_len, engine.weights_version))
+            if unfit:
+                self._on_finish(SampleResult.failed(sample, engine.weights_version, FINISH_ERROR, unfit))
             else:
                 engine.submit(sample, self._on_finish)
+
+    def _validate(self, request: rollout_pb2.GenerateRequest, where: str) -> tuple[list[int], SamplingOptions]:
+        """The prompt's token ids and the sampling values, or _StreamError(INVALID_ARGUMENT) naming the field."""
+        group, limit = request.group, self.servicer.max_samples_per_group
+        if not group.group_id:
+            raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, "group.group_id must be set (sample ids derive from it)")
+        if not 1 <= group.n <= limit:
+            raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{where}: group.n must be in [1, {limit}] (this replica's max_samples_per_group), "
+                               f"got {group.n}")
+        if group.prompt_token_ids.dtype not in (common_pb2.DTYPE_INT32, common_pb2.DTYPE_INT64):
+            raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{where}: group.prompt_token_ids must hold DTYPE_INT32 (or DTYPE_INT64) token ids")
+        try:
+            prompt = to_numpy(group.prompt_token_ids).reshape(-1).tolist()
+        except TensorDecodeError as e:
+            raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: group.prompt_token_ids: {e}") from e
+        sampling = merge_sampling(self.servicer.defaults, request.sampling)
+        try:
+            sampling.validate(self.servicer.engine.max_model_len)
+        except InvalidSamplingValue as e:
+            raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {e}") from e
+        return prompt, sampling
 
     def _on_finish(self, result: SampleResult) -> None:
         with self._lock:
@@ -215,19 +219,13 @@ class _GenerateStream:
             logger.info("Generate stream %s ended early: aborted %d samples", self.uid, len(ids))
 
 
-def _too_long(sample: SampleRequest, length: int, limit: int, version: int) -> SampleResult:
-    import numpy as np
-
-    return SampleResult(
-        request_id=sample.request_id,
-        response_token_ids=np.zeros(0, dtype=np.int32),
-        response_log_probs=np.zeros(0, dtype=np.float32),
-        finish_reason=FINISH_ERROR,
-        prompt_length=length,
-        weights_version=version,
-        error=f"prompt of {length} tokens leaves no room to generate within max_model_len={limit}; "
-              f"shorten the prompt (rl_config.max_prompt_length) or raise generate_config.max_model_len",
-    )
+def _unfit_reason(prompt_length: int, max_tokens: int, max_model_len: int) -> str:
+    """Why a prompt cannot get `max_tokens` response tokens within `max_model_len` ("" when it can)."""
+    if prompt_length + max_tokens <= max_model_len:
+        return ""
+    return (f"prompt of {prompt_length} tokens + max_tokens {max_tokens} exceed max_model_len={max_model_len}; "
+            f"shorten the prompt (rl_config.max_prompt_length), lower max_tokens, or raise "
+            f"generate_config.max_model_len")
 
 
 def to_sample(meta: tuple[str, int, float], result: SampleResult) -> common_pb2.Sample:
@@ -251,10 +249,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     """Serves one RolloutEngine (see module docstring)."""
 
     def __init__(self, engine: RolloutEngine, defaults: SamplingOptions, *,
-                 max_in_flight_samples: int | None = None) -> None:
+                 max_in_flight_samples: int | None = None, max_samples_per_group: int | None = None) -> None:
         self.engine = engine
         self.defaults = defaults
         self.admission = Admission(max_in_flight_samples or 2 * engine.options.max_num_seqs)
+        self.max_samples_per_group = max_samples_per_group or 4 * engine.options.max_num_seqs
         self._update_lock = threading.Lock()
 
     def Generate(self, request_iterator, context):  # noqa: N802 (RPC name)
@@ -271,7 +270,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                     return
                 if isinstance(item, _StreamError):
                     stream.cancel()
-                    context.abort(item.code, str(item))
+                    abort(context, item.code, str(item))
                 meta, result = item
                 yield rollout_pb2.GenerateResponse(sample=to_sample(meta, result))
         finally:
@@ -279,7 +278,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             metrics.STREAMS.dec()
 
     def UpdateWeights(self, request_iterator, context):  # noqa: N802
-        stager = WeightStager(self.engine.expected_weights)
+        stager = WeightStager(self.engine.expected_weights, held_version=self.engine.weights_version)
         staged = None
         try:
             for chunk in request_iterator:
@@ -295,15 +294,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                     raise WeightUpdateError("a WeightUpdateChunk must carry a bucket or a commit")
             if staged is None:
                 raise WeightUpdateError("the stream ended without a WeightCommit: nothing was applied")
+            with self._update_lock:
+                try:
+                    self.engine.update_weights(staged)
+                except EngineUnavailable as e:
+                    abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
+                except WeightUpdateError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - reported to the caller; the engine refuses to serve
+                    abort(context, grpc.StatusCode.INTERNAL, f"applying version {staged.version} failed: {e}")
         except WeightUpdateError as e:
-            context.abort(getattr(grpc.StatusCode, e.code), str(e))
-        with self._update_lock:
-            try:
-                self.engine.update_weights(staged)
-            except EngineUnavailable as e:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            except Exception as e:  # noqa: BLE001 - reported to the caller; the engine refuses to serve
-                context.abort(grpc.StatusCode.INTERNAL, f"applying version {staged.version} failed: {e}")
+            abort(context, getattr(grpc.StatusCode, e.code), str(e))
         duration = time.monotonic() - stager.started_at
         metrics.WEIGHT_SYNC_SECONDS.observe(duration)
         return rollout_pb2.WeightUpdateAck(version=staged.version, checksum=staged.checksum,
@@ -313,7 +314,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def Sleep(self, request, context):  # noqa: N802
         level = request.level or 1
         if level not in (1, 2):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"level must be 1 or 2, got {request.level}")
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"level must be 1 or 2, got {request.level}")
         seconds = self.engine.sleep(level)
         metrics.SLEEP_SECONDS.labels("sleep").observe(seconds)
         return rollout_pb2.SleepResponse(duration_s=seconds, resident_bytes=resident_bytes())
@@ -329,15 +330,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             model=engine.options.model,
             engine=engine.engine_name,
             tensor_parallel_size=engine.options.tensor_parallel_size,
-            dtype=engine.dtype,
+            dtype=dtype_code(engine.dtype),
             weights_version=engine.weights_version,
             sleeping=engine.sleeping,
             max_model_len=engine.max_model_len,
+            max_samples_per_group=self.max_samples_per_group,
         )
         if request.include_parameters:
-            for name, shape, dtype in engine.engine_parameters:
-                info.parameters.add(name=name, shape=list(shape),
-                                    dtype=_DTYPES.get(dtype, common_pb2.DTYPE_UNSPECIFIED))
+            for name, spec in engine.expected_weights.items():
+                info.parameters.add(name=name, shape=list(spec.shape), dtype=dtype_code(spec.dtype))
         return info
 
 
@@ -347,10 +348,12 @@ def create_rollout_server(
     address: str = "127.0.0.1:0",
     *,
     max_in_flight_samples: int | None = None,
+    max_samples_per_group: int | None = None,
     **server_kwargs: Any,
 ) -> tuple[ServiceServer, RolloutServicer]:
     """Builds (does not start) a server for `engine`; `server_kwargs` go to services.common.create_server."""
-    servicer = RolloutServicer(engine, defaults, max_in_flight_samples=max_in_flight_samples)
+    servicer = RolloutServicer(engine, defaults, max_in_flight_samples=max_in_flight_samples,
+                               max_samples_per_group=max_samples_per_group)
     server = create_server([ServiceSpec(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, SERVICE_NAME)],
                            address, component="rollout", **server_kwargs)
     return server, servicer

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 
-def describe_parameters(model: Any) -> list[tuple[str, tuple[int, ...], str]]:
-    return [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()]
+def parameter_shapes(model: Any) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
 def load_weights(tensors: list[tuple[str, Any]], model: Any) -> int:

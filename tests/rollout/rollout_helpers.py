@@ -10,10 +10,6 @@ import torch
 from rlfabric.v1 import common_pb2, rollout_pb2
 from services.common.tensors import to_numpy, to_proto
 
-# The shared engine's limits (tests/rollout/conftest.py builds it with these).
-MAX_MODEL_LEN = 256
-MAX_NUM_SEQS = 32
-
 
 def group_request(group_id: str, prompt: Sequence[int], n: int = 1, *, version: int = 0,
                   **sampling: float | int | bool) -> rollout_pb2.GenerateRequest:

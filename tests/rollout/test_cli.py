@@ -14,7 +14,7 @@ import pytest
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 from services.cli import build_parser
 from services.common.client import make_channel
-from services.rollout.cli import build_options
+from services.rollout.cli import build_options, run_serve
 
 
 def test_options_come_from_generate_config(repo_root: Path, tiny_model_dir: Path) -> None:
@@ -43,12 +43,19 @@ def test_serve_without_model_says_what_to_pass() -> None:
         build_options(args)
 
 
+def test_serve_refuses_a_max_tokens_the_engine_cannot_honour(tiny_model_dir: Path) -> None:
+    # Default sampling max_tokens is 128: an engine of max_model_len 128 could never give that many.
+    args = build_parser().parse_args(["rollout", "serve", "--model", str(tiny_model_dir), "--max-model-len", "128"])
+    with pytest.raises(SystemExit, match=r"max_tokens: 128 cannot be honoured: max_model_len=128"):
+        run_serve(args)
+
+
 def test_cli_serves_a_replica_at_version_zero(repo_root: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "rollout", "serve", "--model", str(tiny_model_dir),
-         "--address", "127.0.0.1:0", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
+         "--address", "127.0.0.1:0", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4",
          "--num-threads", "1"],
         cwd=repo_root, env=env, stdout=subprocess.PIPE, stderr=open(tmp_path / "stderr.log", "w"), text=True,
     )

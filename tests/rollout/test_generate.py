@@ -8,7 +8,6 @@ import grpc
 import numpy as np
 import pytest
 from rollout_helpers import (
-    MAX_MODEL_LEN,
     generate,
     group_request,
     hf_greedy,
@@ -67,9 +66,9 @@ def test_n8_temperature1_streams_each_sample_as_it_finishes(rollout_stub) -> Non
     assert received[-1][1].group_id == "long"
 
 
-def test_too_long_prompt_fails_alone(rollout_stub) -> None:
+def test_too_long_prompt_fails_alone(rollout_stub, rollout_engine) -> None:
     ok_a, ok_b = prompts(2, seed=3)
-    too_long = list(range(3, 3 + MAX_MODEL_LEN + 10))
+    too_long = list(range(3, 3 + rollout_engine.max_model_len + 10))
     samples = generate(rollout_stub, [
         group_request("a", ok_a, n=2, temperature=0.0, max_tokens=8),
         group_request("toolong", too_long, n=2, temperature=0.0, max_tokens=8),
@@ -104,12 +103,48 @@ def test_invalid_sampling_is_invalid_argument_naming_the_field(rollout_stub, sam
     assert f"sampling.{field}" in err.value.details()
 
 
-@pytest.mark.parametrize(("group_id", "n", "field"), [("none", 0, "group.n"), ("", 1, "group.group_id")])
-def test_bad_group_is_invalid_argument(rollout_stub, group_id, n, field) -> None:
+@pytest.mark.parametrize(("group_id", "n", "words"), [
+    ("none", 0, "group.n"),
+    ("", 1, "group.group_id"),
+    # Bounded by the replica (4 x max_num_seqs = 128 here): 20,000 samples of one prompt used to be served.
+    ("many", 129, "max_samples_per_group"),
+    ("huge", 20_000, "max_samples_per_group"),
+])
+def test_bad_group_is_invalid_argument(rollout_stub, group_id, n, words) -> None:
     with pytest.raises(grpc.RpcError) as err:
         generate(rollout_stub, [group_request(group_id, [5, 6, 7], n=n)])
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert field in err.value.details()
+    assert words in err.value.details()
+
+
+@pytest.mark.parametrize("max_tokens", [256, 10_000])
+def test_max_tokens_the_engine_cannot_honour_is_refused(rollout_stub, max_tokens) -> None:
+    # max_model_len is 256: no prompt fits beside 256 response tokens. vLLM would cut every response short.
+    with pytest.raises(grpc.RpcError) as err:
+        generate(rollout_stub, [group_request("long", [5, 6, 7], max_tokens=max_tokens, temperature=0.0)])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.max_tokens" in err.value.details() and "max_model_len=256" in err.value.details()
+
+
+def test_prompt_without_room_for_max_tokens_fails_alone_instead_of_a_short_response(rollout_stub) -> None:
+    # 200 prompt tokens + 100 response tokens > max_model_len 256: the engine would stop after 56 tokens and
+    # call it FINISH_REASON_LENGTH, as if max_tokens had been reached.
+    samples = generate(rollout_stub, [group_request("nofit", list(range(10, 210)), max_tokens=100, temperature=0.0),
+                                      group_request("fits", list(range(10, 150)), max_tokens=100, temperature=0.0)])
+    by_group = {s.group_id: s for s in samples}
+    assert by_group["nofit"].finish_reason == common_pb2.FINISH_REASON_ERROR
+    assert by_group["nofit"].response_length == 0 and "max_model_len=256" in by_group["nofit"].error
+    assert by_group["fits"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert by_group["fits"].response_length == 100
+
+
+def test_a_huge_client_value_is_cut_in_the_status_message(rollout_stub) -> None:
+    # The status message travels in trailing metadata (8 KiB by default): echoing a 100 kB group id whole
+    # turned INVALID_ARGUMENT into RESOURCE_EXHAUSTED at the client.
+    with pytest.raises(grpc.RpcError) as err:
+        generate(rollout_stub, [group_request("g" * 100_000, [5, 6, 7], n=0)])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "group.n" in err.value.details() and len(err.value.details()) < 1000
 
 
 def test_wrong_version_is_failed_precondition(rollout_stub, rollout_engine) -> None:

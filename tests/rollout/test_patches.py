@@ -13,7 +13,7 @@ def test_cpu_patches_are_active_and_thread_control_is_restored(rollout_engine) -
         return
     assert "cpu_unquantized_gemm_keeps_weight" in active_patches()
     # Without the patch, vLLM empties every linear weight after packing it (shape (0,)).
-    shapes = dict((name, shape) for name, shape, _ in rollout_engine.engine_parameters)
+    shapes = rollout_engine.engine_parameter_shapes()
     assert shapes["model.layers.0.mlp.down_proj.weight"] == (128, 512)
     # The vLLM CPU worker replaces torch.set_num_threads process-wide; the engine gives it back.
     before = torch.get_num_threads()

@@ -7,26 +7,36 @@ import urllib.request
 
 import grpc
 import pytest
-from rollout_helpers import MAX_MODEL_LEN, generate, group_request, prompts, tokens
+from rollout_helpers import generate, group_request, prompts, tokens
 
 from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.client import make_channel
 
 
-def test_info_describes_the_engine(rollout_stub, tiny_model_dir) -> None:
+def test_info_describes_the_engine(rollout_stub, rollout_engine, tiny_model_dir) -> None:
     info = rollout_stub.Info(rollout_pb2.RolloutInfoRequest(include_parameters=True), timeout=30)
     assert info.model == str(tiny_model_dir)
     assert info.engine.startswith("vllm ")
     assert info.tensor_parallel_size == 1
-    assert info.dtype == "float32"
-    assert info.max_model_len == MAX_MODEL_LEN
+    assert info.dtype == common_pb2.DTYPE_FLOAT32
+    assert info.max_model_len == 256  # tests/conftest.py builds the engine with it
+    assert info.max_samples_per_group == 4 * 32  # 4 x max_num_seqs
     assert not info.sleeping
-    params = {p.name: (list(p.shape), p.dtype) for p in info.parameters}
-    # The engine's layout: q/k/v fused (4 query heads + 2 x 2 kv heads of 32 = 256 rows of 128).
-    assert params["model.layers.0.self_attn.qkv_proj.weight"] == ([256, 128], common_pb2.DTYPE_FLOAT32)
-    assert params["model.embed_tokens.weight"] == ([4096, 128], common_pb2.DTYPE_FLOAT32)
     brief = rollout_stub.Info(rollout_pb2.RolloutInfoRequest(), timeout=30)
     assert len(brief.parameters) == 0
+
+
+def test_info_lists_parameters_under_the_names_update_weights_takes(rollout_stub, rollout_engine) -> None:
+    params = {p.name: (list(p.shape), p.dtype) for p in rollout_stub.Info(
+        rollout_pb2.RolloutInfoRequest(include_parameters=True), timeout=30).parameters}
+    # HF checkpoint names and full shapes (4 query heads and 2 kv heads of 32, hidden 128), never vLLM's fused
+    # qkv_proj / gate_up_proj, which UpdateWeights refuses.
+    assert params["model.layers.0.self_attn.q_proj.weight"] == ([128, 128], common_pb2.DTYPE_FLOAT32)
+    assert params["model.layers.0.self_attn.k_proj.weight"] == ([64, 128], common_pb2.DTYPE_FLOAT32)
+    assert params["model.layers.1.mlp.gate_proj.weight"] == ([512, 128], common_pb2.DTYPE_FLOAT32)
+    assert params["model.embed_tokens.weight"] == ([4096, 128], common_pb2.DTYPE_FLOAT32)
+    assert not [n for n in params if "qkv_proj" in n or "gate_up_proj" in n]
+    assert set(params) == set(rollout_engine.expected_weights)  # exactly what the stager accepts
 
 
 def test_sleep_releases_the_kv_cache_and_wake_restores_generation(rollout_stub, rollout_engine) -> None:
@@ -60,7 +70,7 @@ def test_sleep_level_is_checked(rollout_stub) -> None:
 
 def test_admission_never_exceeds_its_bound(rollout_engine) -> None:
     # A second server on the same engine, with a small bound: 12 groups of 2 samples, at most 4 inside.
-    from services.rollout.engine import SamplingOptions
+    from services.rollout.options import SamplingOptions
     from services.rollout.server import create_rollout_server
 
     server, servicer = create_rollout_server(rollout_engine, SamplingOptions(max_tokens=8),

@@ -92,6 +92,30 @@ def test_bad_names_shapes_dtypes_are_invalid_argument(tensors, message) -> None:
     assert err.value.code == "INVALID_ARGUMENT"
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_values_are_invalid_argument_naming_the_tensor(bad) -> None:
+    t = _tensors()
+    t["b.bias"][1] = bad
+    with pytest.raises(WeightUpdateError, match=r"parameter 'b.bias' has 1 non-finite values .* flat index 1") as err:
+        WeightStager(SPECS).add_bucket(make_bucket(1, 0, t))
+    assert err.value.code == "INVALID_ARGUMENT"
+
+
+def test_values_the_engine_dtype_cannot_hold_are_refused() -> None:
+    # Finite in float32, inf once cast to the engine's float16: it would poison the engine all the same.
+    specs = {"b.bias": ParamSpec((3,), torch.float16)}
+    with pytest.raises(WeightUpdateError, match="non-finite"):
+        WeightStager(specs).add_bucket(make_bucket(1, 0, {"b.bias": torch.tensor([1.0, 1e5, 2.0])}))
+
+
+def test_a_version_below_the_served_one_is_failed_precondition() -> None:
+    with pytest.raises(WeightUpdateError, match="only move forward") as err:
+        WeightStager(SPECS, held_version=5).add_bucket(make_bucket(4, 0, _tensors()))
+    assert err.value.code == "FAILED_PRECONDITION"
+    stager = WeightStager(SPECS, held_version=5)  # the same version again is a retry: accepted
+    stager.add_bucket(make_bucket(5, 0, _tensors()))
+
+
 def test_mixed_versions_and_duplicate_names_are_refused() -> None:
     t = _tensors()
     stager = WeightStager(SPECS)
@@ -190,3 +214,31 @@ def test_unknown_parameter_is_invalid_argument(rollout_stub, rollout_engine) -> 
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "qkv_proj" in err.value.details()
     assert rollout_engine.weights_version == version
+
+
+def test_update_weights_refuses_going_backwards_and_non_finite_values(rollout_stub, rollout_engine, hf_model) -> None:
+    original = _checkpoint_state(hf_model)
+    prompt = prompts(1, seed=6)[0]
+    before = tokens(generate(rollout_stub, [group_request("nan0", prompt, temperature=0.0, max_tokens=8)])[0])
+    held = rollout_engine.weights_version + 2
+    chunks, _ = _update_chunks(held, original)  # the checkpoint's own weights: nothing changes for other tests
+    assert rollout_stub.UpdateWeights(iter(chunks), timeout=120).version == held
+
+    behind, _ = _update_chunks(held - 1, original)
+    with pytest.raises(grpc.RpcError) as err:
+        rollout_stub.UpdateWeights(iter(behind), timeout=60)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"below the version this replica serves ({held})" in err.value.details()
+    assert rollout_engine.weights_version == held
+
+    poisoned = dict(original)
+    poisoned["model.norm.weight"] = original["model.norm.weight"].clone()
+    poisoned["model.norm.weight"][3] = float("nan")
+    bad, _ = _update_chunks(held + 1, poisoned)
+    with pytest.raises(grpc.RpcError) as err:
+        rollout_stub.UpdateWeights(iter(bad), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'model.norm.weight'" in err.value.details() and "non-finite" in err.value.details()
+    assert rollout_engine.weights_version == held
+    after = tokens(generate(rollout_stub, [group_request("nan1", prompt, temperature=0.0, max_tokens=8)])[0])
+    assert after == before

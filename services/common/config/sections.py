@@ -22,16 +22,16 @@ from services.common.config.statuses import (
     DERIVED,
     MOE,
     MULTIMODAL,
-    ROLLOUT_ENGINE,
+    ROLLOUT_OPTIONS,
     VALIDATION,
 )
 
-_ENGINE = read(ROLLOUT_ENGINE)
-_SAMPLING = read(ROLLOUT_ENGINE, COORDINATOR_SETTINGS)
+_ENGINE = read(ROLLOUT_OPTIONS)
+_SAMPLING = read(ROLLOUT_OPTIONS, COORDINATOR_SETTINGS)
 _ASCEND_CONFIG = read(CONFIG_SECTIONS, platform="ascend", note="in vLLM's additional_config as MindSpeed-RL builds "
                                                                "it (vllm_additional_config, passed on by "
-                                                               "services/rollout/engine.py); only vllm-ascend acts on it")
-_EXPERT_PARALLEL = read(ROLLOUT_ENGINE, platform="ascend", note="passed to vLLM as MindSpeed-RL passes it; only MoE "
+                                                               "services/rollout/vllm_args.py); only vllm-ascend acts on it")
+_EXPERT_PARALLEL = read(ROLLOUT_OPTIONS, platform="ascend", note="passed to vLLM as MindSpeed-RL passes it; only MoE "
                                                                 "layers (refused here) use it")
 _NO_PROFILER = refused("MindStudio profiling is not available in rlfabric; use the timing/* metrics and each "
                        "service's Prometheus endpoint")
@@ -44,7 +44,7 @@ _MSPROBE_ONLY = inert("only read with msprobe: true (refused)")
 class SamplingConfig:
     """vLLM sampling parameters (`generate_config.sampling_config`)."""
 
-    logprobs: int = setting(1, "Top log-probs returned per generated token.", read(ROLLOUT_ENGINE))
+    logprobs: int = setting(1, "Top log-probs returned per generated token.", read(ROLLOUT_OPTIONS))
     max_tokens: int = setting(128, "Most tokens generated per response.", _SAMPLING)
     top_p: float = setting(1.0, "Nucleus sampling threshold.", _SAMPLING)
     top_k: int = setting(50, "Top-k sampling (-1: disabled).", _SAMPLING)
@@ -67,7 +67,7 @@ class GenerateConfig:
     data_parallel_size: int | None = setting(None, "Rollout DP; computed as devices / (infer TP * infer PP).",
                                              read(VALIDATION, note="must equal the computed value"))
     infer_tensor_parallel_size: int = setting(8, "Tensor parallel size of each rollout engine.",
-                                              read(ROLLOUT_ENGINE, DERIVED))
+                                              read(ROLLOUT_OPTIONS, DERIVED))
     infer_pipeline_parallel_size: int = setting(1, "Pipeline parallel size of rollout (must be 1).",
                                                 refused("rollout runs without pipeline parallelism", allowed=(1,)))
     infer_expert_parallel_size: int = setting(1, "Expert parallel size of rollout.",
@@ -101,7 +101,7 @@ class GenerateConfig:
     limit_mm_video_per_prompt: int = setting(0, "Multimodal: videos per prompt.",
                                              refused("rlfabric trains text-only models", feature=MULTIMODAL))
     sampling_config: SamplingConfig = setting(help="Sampling parameters.", factory=SamplingConfig,
-                                              status=read(ROLLOUT_ENGINE))
+                                              status=read(ROLLOUT_OPTIONS))
 
     def vllm_additional_config(self) -> dict[str, Any]:
         """vLLM's `additional_config` as MindSpeed-RL builds it for vllm-ascend (other platforms ignore it)."""
