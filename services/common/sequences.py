@@ -79,8 +79,14 @@ class Sequences:
 
     @classmethod
     def from_proto(cls, msg: trainer_pb2.SequenceBatch) -> Sequences:
-        return cls(list(msg.sample_ids), to_numpy(msg.token_ids), to_numpy(msg.prompt_lengths),
-                   to_numpy(msg.response_lengths), msg.weights_version)
+        """Decodes and checks a batch; raises ValueError naming the field (TensorDecodeError is one)."""
+        arrays = {}
+        for field in ("token_ids", "prompt_lengths", "response_lengths"):
+            arrays[field] = to_numpy(getattr(msg, field))
+            if arrays[field].dtype.kind not in "iu":
+                raise ValueError(f"batch.{field} must hold integers (DTYPE_INT32), got {arrays[field].dtype}")
+        return cls(list(msg.sample_ids), arrays["token_ids"], arrays["prompt_lengths"], arrays["response_lengths"],
+                   msg.weights_version)
 
 
 def split_response_values(flat: np.ndarray, response_lengths: Sequence[int]) -> list[np.ndarray]:

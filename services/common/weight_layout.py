@@ -23,7 +23,8 @@ Facts encoded here:
 - Fused fc1: TP rank r holds [gate rows of r; up rows of r].
 - Vocabulary: padded with zero rows to a multiple of TP (`padded_vocab_size`); the pad sits at the end of
   the last TP ranks' shards and never reaches HF.
-- Pipeline: stage p holds layers [p * L/pp, (p + 1) * L/pp) renumbered from 0 (`local_layer_name`).
+- Pipeline: stage p holds layers [p * L/pp, (p + 1) * L/pp) renumbered from 0 (`local_layer_name`,
+  `global_layer_name`).
 - Tied embeddings: no lm_head in HF; with PP > 1 the last stage keeps its own copy of the embedding as
   output_layer.weight (Megatron keeps the two in sync), a *mirror* of the embedding's shards.
 
@@ -65,6 +66,14 @@ def local_layer_name(global_name: str, layers_per_stage: int) -> tuple[str, int 
         return global_name, None
     layer = int(m.group(1))
     return f"decoder.layers.{layer % layers_per_stage}.{global_name[m.end():]}", layer // layers_per_stage
+
+
+def global_layer_name(local_name: str, pp_rank: int, layers_per_stage: int) -> str:
+    """Stage-local `decoder.layers.l.X` of stage `pp_rank` -> model-wide name (the inverse of local_layer_name)."""
+    m = _LAYER.match(local_name)
+    if not m:
+        return local_name
+    return f"decoder.layers.{int(m.group(1)) + pp_rank * layers_per_stage}.{local_name[m.end():]}"
 
 
 @dataclasses.dataclass(frozen=True)

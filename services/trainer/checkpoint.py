@@ -38,11 +38,13 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class LoadResult:
-    path: Path
-    iteration: int
-    consumed_samples: int
-    loaded_optimizer: bool
-    loaded_rng: bool
+    """What `load_checkpoint` read: the iteration folder, its counters, and which optional states it restored."""
+
+    path: Path  # the iter_XXXXXXX (or release) folder
+    iteration: int  # 0 after a finetune load or from a release folder
+    consumed_samples: int  # the data cursor to resume from (0 after a finetune load)
+    loaded_optimizer: bool  # False with no_load_optim or finetune
+    loaded_rng: bool  # False with no_load_rng or finetune
 
 
 def rng_state() -> dict:

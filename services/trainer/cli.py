@@ -1,8 +1,15 @@
-"""`rlfabric convert ...` and `rlfabric trainer serve`: argument parsing only, heavy imports inside funcs."""
+"""The trainer's command lines, the one argparse home: `rlfabric convert ...`, `rlfabric trainer serve|rank`.
+
+`trainer serve` starts one process per rank on this host and supervises them (launch.py); each of those
+runs `trainer rank`, which is also what torchrun or a Kubernetes pod runs (the environment gives RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Both take the same flags. Argument parsing only; heavy imports
+happen inside the funcs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -16,7 +23,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     h2m.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size (default: 1)")
     h2m.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size (default: 1)")
     h2m.add_argument("--quiet", action="store_true", help="no progress output")
-    h2m.set_defaults(func=_hf2mcore)
+    h2m.set_defaults(func=_convert)
 
     m2h = conv_sub.add_parser("mcore2hf", help="Megatron checkpoint -> complete HF folder")
     m2h.add_argument("mcore_dir", help="Megatron checkpoint directory (holds latest_checkpointed_iteration.txt)")
@@ -27,45 +34,58 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
         help="HF folder to take config/tokenizer files from (default: MCORE_DIR/hf_assets)",
     )
     m2h.add_argument("--quiet", action="store_true", help="no progress output")
-    m2h.set_defaults(func=_mcore2hf)
+    m2h.set_defaults(func=_convert)
 
     tr = subparsers.add_parser("trainer", help="the trainer service (Megatron-core actor / reference)")
     tr_sub = tr.add_subparsers(dest="trainer_command", metavar="COMMAND", required=True)
     serve = tr_sub.add_parser("serve", help="start one process per rank; rank 0 serves the Trainer gRPC API")
-    from services.trainer.launch import add_serve_arguments
-
-    add_serve_arguments(serve)
+    add_group_arguments(serve)
     serve.set_defaults(func=_serve)
+    rank = tr_sub.add_parser("rank", help="run one rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the "
+                                          "environment, as `trainer serve` or torchrun set them)")
+    add_group_arguments(rank)
+    rank.set_defaults(func=_rank)
 
 
-def _progress(quiet: bool):
-    def report(msg: str) -> None:
-        if not quiet:
+def add_group_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `trainer serve` and `trainer rank` (serve hands them on to every rank)."""
+    p.add_argument("--config", default=None, help="MindSpeed-RL YAML (actor_config / rl_config are read)")
+    p.add_argument("--override", action="append", default=[], help="dotted config override, repeatable")
+    p.add_argument("--role", default="actor", choices=("actor", "reference"), help="model role (default: actor)")
+    p.add_argument("--hf-dir", default=None, help="HF model folder (architecture, tokenizer, initial weights)")
+    p.add_argument("--load", default=None, help="Megatron checkpoint dir to load (overrides the config)")
+    p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: config or 1)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline parallel size (default: config or 1)")
+    p.add_argument("--world-size", type=int, default=None, help="processes to start (default: tp * pp)")
+    p.add_argument("--address", default="127.0.0.1:0", help="gRPC bind address of rank 0 (default: 127.0.0.1:0)")
+    p.add_argument("--port-file", default=None, help="write rank 0's bound port here once serving")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port of rank 0 (0 = any free)")
+    p.add_argument("--auth-token", default=os.environ.get("RLFABRIC_AUTH_TOKEN"), help="bearer token for calls")
+    p.add_argument("--master-port", type=int, default=None, help="torch.distributed port (default: a free one)")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="update micro-batch rows (without --config)")
+    p.add_argument("--forward-micro-batch-size", type=int, default=None, help="log-prob micro-batch rows")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (without --config)")
+    p.add_argument("--kl-coef", type=float, default=None, help="KL coefficient (default: config init_kl_coef)")
+    p.add_argument("--grace-s", type=float, default=5.0, help="seconds before survivors of a dead rank are stopped")
+    p.add_argument("--redis-url", default=None,
+                   help="register rank 0 in Redis as service 'trainer' with its role (what the coordinator discovers)")
+    p.add_argument("--instance-id", default=None, help="registry instance id (default: trainer-ROLE-PID)")
+    p.add_argument("--lease-s", type=float, default=10.0, help="registry lease in seconds (heartbeat every lease/3)")
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from services.trainer.convert import convert_hf_to_mcore, convert_mcore_to_hf
+
+    def progress(msg: str) -> None:
+        if not args.quiet:
             print(msg, file=sys.stderr, flush=True)
 
-    return report
-
-
-def _hf2mcore(args: argparse.Namespace) -> int:
-    from services.trainer.convert import convert_hf_to_mcore
-
     try:
-        root = convert_hf_to_mcore(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, progress=_progress(args.quiet))
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(root)
-    return 0
-
-
-def _mcore2hf(args: argparse.Namespace) -> int:
-    from services.trainer.convert import convert_mcore_to_hf
-
-    try:
-        out = convert_mcore_to_hf(
-            args.mcore_dir, args.out_dir, iteration=args.iteration, hf_assets=args.hf_assets,
-            progress=_progress(args.quiet),
-        )
+        if args.convert_command == "hf2mcore":
+            out = convert_hf_to_mcore(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, progress=progress)
+        else:
+            out = convert_mcore_to_hf(args.mcore_dir, args.out_dir, iteration=args.iteration,
+                                      hf_assets=args.hf_assets, progress=progress)
     except (FileNotFoundError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -77,3 +97,9 @@ def _serve(args: argparse.Namespace) -> int:
     from services.trainer.launch import serve_group
 
     return serve_group(args)
+
+
+def _rank(args: argparse.Namespace) -> int:
+    from services.trainer.launch import run_rank
+
+    return run_rank(args)

@@ -1,12 +1,12 @@
-"""Start a trainer group: one process per rank (torchrun-style), rank 0 serving gRPC.
+"""Run a trainer group: one process per rank (torchrun-style), rank 0 serving gRPC.
 
-`rlfabric trainer serve` (serve_group) spawns `python -m services.trainer rank ...` once per rank on
+`rlfabric trainer serve` (serve_group) spawns `rlfabric trainer rank ...` (run_rank) once per rank on
 this host with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, and watches them: when any rank
 exits, the others get SIGTERM after a grace period (rank 0 has by then failed in-flight calls with
 UNAVAILABLE), so a supervisor sees the group exit and can restart it. Under torchrun or Kubernetes
-the same `rank` entry point runs with the environment those set.
+the same `rank` entry point runs with the environment those set. The flags are parsed in cli.py.
 
-This module imports only the standard library at top level (the CLI builds its parser from it).
+This module imports only the standard library at top level.
 """
 
 from __future__ import annotations
@@ -23,34 +23,12 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="MindSpeed-RL YAML (actor_config / rl_config are read)")
-    p.add_argument("--override", action="append", default=[], help="dotted config override, repeatable")
-    p.add_argument("--role", default="actor", choices=("actor", "reference"), help="model role (default: actor)")
-    p.add_argument("--hf-dir", default=None, help="HF model folder (architecture, tokenizer, initial weights)")
-    p.add_argument("--load", default=None, help="Megatron checkpoint dir to load (overrides the config)")
-    p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: config or 1)")
-    p.add_argument("--pp", type=int, default=None, help="pipeline parallel size (default: config or 1)")
-    p.add_argument("--world-size", type=int, default=None, help="processes to start (default: tp * pp)")
-    p.add_argument("--address", default="127.0.0.1:0", help="gRPC bind address of rank 0 (default: 127.0.0.1:0)")
-    p.add_argument("--port-file", default=None, help="write rank 0's bound port here once serving")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port of rank 0 (0 = any free)")
-    p.add_argument("--auth-token", default=os.environ.get("RLFABRIC_AUTH_TOKEN"), help="bearer token for calls")
-    p.add_argument("--master-port", type=int, default=None, help="torch.distributed port (default: a free one)")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="update micro-batch rows (without --config)")
-    p.add_argument("--forward-micro-batch-size", type=int, default=None, help="log-prob micro-batch rows")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (without --config)")
-    p.add_argument("--kl-coef", type=float, default=None, help="KL coefficient (default: config init_kl_coef)")
-    p.add_argument("--grace-s", type=float, default=5.0, help="seconds before survivors of a dead rank are stopped")
-    p.add_argument("--redis-url", default=None,
-                   help="register rank 0 in Redis as service 'trainer' with its role (what the coordinator discovers)")
-    p.add_argument("--instance-id", default=None, help="registry instance id (default: trainer-ROLE-PID)")
-    p.add_argument("--lease-s", type=float, default=10.0, help="registry lease in seconds (heartbeat every lease/3)")
-
-
 def rank_argv(args: argparse.Namespace) -> list[str]:
     """The command line of one rank (same for all ranks; the rank comes from the environment)."""
-    argv = [sys.executable, "-m", "services.trainer", "rank"]
+    argv = [sys.executable, "-m", "services.cli", "--log-level", getattr(args, "log_level", "WARNING")]
+    if getattr(args, "log_json", False):
+        argv.append("--log-json")
+    argv += ["trainer", "rank"]
     for key, value in vars(args).items():
         if key in ("func", "command", "trainer_command", "log_level", "log_json", "world_size", "grace_s",
                    "auth_token"):

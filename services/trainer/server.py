@@ -1,10 +1,11 @@
 """The `rlfabric.v1.Trainer` servicer (rank 0 of a trainer group): proto <-> worker operations.
 
-Each RPC is validated here, then run on every rank through `GroupExecutor` (group.py), awaited
-with the call's deadline. Status codes: INVALID_ARGUMENT for malformed input, FAILED_PRECONDITION
+Each RPC is validated here (inputs.py), then run on every rank through `GroupExecutor` (group.py),
+awaited with the call's deadline. Status codes: INVALID_ARGUMENT for malformed input, FAILED_PRECONDITION
 for a batch from another weights version, ALREADY_EXISTS for a repeated Update step, UNAVAILABLE
 when a rank died (the group is broken and the server reports NOT_SERVING), DEADLINE_EXCEEDED when
-an operation outlives the call, INTERNAL when an operation failed on some rank.
+an operation outlives the call, INTERNAL when an operation failed on some rank. Messages are capped and
+client values quoted through services/common/status.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from services.common.memory import resident_bytes
 from services.common.reshard_plan import ReshardPlan
 from services.common.sequences import Sequences
 from services.common.server import ServiceServer, ServiceSpec, create_server
-from services.common.tensors import to_numpy, to_proto
+from services.common.status import abort, echo
+from services.common.tensors import dtype_code, to_proto
+from services.common.transports import TRANSPORTS
+from services.trainer import inputs
 from services.trainer.group import GroupBroken, GroupExecutor, OperationFailed
 
 logger = logging.getLogger(__name__)
@@ -49,37 +53,32 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         except GroupBroken as e:
             if self.server is not None:
                 self.server.set_serving(False)
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"{what}: {e}")
+            abort(context, grpc.StatusCode.UNAVAILABLE, f"{what}: {e}")
         except TimeoutError as e:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{what}: {e}")
+            abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"{what}: {e}")
         except OperationFailed as e:
             if e.kinds <= {"ValueError"}:  # the input was refused on every rank that failed
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {e}")
+                abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {e}")
             if e.kinds <= {"FileNotFoundError"}:
-                context.abort(grpc.StatusCode.NOT_FOUND, f"{what}: {e}")
+                abort(context, grpc.StatusCode.NOT_FOUND, f"{what}: {e}")
             if e.kinds <= {"Offloaded"}:  # services/trainer/offload.py: state moved out, Onload first
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{what}: {e}")
-            context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {e}")
+                abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"{what}: {e}")
+            abort(context, grpc.StatusCode.INTERNAL, f"{what} failed: {e}")
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {e}")
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {e}")
 
     def _run(self, context: grpc.ServicerContext, op: str, **kwargs):
         remaining = context.time_remaining()
         return self.executor.run(op, remaining, **kwargs)
 
-    @staticmethod
-    def _rows(batch: trainer_pb2.SequenceBatch) -> Sequences:
-        seqs = Sequences.from_proto(batch)
-        if (seqs.response_lengths < 1).any():
-            raise ValueError("every sequence needs at least one response token")
-        return seqs
+    def _rows(self, batch: trainer_pb2.SequenceBatch) -> Sequences:
+        return inputs.sequences(batch, self.worker.spec.vocab_size)
 
     # ---- RPCs -------------------------------------------------------------------------------
     def ComputeLogProbs(self, request_iterator, context) -> Iterator[trainer_pb2.LogProbResponse]:
         for req in request_iterator:
             with self._errors(context, "ComputeLogProbs"):
-                if req.temperature <= 0:
-                    raise ValueError(f"temperature must be > 0, got {req.temperature}")
+                inputs.check_temperature(req.temperature)
                 seqs = self._rows(req.batch)
                 logp, ent = self._run(
                     context, "log_probs",
@@ -102,24 +101,23 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 raise ValueError("Update needs at least one UpdateRequest")
             step, temperature = parts[0].step, parts[0].temperature
             kl_coef = parts[0].kl_coef if parts[0].HasField("kl_coef") else self.kl_coef
+            inputs.check_temperature(temperature)
+            inputs.check_kl_coef(kl_coef)
             if any(p.step != step or p.temperature != temperature
                    or (p.kl_coef if p.HasField("kl_coef") else self.kl_coef) != kl_coef for p in parts):
                 raise ValueError("all UpdateRequests of one call must carry the same step, temperature and kl_coef")
-            if temperature <= 0:
-                raise ValueError(f"temperature must be > 0, got {temperature}")
             seqs = [self._rows(p.batch) for p in parts]
+            arrays = inputs.experience_arrays(parts, seqs)
             with self._update_lock:
                 last = self.worker.last_update_step
                 if last is not None and step <= last:
-                    context.abort(grpc.StatusCode.ALREADY_EXISTS, f"step {step} already applied (last step {last})")
+                    abort(context, grpc.StatusCode.ALREADY_EXISTS, f"step {step} already applied (last step {last})")
                 version = self.worker.weights_version
                 stale = {s.weights_version for s in seqs} - {version}
                 if stale:
-                    context.abort(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"batch generated with weights version(s) {sorted(stale)}, trainer holds version {version}",
-                    )
-                arrays = _experience_arrays(parts, seqs)
+                    abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                          f"batch generated with weights version(s) {echo(sorted(stale))}, trainer holds version "
+                          f"{version}")
                 t0 = time.monotonic()
                 metrics = self._run(context, "update", step=int(step), temperature=float(temperature),
                                     kl_coef=float(kl_coef), **arrays)
@@ -165,28 +163,26 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             if not targets:
                 raise ValueError("targets is empty: give the rollout endpoints (host:port) to push to")
             if len(set(targets)) != len(targets):
-                raise ValueError(f"targets has duplicates: {targets}")
-            transport = request.transport or "grpc"
-            if transport in ("shm", "collective"):
-                context.abort(grpc.StatusCode.UNIMPLEMENTED, f"transport {transport!r} is not implemented yet; use 'grpc'")
-            if transport != "grpc":
-                raise ValueError(f"transport {transport!r} is unknown; use 'grpc' (or 'shm' / 'collective' later)")
+                raise ValueError(f"targets has duplicates: {echo(targets)}")
+            transport = request.transport or trainer_pb2.WEIGHT_TRANSPORT_GRPC_STREAM
+            if transport not in TRANSPORTS:
+                raise ValueError(f"transport {transport} is unknown; available: "
+                                 f"{[trainer_pb2.WeightTransport.Name(t) for t in TRANSPORTS]}")
             if request.version < self.worker.weights_version:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"push of version {request.version} asked, the trainer holds version "
-                              f"{self.worker.weights_version}; versions only move forward")
-            plan = bytes(request.plan)
-            if not plan:
-                raise ValueError("plan is empty: the coordinator computes it (services/coordinator/resharding.py, "
+                abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                      f"push of version {request.version} asked, the trainer holds version "
+                      f"{self.worker.weights_version}; versions only move forward")
+            if not request.HasField("plan"):
+                raise ValueError("plan is missing: the coordinator computes it (services/coordinator/resharding.py, "
                                  "plan_resharding) from Trainer.Info and Rollout.Info with include_parameters")
-            decoded = ReshardPlan.from_json(plan)  # a bad plan is the caller's error, refused before any rank works
+            plan = ReshardPlan.from_proto(request.plan)  # a bad plan is the caller's error, refused before any rank works
             layout = self.worker.layout
-            if (decoded.trainer_tp, decoded.trainer_pp) != (layout.tp, layout.pp):
-                raise ValueError(f"the plan is for trainer TP={decoded.trainer_tp} PP={decoded.trainer_pp}, this "
+            if (plan.trainer_tp, plan.trainer_pp) != (layout.tp, layout.pp):
+                raise ValueError(f"the plan is for trainer TP={plan.trainer_tp} PP={plan.trainer_pp}, this "
                                  f"group is TP={layout.tp} PP={layout.pp}; recompute it")
         run = weight_sync.PushRun(lambda push_id: self._run(
-            context, "push_weights", plan_json=plan, version=int(request.version), targets=targets,
-            transport=transport, bucket_bytes=int(request.bucket_bytes),
+            context, "push_weights", plan=plan, version=int(request.version), targets=targets,
+            transport=int(transport), bucket_bytes=int(request.bucket_bytes),
             deadline_s=context.time_remaining() or 600.0, push_id=push_id, token=_outbound_token()))
         for target, sent, total, done, checksum in run:
             yield trainer_pb2.PushWeightsProgress(target=target, bytes_sent=sent, bytes_total=total, done=done,
@@ -195,23 +191,21 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             outcomes = run.result()
         failed = {t: o for t, o in outcomes.items() if not o["ok"]}
         if failed:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "PushWeights: " + "; ".join(
-                f"target {t} did not apply version {request.version}: {o['code']}: {o['message']}"
-                for t, o in failed.items()))
+            abort(context, grpc.StatusCode.UNAVAILABLE, "PushWeights: " + "; ".join(
+                f"target {echo(t)} did not apply version {request.version}: {o['code']}: {o['message']}"
+                for t, o in failed.items()) + f"; the trainer keeps version {self.worker.weights_version}")
 
     def Offload(self, request, context) -> trainer_pb2.OffloadResponse:
-        with self._errors(context, "Offload"):
-            t0 = time.monotonic()
-            moved = self._run(context, "offload", params=request.params, grads=request.grads,
-                              optimizer=request.optimizer)
-        return trainer_pb2.OffloadResponse(duration_s=time.monotonic() - t0, bytes=int(moved),
-                                           resident_bytes=resident_bytes())
+        return self._move(context, "offload", request)
 
     def Onload(self, request, context) -> trainer_pb2.OffloadResponse:
-        with self._errors(context, "Onload"):
+        return self._move(context, "onload", request)
+
+    def _move(self, context, op: str, request) -> trainer_pb2.OffloadResponse:
+        """Offload or Onload (`op`) of what `request` selects, on every rank."""
+        with self._errors(context, op.capitalize()):
             t0 = time.monotonic()
-            moved = self._run(context, "onload", params=request.params, grads=request.grads,
-                              optimizer=request.optimizer)
+            moved = self._run(context, op, params=request.params, grads=request.grads, optimizer=request.optimizer)
         return trainer_pb2.OffloadResponse(duration_s=time.monotonic() - t0, bytes=int(moved),
                                            resident_bytes=resident_bytes())
 
@@ -220,7 +214,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         info = trainer_pb2.TrainerInfo(
             role=w.opts.role, tensor_parallel_size=w.layout.tp, pipeline_parallel_size=w.layout.pp,
             data_parallel_size=w.layout.dp, weights_version=w.weights_version, iteration=w.iteration,
-            dtype=w.opts.params_dtype,
+            dtype=dtype_code(w.opts.params_dtype),
         )
         if request.include_parameters:
             with self._errors(context, "Info"):
@@ -236,39 +230,6 @@ def _outbound_token() -> str | None:
     import os
 
     return os.environ.get("RLFABRIC_AUTH_TOKEN") or None
-
-
-def _experience_arrays(parts, seqs: list[Sequences]) -> dict[str, np.ndarray | None]:
-    """Concatenate the request slices into one global batch (numpy arrays, validated lengths)."""
-    tokens = np.concatenate([s.token_ids for s in seqs]).astype(np.int64)
-    prompt = np.concatenate([s.prompt_lengths for s in seqs]).astype(np.int64)
-    resp = np.concatenate([s.response_lengths for s in seqs]).astype(np.int64)
-    adv = []
-    for p, s in zip(parts, seqs, strict=True):
-        a = to_numpy(p.advantages).astype(np.float32).reshape(-1)
-        if a.shape[0] != len(s):
-            raise ValueError(f"advantages has {a.shape[0]} values for {len(s)} sequences")
-        adv.append(a)
-
-    def per_token(field: str) -> np.ndarray | None:
-        present = [p.HasField(field) and to_numpy(getattr(p, field)).size > 0 for p in parts]
-        if not any(present):
-            return None
-        if not all(present):
-            raise ValueError(f"{field} is set on some UpdateRequests of the call but not on others")
-        out = []
-        for p, s in zip(parts, seqs, strict=True):
-            v = to_numpy(getattr(p, field)).astype(np.float32).reshape(-1)
-            if v.shape[0] != int(s.response_lengths.sum()):
-                raise ValueError(f"{field} has {v.shape[0]} values for {int(s.response_lengths.sum())} response tokens")
-            out.append(v)
-        return np.concatenate(out)
-
-    return {
-        "token_ids": tokens, "prompt_lengths": prompt, "response_lengths": resp,
-        "advantages": np.concatenate(adv), "old_log_probs": per_token("old_log_probs"),
-        "ref_log_probs": per_token("ref_log_probs"),
-    }
 
 
 def worker_handlers(worker) -> dict:

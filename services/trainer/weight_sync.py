@@ -11,6 +11,9 @@ Before any byte moves, every rank checks its own shards against the plan and the
 (one all-gather), so a plan that does not fit fails on all ranks instead of leaving some blocked in a send.
 Rank 0 always consumes the whole plan, even when every target has failed, for the same reason.
 
+The group adopts the pushed version as the label of its weights only when every target acknowledged it
+(rank 0 tells the others in one broadcast): a failed push leaves the label where it was.
+
 Progress reaches the gRPC handler through `progress_sink(push_id)`: the servicer registers a callback under
 the push id it passes to the operation (the operation's arguments must be picklable, a callback is not).
 """
@@ -151,19 +154,15 @@ def hf_tensors(plan: ReshardPlan, params: dict[str, torch.Tensor], owners: dict[
             yield r.hf_name, weight_layout.assemble(r, pieces)
 
 
-def push_weights(worker, *, plan_json: bytes, version: int, targets: list[str], transport: str, bucket_bytes: int,
+def push_weights(worker, *, plan: ReshardPlan, version: int, targets: list[str], transport: int, bucket_bytes: int,
                  deadline_s: float, push_id: str, token: str | None = None) -> dict[str, dict] | None:
     """Collective: stream `version` per the plan; rank 0 returns {target: {"ok": bool, ...outcome}}."""
-    plan = ReshardPlan.from_json(plan_json)
     layout = worker.layout
     if (plan.trainer_tp, plan.trainer_pp) != (layout.tp, layout.pp):
         raise ValueError(f"the plan is for trainer TP={plan.trainer_tp} PP={plan.trainer_pp}, this group is "
                          f"TP={layout.tp} PP={layout.pp}; recompute it")
     if transport not in TRANSPORTS:
-        raise ValueError(f"transport {transport!r} is not available; available: {sorted(TRANSPORTS)}")
-    # The coordinator owns version numbers (monotonic across restarts): these weights now carry its label, so
-    # the samples generated with them pass Update's version check.
-    worker.weights_version = version
+        raise ValueError(f"transport {transport} is not available; available: {sorted(TRANSPORTS)}")
     params = local_parameters(worker.model)
     tp_rank, pp_rank = worker._tp_rank, worker._pp_rank
     problem = _check_local(plan, params, tp_rank, pp_rank) if layout.dp_rank == 0 else None
@@ -175,19 +174,36 @@ def push_weights(worker, *, plan_json: bytes, version: int, targets: list[str], 
     dtype = plan_dtype(plan, params)
     tensors = hf_tensors(plan, params, owners, dtype)
     rank, _ = _rank_and_world()
-    if rank != 0:
-        for _ in tensors:
-            pass
-        return None
-    total = plan.num_elements() * torch.empty((), dtype=dtype).element_size()
-    sender = TRANSPORTS[transport](targets, bucket_bytes=bucket_bytes, timeout_s=deadline_s, token=token,
-                                   on_progress=_sink(push_id), total_bytes=total)
-    try:
-        outcomes = sender.send(version, tensors)
-    finally:
-        for _ in tensors:  # the other ranks are sending until the plan's end
-            pass
-    return {t: _outcome_dict(o) for t, o in outcomes.items()}
+    outcomes: dict[str, dict] | None = None
+    error: Exception | None = None
+    if rank == 0:
+        total = plan.num_elements() * torch.empty((), dtype=dtype).element_size()
+        try:
+            sender = TRANSPORTS[transport](targets, bucket_bytes=bucket_bytes, timeout_s=deadline_s, token=token,
+                                           on_progress=_sink(push_id), total_bytes=total)
+            outcomes = {t: _outcome_dict(o) for t, o in sender.send(version, tensors).items()}
+        except Exception as e:  # noqa: BLE001 - re-raised once every rank has been told the push failed
+            error = e
+    for _ in tensors:  # the other ranks are sending until the plan's end
+        pass
+    acked = _from_rank0(outcomes is not None and all(o["ok"] for o in outcomes.values()))
+    if acked:
+        # The coordinator owns version numbers (monotonic across restarts): these weights now carry its label,
+        # so the samples generated with them pass Update's version check.
+        worker.weights_version = version
+    if error is not None:
+        raise error
+    return outcomes
+
+
+def _from_rank0(value: bool) -> bool:
+    """Rank 0's `value` on every rank."""
+    _, world = _rank_and_world()
+    if world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return bool(box[0])
 
 
 def _outcome_dict(o: WeightAck | TargetFailure) -> dict:

@@ -1,50 +1,39 @@
-"""This rank's weight shards with Megatron names and partition metadata, for the weight sync.
+"""This rank's weight shards with Megatron names and partition metadata, for Trainer.Info and the weight sync.
 
-`iter_shards(model, spec)` yields `WeightShard(meta, tensor)` for every parameter this rank holds:
-the Megatron name with the GLOBAL layer number (stages renumber layers from 0 locally), the shard's
-shape, TP/PP position, the dimension split across TP ranks (-1 when replicated) and the layout facts
-a resharding plan needs (fused QKV per query group, fused [gate; up] per TP rank). The tensors are
-the live parameters (detached views, no copy); the weight-sync transport serialises them.
+`iter_shards(model, spec)` yields `WeightShard(meta, tensor)` for every parameter this rank holds: the
+Megatron name with the MODEL-WIDE layer number (stages renumber layers from 0 locally; the renaming rule
+lives in services/common/weight_layout.py), the shard's shape, its TP/PP position and the dimension split
+across TP ranks (-1 when replicated). How the fused tensors are laid out is weight_layout.py's knowledge,
+not repeated here. The tensors are the live parameters (detached views, no copy).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterator
 
 import torch
 
 from services.common.model_spec import ModelSpec
+from services.common.weight_layout import global_layer_name
 from services.trainer.model import canonical_name
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardMeta:
-    name: str  # Megatron name, global layer numbering
+    name: str  # Megatron name, model-wide layer numbering
     shape: tuple[int, ...]
-    dtype: str
     tp_rank: int
     tp_size: int
     pp_rank: int
     pp_size: int
     partition_dim: int  # -1 when replicated over TP
-    layout: str  # "plain", "qkv_grouped" (rows [q_g; k_g; v_g] per query group) or "gate_up"
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightShard:
     meta: ShardMeta
     tensor: torch.Tensor
-
-
-def global_name(local_name: str, pp_rank: int, layers_per_stage: int) -> str:
-    m = _LAYER.match(local_name)
-    if not m:
-        return local_name
-    return f"decoder.layers.{int(m.group(1)) + pp_rank * layers_per_stage}.{local_name[m.end():]}"
 
 
 def iter_shards(model, spec: ModelSpec) -> Iterator[WeightShard]:
@@ -56,20 +45,6 @@ def iter_shards(model, spec: ModelSpec) -> Iterator[WeightShard]:
     per_stage = spec.num_hidden_layers // pp
     for name, p in model.named_parameters():
         partition_dim = int(getattr(p, "partition_dim", -1)) if getattr(p, "tensor_model_parallel", False) else -1
-        layout = "plain"
-        if "linear_qkv" in name:
-            layout = "qkv_grouped"
-        elif "linear_fc1" in name:
-            layout = "gate_up"
-        meta = ShardMeta(
-            name=global_name(canonical_name(name), pp_rank, per_stage),
-            shape=tuple(p.shape),
-            dtype=str(p.dtype).removeprefix("torch."),
-            tp_rank=tp_rank,
-            tp_size=tp,
-            pp_rank=pp_rank,
-            pp_size=pp,
-            partition_dim=partition_dim,
-            layout=layout,
-        )
+        meta = ShardMeta(global_layer_name(canonical_name(name), pp_rank, per_stage), tuple(p.shape),
+                         tp_rank, tp, pp_rank, pp, partition_dim)
         yield WeightShard(meta, p.detach())

@@ -63,6 +63,7 @@ def trainer_rank_args(monkeypatch: pytest.MonkeyPatch) -> Callable[[list[str]], 
     from services.common import logs
     from services.trainer import __main__ as trainer_main
     from services.trainer import launch
+    from services.trainer.cli import add_group_arguments
 
     monkeypatch.setattr(logs, "setup_logging", lambda *a, **k: None)
 
@@ -73,7 +74,7 @@ def trainer_rank_args(monkeypatch: pytest.MonkeyPatch) -> Callable[[list[str]], 
         for token in argv:
             if token.startswith("--"):
                 parser = argparse.ArgumentParser()
-                launch.add_serve_arguments(parser)
+                add_group_arguments(parser)
                 known = option_strings(parser) | {"--log-level"}
                 assert token.split("=", 1)[0] in known, f"{token} is not a flag of services.trainer"
         try:

@@ -230,7 +230,7 @@ def test_container_args_use_the_real_cli(overlay, rlfabric_parser, trainer_rank_
             assert (run.nnodes, run.node_rank, run.master_addr) == (
                 LWS_ENV["LWS_GROUP_SIZE"], int(LWS_ENV["LWS_WORKER_INDEX"]), LWS_ENV["LWS_LEADER_ADDRESS"]), where
             args = trainer_rank_args(run.training_script_args)
-            assert args.command == "rank", where
+            assert args.trainer_command == "rank", where
         if getattr(args, "config", None):
             assert args.config == f"{CONFIGS_MOUNT}/{run_config_name(docs)}", where
             assert (REPO / "configs" / Path(args.config).name).is_file(), where
