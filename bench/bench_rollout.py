@@ -147,7 +147,8 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from services.rollout.engine import EngineOptions, RolloutEngine, SamplingOptions
+    from services.rollout.engine import RolloutEngine
+    from services.rollout.options import EngineOptions, SamplingOptions
     from services.rollout.server import create_rollout_server
 
     workdir = Path(tempfile.mkdtemp(prefix="bench_rollout_"))

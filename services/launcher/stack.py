@@ -6,8 +6,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from services.common.processes import ServiceProcess, ServiceStartError, tail, wait_until
 from services.common.redis_store import RedisServer, Registry, connect, start_private_redis
-from services.launcher.processes import ServiceProcess, ServiceStartError, tail, wait_until
 
 logger = logging.getLogger(__name__)
 

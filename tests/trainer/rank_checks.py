@@ -1,7 +1,10 @@
 """One rank of a trainer group that runs the equivalence checks (launched by tests as a subprocess).
 
-Usage: python tests/trainer/rank_checks.py --rank R --world W --port P --tp T --pp P --hf DIR --work DIR
-Rank 0 writes `{work}/results_tp{T}_pp{P}.pt` with logits, log-probs, update metrics and weights.
+Usage: python tests/trainer/rank_checks.py --rank R --world W --port P --layout TxP [--layout TxP ...] --hf DIR
+       --work DIR
+For each layout (TP x PP; data parallel = W / (T * P)) in turn, in the same processes (Megatron's groups are
+rebuilt between layouts, so the slow part, starting and importing, is paid once), rank 0 writes
+`{work}/results_w{W}_tp{T}_pp{P}.pt` with logits, log-probs, update metrics and weights.
 """
 
 from __future__ import annotations
@@ -49,34 +52,50 @@ def broadcast(t: torch.Tensor | None, shape_like: torch.Tensor | int) -> torch.T
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    for k in ("rank", "world", "port", "tp", "pp"):
+    for k in ("rank", "world", "port"):
         ap.add_argument(f"--{k}", type=int, required=True)
+    ap.add_argument("--layout", action="append", required=True, help="TPxPP, repeatable")
     ap.add_argument("--hf", required=True)
     ap.add_argument("--work", required=True)
-    ap.add_argument("--load", default=None, help="converted Megatron checkpoint to start from")
+    ap.add_argument("--load", default=None, help="converted Megatron checkpoint to start from (first layout only)")
     ap.add_argument("--lr", type=float, default=2e-4)
     a = ap.parse_args()
     torch.set_num_threads(1)
 
+    from megatron.core import parallel_state as ps
+
     from services.trainer import parallel
+
+    parallel.init_distributed(rank=a.rank, world_size=a.world, master_port=a.port)
+    for i, layout in enumerate(a.layout):
+        tp, pp = (int(n) for n in layout.split("x"))
+        parallel.init_model_parallel(tp, pp, seed=1)
+        results = run_checks(a, tp, pp, load=a.load if i == 0 else None)
+        if a.rank == 0:
+            torch.save(results, Path(a.work) / f"results_w{a.world}_tp{tp}_pp{pp}.pt")
+        ps.destroy_model_parallel()
+    parallel.shutdown()
+    return 0
+
+
+def run_checks(a: argparse.Namespace, tp: int, pp: int, load: str | None) -> dict:
+    """Every check of one layout, on every rank; the results rank 0 saves."""
     from services.trainer.model import model_forward
     from services.trainer.update import OptimizerOptions, UpdateOptions
     from services.trainer.worker import TrainerWorker, WorkerOptions
 
-    parallel.init_distributed(rank=a.rank, world_size=a.world, master_port=a.port)
-    parallel.init_model_parallel(a.tp, a.pp, seed=1)
     work = Path(a.work)
     results: dict = {}
 
     upd = UpdateOptions(micro_batch_size=2, mini_batch_rows=4, epochs=1, shuffle_mini_batch=True, seed=3)
     optim = OptimizerOptions(lr=a.lr, clip_grad=1.0, weight_decay=0.01)
-    wopts = WorkerOptions(role="actor", hf_dir=a.hf, load=a.load, finetune=True, forward_micro_batch_size=3,
+    wopts = WorkerOptions(role="actor", hf_dir=a.hf, load=load, finetune=True, forward_micro_batch_size=3,
                           update=upd, optimizer=optim)
 
     # 1. logits of random ids (PP 1 only: every TP rank holds the full logits).
     w = TrainerWorker(wopts)
     vocab = w.spec.vocab_size
-    if a.pp == 1:
+    if pp == 1:
         ids = torch.randint(0, vocab, (2, 19), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             results["logits"] = model_forward(w.model.eval(), ids)[..., :vocab].clone()
@@ -100,7 +119,7 @@ def main() -> int:
     results["metrics"] = metrics
 
     # 3b. One update from the initial weights, returned in HF names (compared with a plain-torch step).
-    if a.tp == 1 and a.pp == 1 and a.world == 1:
+    if tp == 1 and pp == 1 and a.world == 1:
         from services.trainer.convert import mcore_to_hf
 
         one = TrainerWorker(dataclasses.replace(
@@ -121,7 +140,7 @@ def main() -> int:
 
     straight = fresh()
     train(straight, range(1, 5))
-    ckdir = work / f"ckpt_w{a.world}_tp{a.tp}_pp{a.pp}"
+    ckdir = work / f"ckpt_w{a.world}_tp{tp}_pp{pp}"
     first = fresh()
     train(first, range(1, 3))
     first.save(ckdir, iteration=2)
@@ -139,10 +158,7 @@ def main() -> int:
     d = torch.tensor([max(diffs)])
     dist.all_reduce(d, op=dist.ReduceOp.MAX)
     results["resume_max_abs_diff"] = d.item()
-    if a.rank == 0:
-        torch.save(results, work / f"results_w{a.world}_tp{a.tp}_pp{a.pp}.pt")
-    parallel.shutdown()
-    return 0
+    return results
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""Megatron trainer at TP 1 and TP 2 (two gloo processes) against HF and against each other.
+"""Megatron trainer at TP 1, TP 2, PP 2 and DP 2 against HF and against each other.
 
-One module-scoped run per layout (tests/trainer/rank_checks.py) starts from a checkpoint converted by
-`rlfabric convert hf2mcore` and records: logits of random ids, temperature-scaled log-probs, five
-GRPO updates (shuffled mini-batches, clipping, KL), and 4 straight steps vs 2 + save + resume + 2.
+Two module-scoped runs (tests/trainer/rank_checks.py): one process at TP 1, and two gloo processes that go
+through TP 2, PP 2 and DP 2 in turn (the layouts share the processes, so the start-up cost is paid once).
+Each layout records: logits of random ids, temperature-scaled log-probs, five GRPO updates (shuffled
+mini-batches, clipping, KL), and 4 straight steps vs 2 + save + resume + 2. TP 1 and TP 2 start from a
+checkpoint converted by `rlfabric convert hf2mcore`; PP 2 and DP 2 from the same HF weights converted in
+memory. TP 2 x PP 2 together needs four processes and runs in the slow suite.
 """
 
 from __future__ import annotations
@@ -14,18 +17,26 @@ import torch
 from trainer_helpers import run_rank_checks
 
 
-def _run(tiny_model_dir: Path, work: Path, tp: int) -> dict:
+def _run(tiny_model_dir: Path, work: Path, world: int, layouts: list[tuple[int, int]]) -> dict[tuple, dict]:
     from services.trainer.convert import convert_hf_to_mcore
 
-    ckpt = convert_hf_to_mcore(tiny_model_dir, work / f"converted_tp{tp}", tp=tp, pp=1)
-    path = run_rank_checks(tp, tp, 1, tiny_model_dir, work, load=ckpt)
-    return torch.load(path, weights_only=False)
+    tp, pp = layouts[0]
+    ckpt = convert_hf_to_mcore(tiny_model_dir, work / f"converted_tp{tp}", tp=tp, pp=pp)
+    paths = run_rank_checks(world, layouts, tiny_model_dir, work, load=ckpt)
+    return {(world, tp, pp): torch.load(path, weights_only=False) for (tp, pp), path in zip(layouts, paths, strict=True)}
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+def layouts(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict]:
+    """(world, tp, pp) -> results."""
     work = tmp_path_factory.mktemp("tp_equivalence")
-    return {tp: _run(tiny_model_dir, work, tp) for tp in (1, 2)}
+    return _run(tiny_model_dir, work, 1, [(1, 1)]) | _run(tiny_model_dir, work, 2, [(2, 1), (1, 2), (1, 1)])
+
+
+@pytest.fixture(scope="module")
+def runs(layouts) -> dict[int, dict]:
+    """TP size -> results of the TP 1 and TP 2 layouts."""
+    return {1: layouts[(1, 1, 1)], 2: layouts[(2, 2, 1)]}
 
 
 @pytest.fixture(scope="module")
@@ -95,27 +106,38 @@ def test_weight_export_describes_every_shard(runs):
         by_name.setdefault(meta.name, []).append(meta)
     assert all(sorted(m.tp_rank for m in ms) == [0, 1] for ms in by_name.values())
     qkv = by_name["decoder.layers.1.self_attention.linear_qkv.weight"]
-    assert {m.partition_dim for m in qkv} == {0} and {m.layout for m in qkv} == {"qkv_grouped"}
+    assert {m.partition_dim for m in qkv} == {0}
     assert sum(m.shape[0] for m in qkv) == (4 + 2 * 2) * 32  # q heads + k and v heads, head_dim 32
     assert {m.partition_dim for m in by_name["decoder.layers.0.self_attention.linear_proj.weight"]} == {1}
-    assert {m.layout for m in by_name["decoder.layers.0.mlp.linear_fc1.weight"]} == {"gate_up"}
+    assert {m.partition_dim for m in by_name["decoder.layers.0.mlp.linear_fc1.weight"]} == {0}
     assert {m.partition_dim for m in by_name["decoder.final_layernorm.weight"]} == {-1}
     assert {m.partition_dim for m in by_name["embedding.word_embeddings.weight"]} == {0}
 
 
+def _check_matches_tp1(base: dict, other: dict, world: int, tp: int, pp: int) -> None:
+    assert (other["log_probs"] - base["log_probs"]).abs().max().item() < 1e-5
+    for a, b in zip(base["metrics"], other["metrics"], strict=True):
+        assert abs(a["actor/loss"] - b["actor/loss"]) < 1e-5, (world, tp, pp)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (world, tp, pp)
+    assert other["resume_max_abs_diff"] < 1e-7
+    if pp == 2:  # stages renumber layers locally; exported names are model-wide
+        names = {meta.name for meta, _ in other["shards"]}
+        assert {"decoder.layers.0.mlp.linear_fc2.weight", "decoder.layers.1.mlp.linear_fc2.weight"} <= names
+        assert {meta.pp_rank for meta, _ in other["shards"] if meta.name.startswith("decoder.layers.1.")} == {1}
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (1, 1)], ids=["pp2", "dp2"])
+def test_pipeline_and_data_parallel_match_tp1(layouts, tp, pp):
+    other = layouts[(2, tp, pp)]
+    _check_matches_tp1(layouts[(1, 1, 1)], other, 2, tp, pp)
+    # The updates changed the policy (so equal losses are not equal constants).
+    assert other["metrics"][0]["actor/loss"] != other["metrics"][-1]["actor/loss"]
+
+
 @pytest.mark.slow
-def test_pipeline_and_data_parallel_match_tp1(runs, tiny_model_dir, tmp_path):
-    base = runs[1]
-    for world, tp, pp in ((2, 1, 2), (2, 1, 1), (4, 2, 2)):
-        other = torch.load(run_rank_checks(world, tp, pp, tiny_model_dir, tmp_path), weights_only=False)
-        assert (other["log_probs"] - base["log_probs"]).abs().max().item() < 1e-5
-        for a, b in zip(base["metrics"], other["metrics"], strict=True):
-            assert abs(a["actor/loss"] - b["actor/loss"]) < 1e-5, (world, tp, pp)
-        assert other["resume_max_abs_diff"] < 1e-7
-        if pp == 2:  # stages renumber layers locally; exported names are global
-            names = {meta.name for meta, _ in other["shards"]}
-            assert {"decoder.layers.0.mlp.linear_fc2.weight", "decoder.layers.1.mlp.linear_fc2.weight"} <= names
-            assert {meta.pp_rank for meta, _ in other["shards"] if meta.name.startswith("decoder.layers.1.")} == {1}
+def test_tensor_and_pipeline_parallel_together_match_tp1(layouts, tiny_model_dir, tmp_path):
+    (path,) = run_rank_checks(4, [(2, 2)], tiny_model_dir, tmp_path)
+    _check_matches_tp1(layouts[(1, 1, 1)], torch.load(path, weights_only=False), 4, 2, 2)
 
 
 def test_one_update_equals_plain_torch_adamw_on_hf(runs, tiny_model_dir):

@@ -1,11 +1,9 @@
-"""The Trainer gRPC service: a real two-rank group (TP 2, gloo) started by `python -m services.trainer serve`."""
+"""The Trainer gRPC service: a real two-rank group (TP 2, gloo) started by `rlfabric trainer serve`."""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -13,9 +11,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from trainer_helpers import REPO, rank_env
 
-from rlfabric.v1 import trainer_pb2, trainer_pb2_grpc
+from rlfabric.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.common.sequences import Sequences
 from services.common.tensors import to_numpy, to_proto
 
@@ -29,33 +26,17 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def group(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    work = tmp_path_factory.mktemp("trainer_server")
-    port_file = work / "port"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "services.trainer", "--log-level", "WARNING", "serve", "--hf-dir", str(tiny_model_dir),
-         "--tp", "2", "--port-file", str(port_file), "--lr", "1e-4", "--kl-coef", "0.01", "--micro-batch-size", "2",
-         "--forward-micro-batch-size", "4", "--grace-s", "10"],
-        env=rank_env(), cwd=REPO,
-    )
+def group(start_trainer, tiny_model_dir: Path):
+    launcher, address = start_trainer("--hf-dir", str(tiny_model_dir), "--tp", "2", "--lr", "1e-4", "--kl-coef", "0.01",
+                                      "--micro-batch-size", "2", "--forward-micro-batch-size", "4")
+    ranks = sorted(_children(launcher.proc.pid))
+    channel = grpc.insecure_channel(address)
     try:
-        deadline = time.monotonic() + 120
-        while not port_file.exists():
-            if launcher.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"trainer group did not start (exit {launcher.poll()})")
-            time.sleep(0.2)
-        ranks = sorted(_children(launcher.pid))
-        channel = grpc.insecure_channel(f"127.0.0.1:{port_file.read_text()}")
-        yield {"stub": trainer_pb2_grpc.TrainerStub(channel), "channel": channel, "ranks": ranks, "work": work,
-               "launcher": launcher, "hf": tiny_model_dir}
-        channel.close()
+        yield {"stub": trainer_pb2_grpc.TrainerStub(channel), "channel": channel, "ranks": ranks,
+               "work": launcher.log_path.parent, "hf": tiny_model_dir}
     finally:
-        if launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)
-        try:
-            launcher.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            launcher.kill()
+        channel.close()
+        launcher.stop(grace_s=30)
 
 
 def _batch(n: int, plen: int = 5, rlen: int = 4, version: int = 0, seed: int = 0) -> Sequences:
@@ -83,6 +64,7 @@ def test_info_describes_the_group(group):
     info = group["stub"].Info(trainer_pb2.TrainerInfoRequest(include_parameters=True), timeout=30)
     assert (info.role, info.tensor_parallel_size, info.pipeline_parallel_size, info.data_parallel_size) == (
         "actor", 2, 1, 1)
+    assert info.dtype == common_pb2.DTYPE_FLOAT32
     shards = {(s.name, s.tp_rank): s for s in info.shards}
     proj = shards[("decoder.layers.1.self_attention.linear_proj.weight", 1)]
     assert list(proj.shape) == [128, 64] and proj.partition_dim == 1
@@ -192,6 +174,64 @@ def _cut(seqs: Sequences, a: int, b: int):
     off = np.concatenate([[0], np.cumsum(lens)])
     return (seqs.token_ids[off[a]:off[b]], seqs.prompt_lengths[a:b], seqs.response_lengths[a:b],
             seqs.weights_version)
+
+
+def _version(stub) -> int:
+    return stub.Info(trainer_pb2.TrainerInfoRequest(), timeout=30).weights_version
+
+
+def _refused(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.value.code(), e.value.details())
+    assert len(e.value.details()) < 1000  # client values are cut, so the real code reaches the client
+    return e.value
+
+
+def test_out_of_vocabulary_ids_are_invalid_argument_naming_the_first(group):
+    stub = group["stub"]
+    seqs = _batch(3, seed=6)
+    tokens = np.array(seqs.token_ids)
+    tokens[7], tokens[12] = 5000, -1  # sequence 0 spans tokens [0, 9), sequence 1 [9, 19)
+    bad = Sequences(["x" * 100_000, "b", "c"], tokens, seqs.prompt_lengths, seqs.response_lengths, _version(stub))
+    logp = trainer_pb2.LogProbRequest(batch=bad.to_proto(), temperature=1.0)
+    err = _refused(lambda: list(stub.ComputeLogProbs(iter([logp]), timeout=60)))
+    assert "batch.token_ids[7] = 5000" in err.details() and "vocabulary of 4096 tokens" in err.details()
+    assert "2 ids are" in err.details()
+    err = _refused(lambda: stub.Update(iter([_update_request(bad, 50)]), timeout=60))
+    assert "batch.token_ids[7] = 5000" in err.details()
+
+
+def test_non_finite_inputs_are_refused_and_never_move_the_version(group):
+    stub = group["stub"]
+    version = _version(stub)
+    seqs = _batch(4, version=version, seed=7)
+    logp = np.full(int(seqs.response_lengths.sum()), -8.0, np.float32)  # the group has a KL term: ref needed
+    nan_adv = _update_request(seqs, 60, logp)
+    nan_adv.advantages.CopyFrom(to_proto(np.array([0.5, np.nan, -0.5, 1.0], np.float32)))
+    assert "advantages[1] = nan" in _refused(lambda: stub.Update(iter([nan_adv]), timeout=60)).details()
+    bad_logp = logp.copy()
+    bad_logp[3] = -np.inf
+    inf_old = _update_request(seqs, 60, bad_logp)
+    assert "old_log_probs[3] = -inf" in _refused(lambda: stub.Update(iter([inf_old]), timeout=60)).details()
+    nan_temperature = _update_request(seqs, 60, logp)
+    nan_temperature.temperature = float("nan")
+    assert "temperature" in _refused(lambda: stub.Update(iter([nan_temperature]), timeout=60)).details()
+    req = trainer_pb2.LogProbRequest(batch=seqs.to_proto(), temperature=float("nan"))
+    assert "temperature" in _refused(lambda: list(stub.ComputeLogProbs(iter([req]), timeout=60))).details()
+    assert _version(stub) == version  # NaN advantages used to train (NaN losses) and bump the version
+
+    # The refused step was not taken: the same step with good input trains.
+    reply = stub.Update(iter([_update_request(seqs, 60, logp)]), timeout=60)
+    assert reply.weights_version == version + 1
+    assert all(np.isfinite(v) for v in reply.metrics.values.values())
+
+
+def test_huge_client_values_do_not_hide_the_status_code(group):
+    huge = "t" * 100_000
+    req = trainer_pb2.PushWeightsRequest(version=_version(group["stub"]), targets=[huge, huge],
+                                         plan=trainer_pb2.ReshardPlan())
+    assert "duplicates" in _refused(lambda: list(group["stub"].PushWeights(req, timeout=60))).details()
 
 
 def test_killed_rank_fails_the_call_within_its_deadline(group):

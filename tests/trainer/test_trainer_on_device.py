@@ -23,7 +23,8 @@ def test_cuda_megatron_logits_match_hf_and_updates_run(tiny_model_dir: Path, tmp
 
     assert accelerator_present()
     ckpt = convert_hf_to_mcore(tiny_model_dir, tmp_path / "converted", tp=1, pp=1)
-    result = torch.load(run_rank_checks(1, 1, 1, tiny_model_dir, tmp_path, load=ckpt), weights_only=False)
+    (path,) = run_rank_checks(1, [(1, 1)], tiny_model_dir, tmp_path, load=ckpt)
+    result = torch.load(path, weights_only=False)
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

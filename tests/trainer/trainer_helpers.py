@@ -16,15 +16,18 @@ def rank_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
 
 
-def run_rank_checks(world: int, tp: int, pp: int, hf: Path, work: Path, *, load: Path | None = None,
-                    timeout_s: float = 300) -> Path:
-    """Run tests/trainer/rank_checks.py on `world` ranks; return rank 0's results file."""
+def run_rank_checks(world: int, layouts: list[tuple[int, int]], hf: Path, work: Path, *, load: Path | None = None,
+                    timeout_s: float = 300) -> list[Path]:
+    """Run tests/trainer/rank_checks.py on `world` ranks for each (tp, pp) layout in turn (one set of processes);
+    return rank 0's results file of each layout. `load` applies to the first layout."""
     port = free_port()
     extra = ["--load", str(load)] if load else []
+    for tp, pp in layouts:
+        extra += ["--layout", f"{tp}x{pp}"]
     procs = [
         subprocess.Popen(
             [sys.executable, str(REPO / "tests/trainer/rank_checks.py"), "--rank", str(r), "--world", str(world),
-             "--port", str(port), "--tp", str(tp), "--pp", str(pp), "--hf", str(hf), "--work", str(work), *extra],
+             "--port", str(port), "--hf", str(hf), "--work", str(work), *extra],
             env=rank_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for r in range(world)
@@ -41,4 +44,4 @@ def run_rank_checks(world: int, tp: int, pp: int, hf: Path, work: Path, *, load:
     codes = [p.returncode for p in procs]
     if any(codes):
         raise AssertionError(f"rank processes exited {codes}:\n" + "\n".join(o[-3000:] for o in outputs))
-    return work / f"results_w{world}_tp{tp}_pp{pp}.pt"
+    return [work / f"results_w{world}_tp{tp}_pp{pp}.pt" for tp, pp in layouts]

@@ -34,7 +34,7 @@ def test_one_push_reaches_every_target_and_failures_stay_isolated(rollout_engine
     before = _version(rollout_stub)
     second = serve_rollout(rollout_engine)  # another endpoint over the same engine
     dead = "127.0.0.1:9"
-    good, tampered = rollout_server.address, second.address
+    good, tampered = rollout_server[0].address, second.address
     events: list = []
     try:
         transport = GrpcStreamTransport(
@@ -64,9 +64,10 @@ def test_corrupted_push_applies_nothing(rollout_server, rollout_stub, tiny_model
     state["model.norm.weight"] = state["model.norm.weight"] * 0  # would change every generation if applied
     before = _version(rollout_stub)
     tokens_before = rollout_greedy(rollout_stub, PROMPTS)
-    transport = GrpcStreamTransport([rollout_server.address], bucket_bytes=1 << 20, timeout_s=60,
+    address = rollout_server[0].address
+    transport = GrpcStreamTransport([address], bucket_bytes=1 << 20, timeout_s=60,
                                     tamper=lambda _t, c: _flip_first_byte(c) if c.HasField("bucket") else c)
-    out = transport.send(before + 1, iter(state.items()))[rollout_server.address]
+    out = transport.send(before + 1, iter(state.items()))[address]
     assert isinstance(out, TargetFailure) and out.code == "DATA_LOSS"
     assert _version(rollout_stub) == before
     assert rollout_greedy(rollout_stub, PROMPTS) == tokens_before

@@ -1,4 +1,4 @@
-"""Helpers of the weight-sync tests, built on the rollout and trainer tests' own helpers."""
+"""Helpers of the weight-sync tests, built on the rollout tests' own helpers."""
 
 from __future__ import annotations
 
@@ -7,14 +7,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 _TESTS = Path(__file__).resolve().parents[1]
-for _d in ("rollout", "trainer"):
-    if str(_TESTS / _d) not in sys.path:
-        sys.path.append(str(_TESTS / _d))
+if str(_TESTS / "rollout") not in sys.path:
+    sys.path.append(str(_TESTS / "rollout"))
 
 from rollout_helpers import generate, group_request, hf_greedy, tokens  # noqa: E402
-from trainer_helpers import REPO, rank_env  # noqa: E402
 
-__all__ = ["PROMPTS", "REPO", "hf_greedy_all", "rank_env", "rollout_greedy", "serve_rollout"]
+__all__ = ["PROMPTS", "hf_greedy_all", "restore_checkpoint_weights", "rollout_greedy", "rollout_version",
+           "serve_rollout"]
 
 PROMPTS = [[5, 99, 1200, 7, 3000, 42], [17, 18, 19, 20], [4000, 3, 3, 812, 90, 91, 92, 2048]]
 
@@ -30,11 +29,29 @@ def hf_greedy_all(model, prompts: Sequence[Sequence[int]], max_tokens: int = 12)
     return [hf_greedy(model, p, max_tokens) for p in prompts]
 
 
+def rollout_version(address: str) -> int:
+    from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+    from services.common.client import make_channel
+
+    with make_channel(address) as channel:
+        return rollout_pb2_grpc.RolloutStub(channel).Info(rollout_pb2.RolloutInfoRequest(), timeout=30).weights_version
+
+
+def restore_checkpoint_weights(address: str, model_dir: Path) -> None:
+    """Pushes the model folder's own weights to the replica, at its next version."""
+    from services.common.transports import GrpcStreamTransport, WeightAck
+    from services.trainer.convert import load_hf_state
+
+    version = rollout_version(address) + 1
+    outcome = GrpcStreamTransport([address], timeout_s=120).send(version, iter(load_hf_state(model_dir).items()))
+    assert isinstance(outcome[address], WeightAck), outcome
+
+
 def serve_rollout(engine):
     """A started Rollout server over `engine` (several servers may share one engine: several targets)."""
-    from services.rollout.engine import SamplingOptions
+    from services.rollout.options import SamplingOptions
     from services.rollout.server import create_rollout_server
 
-    server, _ = create_rollout_server(engine, SamplingOptions(max_tokens=16, temperature=1.0), metrics_port=0)
+    server, _ = create_rollout_server(engine, SamplingOptions(max_tokens=16, temperature=1.0), metrics_port=None)
     server.start()
     return server

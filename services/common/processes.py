@@ -1,4 +1,10 @@
-"""Child service processes: start with logs to files, wait for readiness, fail fast with the log's tail."""
+"""Child service processes: start with logs to files, wait for readiness, fail fast with the log's tail.
+
+The one way rlfabric starts a service as a child (`python -m services.cli ...`): `rlfabric up`
+(services/launcher/stack.py) for every service, and the tests and benchmarks for trainer groups
+(`start_trainer_group`). Each child gets its own session, so `stop` ends its whole process group (a
+trainer group's ranks included).
+"""
 
 from __future__ import annotations
 
@@ -64,6 +70,24 @@ class ServiceProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def start_trainer_group(log_dir: Path, args: Sequence[str], *, name: str = "trainer", env: dict[str, str] | None = None,
+                        timeout_s: float = 300.0) -> tuple[ServiceProcess, str]:
+    """`rlfabric trainer serve ARGS` as a child; returns it and rank 0's "host:port" once it serves.
+
+    Readiness is the port file rank 0 writes (`--port-file`); the group's log is `log_dir/NAME.log`.
+    """
+    port_file = Path(log_dir) / f"{name}.port"
+    port_file.unlink(missing_ok=True)
+    group = ServiceProcess(name, ["trainer", "serve", *args, "--port-file", str(port_file)],
+                           Path(log_dir) / f"{name}.log", env=dict(env or {})).start()
+    try:
+        wait_until(port_file.exists, [group], timeout_s, f"{name} (port file {port_file})")
+    except BaseException:
+        group.stop()
+        raise
+    return group, f"127.0.0.1:{port_file.read_text()}"
 
 
 def wait_until(ready: Callable[[], bool], processes: Sequence[ServiceProcess], timeout_s: float, what: str) -> None:
