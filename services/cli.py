@@ -20,7 +20,10 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "services.rollout.cli",
     "services.reward.cli",
     "services.coordinator.cli",
+    "services.coordinator.eval_cli",
     "services.launcher.cli",
+    "services.sft.cli",
+    "services.report.cli",
 )
 
 

@@ -17,6 +17,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--hidden-size", type=int, default=128, help="hidden size (default 128)")
     p.add_argument("--num-layers", type=int, default=2, help="transformer layers (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and tokenizer corpus (default 0)")
+    p.add_argument("--split-digits", action="store_true",
+                   help="one token per digit (the learnable addition task of `make demo`)")
     p.set_defaults(func=_tiny_model)
 
 
@@ -26,6 +28,6 @@ def _tiny_model(args: argparse.Namespace) -> int:
     if args.vocab_size < 300:
         raise SystemExit(f"--vocab-size {args.vocab_size} is too small: a byte-level BPE needs at least 259 entries")
     out = write_tiny_model(args.out_dir, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-                           num_layers=args.num_layers, seed=args.seed)
+                           num_layers=args.num_layers, seed=args.seed, split_digits=args.split_digits)
     print(out)
     return 0

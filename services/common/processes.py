@@ -1,8 +1,8 @@
 """Child service processes: start with logs to files, wait for readiness, fail fast with the log's tail.
 
-The one way rlfabric starts a service as a child (`python -m services.cli ...`): `rlfabric up`
-(services/launcher/stack.py) for every service, and the tests and benchmarks for trainer groups
-(`start_trainer_group`). Each child gets its own session, so `stop` ends its whole process group (a
+The one way rlfabric starts a service as a child (`python -m services.cli ...`, or a user's command for a
+custom verifier): `rlfabric up` and `rlfabric eval` (services/launcher/stack.py) for every service, and the
+tests and benchmarks for trainer groups (`start_trainer_group`). Each child gets its own session, so `stop` ends its whole process group (a
 trainer group's ranks included).
 """
 
@@ -34,22 +34,27 @@ def tail(path: Path, lines: int = 30) -> str:
 
 @dataclass
 class ServiceProcess:
-    """One `rlfabric ...` child; stdout and stderr go to `log_path`."""
+    """One child: `rlfabric ARGS...`, or any `command` (argv) when given; stdout and stderr go to `log_path`."""
 
     name: str
     args: list[str]
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    command: list[str] | None = None
     proc: subprocess.Popen | None = None
 
     def start(self) -> ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", *self.args], stdout=log,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        log.close()
-        logger.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.args))
+        argv = self.command or [sys.executable, "-m", "services.cli", *self.args]
+        try:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        except OSError as e:
+            raise ServiceStartError(f"{self.name}: cannot run {' '.join(argv)!r}: {e}") from e
+        finally:
+            log.close()
+        logger.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(argv))
         return self
 
     def alive(self) -> bool:

@@ -2,7 +2,9 @@
 
 Tests, the demo and the CPU benchmarks need a model that transformers, vLLM and Megatron all load, with no
 hub access. The tokenizer is trained here, deterministically, on arithmetic and math text (the W1
-workload of the benchmarks), and carries the ChatML special tokens of the Qwen family.
+workload of the benchmarks), and carries the ChatML special tokens of the Qwen family. With
+`split_digits` every digit is its own token (the W2 learning race: "A+B=" with a 512-entry vocabulary),
+so that a number's tokens are its digits and a small model can learn column addition.
 """
 
 from __future__ import annotations
@@ -39,12 +41,18 @@ def _corpus(seed: int, lines: int = 6000) -> list[str]:
     return out
 
 
-def train_tokenizer(vocab_size: int = 4096, seed: int = 0):
-    """A byte-level BPE `tokenizers.Tokenizer` of exactly `vocab_size` entries (special tokens first)."""
+def train_tokenizer(vocab_size: int = 4096, seed: int = 0, *, split_digits: bool = False):
+    """A byte-level BPE `tokenizers.Tokenizer` of exactly `vocab_size` entries (special tokens first).
+
+    Args:
+        split_digits: pre-split every digit into its own piece, so no merge ever joins digits.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -68,14 +76,18 @@ def write_tiny_model(
     tie_word_embeddings: bool = True,
     max_position_embeddings: int = 2048,
     seed: int = 0,
+    split_digits: bool = False,
 ) -> Path:
-    """Writes a Qwen2 HF folder (config, fp32 safetensors, tokenizer) to `out_dir` and returns it."""
+    """Writes a Qwen2 HF folder (config, fp32 safetensors, tokenizer) to `out_dir` and returns it.
+
+    `split_digits` gives the tokenizer one token per digit (see `train_tokenizer`).
+    """
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    raw = train_tokenizer(vocab_size, seed)
+    raw = train_tokenizer(vocab_size, seed, split_digits=split_digits)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=raw, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
         additional_special_tokens=[BOS_LIKE], chat_template=CHATML_TEMPLATE,

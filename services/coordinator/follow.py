@@ -16,21 +16,24 @@ FINISHED_OK = (coordinator_pb2.RUN_PHASE_DONE, coordinator_pb2.RUN_PHASE_STOPPED
 
 def start_and_follow(address: str, request: coordinator_pb2.StartRunRequest, *, total: int | None = None,
                      on_started: Callable[[str], None] | None = None,
-                     after_iteration: Callable[[], None] | None = None) -> coordinator_pb2.RunStatus:
+                     after_iteration: Callable[[], None] | None = None,
+                     full_metrics: bool = False) -> coordinator_pb2.RunStatus:
     """StartRun, then one console line per finished iteration; returns the final status (gRPC errors propagate).
 
     Args:
         total: train_iters, shown as "iteration k/total".
         on_started: called with the run id once the coordinator accepted the run.
         after_iteration: called after each printed iteration (e.g. to check that local services still live).
+        full_metrics: print every metric of an iteration instead of the short line.
     """
     with make_channel(address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         status = stub.StartRun(request, timeout=600)
         if on_started is not None:
             on_started(status.run_id)
-        print(f"run {status.run_id} started", flush=True)
-        sink = ConsoleSink(total=total)
+        print(f"run {status.run_id} started (the coordinator syncs the replicas' weights first); every "
+              "metric goes to the run's metrics.jsonl", flush=True)
+        sink = ConsoleSink(total=total, full=full_metrics)
         for m in stub.StreamMetrics(coordinator_pb2.StreamMetricsRequest(run_id=status.run_id)):
             sink.write(m.iteration, dict(m.metrics.values))
             if after_iteration is not None:

@@ -1,7 +1,9 @@
 """Where iteration metrics go: a console line, a JSONL file, TensorBoard (`train/{key}`), optionally wandb.
 
-The console line mirrors MindSpeed-RL's per-iteration log; the JSONL file is the machine-readable record
-(one object per iteration, written with a flush so a crash loses nothing already logged).
+The console line is short by default (iteration, reward, validation accuracy when there is one, response
+length, KL, tokens/s, seconds), so a run reads at a glance; `full=True` prints every metric as MindSpeed-RL's
+log does. The JSONL file is the machine-readable record of everything (one object per iteration, written
+with a flush so a crash loses nothing already logged).
 """
 
 from __future__ import annotations
@@ -15,9 +17,20 @@ from typing import Any, TextIO
 
 logger = logging.getLogger(__name__)
 
-# The console line shows these first, in this order; the rest follow sorted.
+# The full console line shows these first, in this order; the rest follow sorted.
 HEADLINE = ("timing/all", "grpo/score/mean", "response_length/mean", "actor/pg_loss", "actor/kl_loss",
             "grad_norm", "e2e_tps")
+# The short line: (label, metric, format); a metric an iteration lacks is left out.
+SHORT_LINE = (("reward", "grpo/score/mean", "{:.3f}"), ("val", "val/pass@1", "{:.3f}"),
+              ("len", "response_length/mean", "{:.1f}"), ("kl", "actor/kl_loss", "{:.2e}"),
+              ("tok/s", "e2e_tps", "{:.0f}"), ("s", "timing/all", "{:.2f}"))
+
+
+def short_line(iteration: int, metrics: Mapping[str, float], total: int | None = None) -> str:
+    """`iteration 3/10 | reward 0.453 | len 3.2 | kl 1.20e-03 | tok/s 2150 | s 0.32`."""
+    of = f"/{total}" if total else ""
+    parts = [f"{label} {fmt.format(metrics[key])}" for label, key, fmt in SHORT_LINE if key in metrics]
+    return " | ".join([f"iteration {iteration}{of}", *parts])
 
 
 class MetricsSink:
@@ -29,11 +42,15 @@ class MetricsSink:
 
 
 class ConsoleSink(MetricsSink):
-    def __init__(self, stream: TextIO | None = None, total: int | None = None) -> None:
+    def __init__(self, stream: TextIO | None = None, total: int | None = None, full: bool = False) -> None:
         self.stream = stream or sys.stdout
         self.total = total
+        self.full = full
 
     def write(self, iteration: int, metrics: Mapping[str, float]) -> None:
+        if not self.full:
+            print(short_line(iteration, metrics, self.total), file=self.stream, flush=True)
+            return
         keys = [k for k in HEADLINE if k in metrics] + sorted(k for k in metrics if k not in HEADLINE)
         of = f"/{self.total}" if self.total else ""
         body = " | ".join(f"{k}: {metrics[k]:.6g}" for k in keys)

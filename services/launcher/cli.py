@@ -1,8 +1,14 @@
 """`rlfabric up`: one GRPO run on one host, every service a child process, Redis private unless given.
 
-Order: Redis -> reward worker(s) -> rollout replica -> actor and reference trainers -> coordinator; each
-registers in Redis with a lease, and the run starts once the coordinator has found them all. Ctrl-C
-stops the run (journaled, resumable with `--resume --run-id ID`) and then every child.
+Order: Redis -> reward worker(s) -> custom verifiers -> rollout replica -> actor and reference trainers ->
+coordinator; each registers in Redis with a lease, and the run starts once all have. Ctrl-C stops the run
+(journaled, resumable with `--resume --run-id ID`) and then every child.
+
+Custom verifiers (servers of rlfabric.v1.Verifier) join the run with
+  --verifier NAME=HOST:PORT                       a server that already runs, or
+  --verifier-command 'NAME=python my.py --port {port}'   started on a free port and stopped with the run;
+either way they are registered with the run's reward workers before the first iteration, and the YAML names
+them in rl_config.verifier_function like a built-in rule.
 """
 
 from __future__ import annotations
@@ -12,6 +18,27 @@ import os
 import sys
 import time
 from pathlib import Path
+
+
+def add_verifier_arguments(p: argparse.ArgumentParser) -> None:
+    """The custom-verifier flags `rlfabric up` and `rlfabric eval` share."""
+    p.add_argument("--verifier", action="append", default=[], metavar="NAME=HOST:PORT",
+                   help="register a running rlfabric.v1.Verifier server under NAME (repeatable)")
+    p.add_argument("--verifier-command", action="append", default=[], metavar="'NAME=COMMAND'",
+                   help="start COMMAND (which must contain {port}, replaced by a free port) and register it under "
+                        "NAME; it stops with the run (repeatable)")
+
+
+def verifiers_from_args(args: argparse.Namespace) -> list:
+    """CustomVerifiers of the flags; ValueError naming the bad flag."""
+    from services.launcher.verifiers import parse_command, parse_endpoint
+
+    found = [parse_endpoint(v) for v in args.verifier] + [parse_command(v) for v in args.verifier_command]
+    names = [v.name for v in found]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"verifier {duplicates[0]!r} is given more than once")
+    return found
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
@@ -29,6 +56,10 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--reward-workers", type=int, default=1, help="reward worker processes (default 1)")
     p.add_argument("--reward-processes", type=int, default=1, help="verifier pool processes per worker (default 1)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for services (default 600)")
+    p.add_argument("--full-metrics", action="store_true",
+                   help="print every metric of each iteration (default: a short line; all of them are in "
+                        "RUN_DIR/runs/RUN_ID/metrics.jsonl)")
+    add_verifier_arguments(p)
     p.set_defaults(func=_up)
 
 
@@ -41,21 +72,27 @@ def _up(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    try:
+        verifiers = verifiers_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from services.launcher.grpo import GrpoStack
     from services.launcher.stack import LocalStack, ServiceStartError
 
     run_dir = args.run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
-    stack = LocalStack(args.config, args.override, cfg, run_dir, redis_url=args.redis_url,
-                       reward_workers=args.reward_workers, reward_processes=args.reward_processes,
-                       startup_timeout_s=args.startup_timeout)
+    stack = LocalStack(run_dir, redis_url=args.redis_url, startup_timeout_s=args.startup_timeout, verifiers=verifiers)
+    grpo = GrpoStack(stack, args.config, args.override, cfg, reward_workers=args.reward_workers,
+                     reward_processes=args.reward_processes, full_metrics=args.full_metrics)
     try:
-        stack.start()
-        return stack.train(run_id=args.run_id, resume=args.resume)
+        grpo.start()
+        return grpo.train(run_id=args.run_id, resume=args.resume)
     except ServiceStartError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted: stopping the run and the services", file=sys.stderr)
-        stack.stop_run()
+        grpo.stop_run()
         return 130
     finally:
         stack.stop()

@@ -1,106 +1,153 @@
-"""The services of one single-host run, started in order and stopped in reverse."""
+"""Services on one host: Redis (private unless given), child services, custom verifiers; stopped in reverse.
+
+`LocalStack` knows how to start a child, wait until every child it expects has registered in Redis (printing
+each one as it comes up, so a user sees progress during the tens of seconds a vLLM engine and Megatron take
+to load), and register custom verifiers. What to start is its callers' choice: `rlfabric up` starts the GRPO
+set (services/launcher/grpo.py), `rlfabric eval` a rollout replica and reward workers.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TextIO
 
-from services.common.processes import ServiceProcess, ServiceStartError, tail, wait_until
 from services.common.redis_store import RedisServer, Registry, connect, start_private_redis
+from services.launcher import verifiers as custom
+from services.common.processes import ServiceProcess, ServiceStartError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LocalStack", "ServiceStartError"]
 
+# With nothing new ready for this long, the progress display says what it still waits for.
+QUIET_PROGRESS_S = 10.0
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A registration a started child will make: its Redis service name and, for trainers, the role."""
+
+    label: str
+    service: str
+    role: str | None = None
+
 
 class LocalStack:
-    def __init__(self, config_path: Path, overrides: list[str], cfg: Any, run_dir: Path, *,
-                 redis_url: str | None = None, reward_workers: int = 1, reward_processes: int = 1,
-                 startup_timeout_s: float = 600.0) -> None:
-        self.config_path = Path(config_path).resolve()
-        self.overrides = list(overrides)
-        self.cfg = cfg
+    """Children of one local run, with their logs in `run_dir/logs`.
+
+    Args:
+        redis_url: use this Redis instead of starting a private one in `run_dir/redis`.
+        verifiers: custom verifiers to start (command) and register once the reward workers are up.
+        out: where progress lines go.
+    """
+
+    def __init__(self, run_dir: Path, *, redis_url: str | None = None, startup_timeout_s: float = 600.0,
+                 verifiers: Sequence[custom.CustomVerifier] = (), out: TextIO | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.redis_url = redis_url
-        self.reward_workers = reward_workers
-        self.reward_processes = reward_processes
         self.startup_timeout_s = startup_timeout_s
+        self.verifiers = list(verifiers)
+        self.out = out or sys.stdout
+        # The reward workers this stack starts accept RegisterVerifier with this token (never on a command line).
+        self.auth_token = os.environ.get("RLFABRIC_AUTH_TOKEN") or secrets.token_hex(16)
         self.redis: RedisServer | None = None
         self.processes: list[ServiceProcess] = []
-        self.coordinator_address: str | None = None
-        self.run_id: str | None = None
+        self.expected: list[Expected] = []
+        self._verifier_procs: list[tuple[custom.CustomVerifier, ServiceProcess | None]] = []
+        self._started = time.monotonic()
 
-    def _spawn(self, name: str, args: list[str]) -> ServiceProcess:
-        proc = ServiceProcess(name, args, self.run_dir / "logs" / f"{name}.log").start()
-        self.processes.append(proc)
-        return proc
+    @property
+    def logs_dir(self) -> Path:
+        return self.run_dir / "logs"
 
-    def start(self) -> None:
+    def start_redis(self) -> str:
+        """The Redis URL: the given one, else a private server's (append-only file in run_dir/redis)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._started = time.monotonic()
         if self.redis_url is None:
             self.redis = start_private_redis(str(self.run_dir / "redis"), appendonly=True)
             self.redis_url = self.redis.url
-        registry = Registry(connect(self.redis_url))
-        url = ["--redis-url", self.redis_url]
-        cfg_args = ["--config", str(self.config_path)]
-        for i in range(self.reward_workers):
-            self._spawn(f"reward-{i}", ["reward", "serve", *url, "--processes", str(self.reward_processes)])
-        rollout_overrides = [a for o in self.overrides for a in ("--set", o)]
-        self._spawn("rollout-0", ["rollout", "serve", *cfg_args, *rollout_overrides, "--address", "127.0.0.1:0", *url])
-        trainer_overrides = [a for o in self.overrides for a in ("--override", o)]
-        self._spawn("trainer-actor", ["trainer", "serve", *cfg_args, *trainer_overrides, "--role", "actor", *url])
-        if self.cfg.derived.use_kl_loss:
-            self._spawn("trainer-reference", ["trainer", "serve", *cfg_args, *trainer_overrides, "--role", "reference",
-                                              *url])
-        self._spawn("coordinator", ["coordinator", "serve", *url, "--runs-dir", str(self.run_dir / "runs")])
+        return self.redis_url
 
-        def coordinator_up() -> bool:
-            members = registry.members("coordinator")
-            if members:
-                self.coordinator_address = members[0].endpoint
-            return bool(members)
+    def spawn(self, name: str, args: list[str], expect: Expected | None = None,
+              env: dict[str, str] | None = None) -> ServiceProcess:
+        """Starts `rlfabric ARGS` as child `name`; `expect` is the registration that says it is ready."""
+        proc = ServiceProcess(name, args, self.logs_dir / f"{name}.log", env=env or {}).start()
+        self.processes.append(proc)
+        if expect is not None:
+            self.expected.append(expect)
+        return proc
 
-        wait_until(coordinator_up, self.processes, self.startup_timeout_s, "the coordinator")
-        print(f"services up (logs in {self.run_dir / 'logs'}); coordinator at {self.coordinator_address}", flush=True)
+    def spawn_reward_workers(self, count: int, processes: int) -> None:
+        for i in range(count):
+            self.spawn(f"reward-{i}", ["reward", "serve", "--redis-url", str(self.redis_url),
+                                       "--processes", str(processes)],
+                       Expected(f"reward-{i}", "reward"), env={"RLFABRIC_AUTH_TOKEN": self.auth_token})
 
-    def train(self, run_id: str = "", resume: bool = False) -> int:
-        import grpc
+    def spawn_verifiers(self) -> None:
+        """Starts the command verifiers (their servers load while the services do)."""
+        for v in self.verifiers:
+            proc, located = custom.launch(v, self.logs_dir)
+            if proc is not None:
+                self.processes.append(proc)
+            self._verifier_procs.append((located, proc))
 
-        from rlfabric.v1 import coordinator_pb2
-        from services.coordinator.follow import FINISHED_OK, start_and_follow
-
-        assert self.coordinator_address is not None
-
-        def check_services() -> None:
+    def wait_ready(self) -> None:
+        """Waits, printing progress, until every expected child is registered; then registers the verifiers."""
+        registry = Registry(connect(str(self.redis_url)))
+        pending = list(self.expected)
+        last_news = time.monotonic()
+        while pending:
             for p in self.processes:
                 p.check()
+            ready = self._newly_ready(registry, pending)
+            for e in ready:
+                pending.remove(e)
+                self._say(f"  {e.label} ready")
+                last_news = time.monotonic()
+            if pending and time.monotonic() - last_news > QUIET_PROGRESS_S:
+                self._say(f"  waiting for {', '.join(e.label for e in pending)}")
+                last_news = time.monotonic()
+            if pending and time.monotonic() - self._started > self.startup_timeout_s:
+                raise ServiceStartError(f"{', '.join(e.label for e in pending)} not ready after "
+                                        f"{self.startup_timeout_s:.0f}s; logs in {self.logs_dir}")
+            time.sleep(0.25)
+        self.register_verifiers(self.auth_token)
 
-        request = coordinator_pb2.StartRunRequest(run_id=run_id, config_yaml=self.config_path.read_text(),
-                                                  overrides=self.overrides, resume=resume)
-        try:
-            final = start_and_follow(self.coordinator_address, request,
-                                     total=int(self.cfg.actor_config.train_iters or 0) or None,
-                                     on_started=lambda rid: setattr(self, "run_id", rid),
-                                     after_iteration=check_services)
-        except grpc.RpcError as e:
-            raise ServiceStartError(f"coordinator: {e.code().name}: {e.details()}") from e
-        if final.phase == coordinator_pb2.RUN_PHASE_FAILED:
-            print(f"coordinator log tail:\n{tail(self.run_dir / 'logs' / 'coordinator.log')}", flush=True)
-        return 0 if final.phase in FINISHED_OK else 1
-
-    def stop_run(self) -> None:
-        if not (self.coordinator_address and self.run_id):
+    def register_verifiers(self, token: str | None) -> None:
+        """Waits until the custom verifiers serve, then registers them with every reward worker in Redis."""
+        if not self._verifier_procs:
             return
-        from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
-        from services.common.client import make_channel
+        for v, proc in self._verifier_procs:
+            custom.wait_serving(v, proc, max(10.0, self.startup_timeout_s - (time.monotonic() - self._started)))
+        custom.register([v for v, _ in self._verifier_procs], self.endpoints("reward"), token)
+        for v, _ in self._verifier_procs:
+            self._say(f"  verifier {v.name} registered ({v.endpoint})")
 
-        with make_channel(self.coordinator_address) as channel:
-            try:
-                coordinator_pb2_grpc.CoordinatorStub(channel).StopRun(
-                    coordinator_pb2.StopRunRequest(run_id=self.run_id), timeout=300)
-            except Exception as e:  # stopping is best effort: the children are stopped next anyway
-                logger.warning("StopRun failed: %s", e)
+    def endpoints(self, service: str, role: str | None = None) -> list[str]:
+        registry = Registry(connect(str(self.redis_url)))
+        return sorted(m.endpoint for m in registry.members(service)
+                      if role is None or m.metadata.get("role") == role)
+
+    def _newly_ready(self, registry: Registry, pending: list[Expected]) -> list[Expected]:
+        """Pending entries whose registrations are there: with N workers of one kind, one per registration."""
+        ready: list[Expected] = []
+        for key in dict.fromkeys((e.service, e.role) for e in pending):
+            waiting = [e for e in pending if (e.service, e.role) == key]
+            announced = sum(1 for e in self.expected if (e.service, e.role) == key) - len(waiting)
+            members = [m for m in registry.members(key[0]) if key[1] is None or m.metadata.get("role") == key[1]]
+            ready += waiting[:max(0, len(members) - announced)]
+        return ready
+
+    def _say(self, text: str) -> None:
+        print(f"[{time.monotonic() - self._started:5.1f}s]{text}", file=self.out, flush=True)
 
     def stop(self) -> None:
         for p in reversed(self.processes):

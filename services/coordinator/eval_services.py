@@ -1,0 +1,83 @@
+"""The services `rlfabric eval` runs on: started for it (like `rlfabric up`), or found in a running Redis.
+
+Started: a private Redis, one reward worker, one vLLM rollout replica serving the model, the custom
+verifiers; all stopped at the end. Found (`--redis-url`): every rollout replica and reward worker registered
+there; custom verifiers are registered with those workers (with the token in $RLFABRIC_AUTH_TOKEN).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from services.launcher.stack import Expected, LocalStack, ServiceStartError
+
+
+class EvalServices:
+    def __init__(self, run_dir: Path, *, redis_url: str | None, verifiers: Sequence[Any],
+                 startup_timeout_s: float) -> None:
+        self.attach = redis_url is not None
+        self.stack = LocalStack(run_dir, redis_url=redis_url, startup_timeout_s=startup_timeout_s,
+                                verifiers=verifiers)
+        self._channels: list[Any] = []
+        self._pool: Any = None
+
+    def _infos(self) -> list[Any]:
+        from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+        from services.common.client import make_channel
+
+        infos = []
+        for address in self.stack.endpoints("rollout"):
+            with make_channel(address) as channel:
+                infos.append(rollout_pb2_grpc.RolloutStub(channel).Info(rollout_pb2.RolloutInfoRequest(), timeout=60))
+        if not infos:
+            raise ServiceStartError(f"no rollout replica is registered in {self.stack.redis_url}")
+        return infos
+
+    def attached_model(self) -> str:
+        """The model the found replicas serve (their tokenizer builds the prompts)."""
+        return self._infos()[0].model
+
+    def attached_max_model_len(self) -> int | None:
+        """The shortest engine length of the found replicas; None when the replica is started here."""
+        return min(int(i.max_model_len) for i in self._infos()) if self.attach else None
+
+    def start(self, model: str | None, *, dtype: str, max_model_len: int) -> None:
+        stack = self.stack
+        url = stack.start_redis()
+        if self.attach:
+            stack.spawn_verifiers()
+            stack.register_verifiers(os.environ.get("RLFABRIC_AUTH_TOKEN"))
+        else:
+            print(f"starting services (logs in {stack.logs_dir})", file=stack.out, flush=True)
+            stack.spawn_reward_workers(1, 1)
+            stack.spawn_verifiers()
+            stack.spawn("rollout-0", ["rollout", "serve", "--model", str(model), "--address", "127.0.0.1:0",
+                                      "--redis-url", url, "--dtype", dtype, "--max-model-len", str(max_model_len)],
+                        Expected("rollout-0 (vLLM)", "rollout"))
+            stack.wait_ready()
+        from services.common.redis_store import Registry, connect
+        from services.coordinator.reward_pool import RewardClientPool
+
+        self._pool = RewardClientPool(Registry(connect(url)))
+
+    def replicas(self) -> list[tuple[str, Any]]:
+        from rlfabric.v1 import rollout_pb2_grpc
+        from services.common.client import make_channel
+
+        out = []
+        for address in self.stack.endpoints("rollout"):
+            channel = make_channel(address)
+            self._channels.append(channel)
+            out.append((address, rollout_pb2_grpc.RolloutStub(channel)))
+        return out
+
+    def score(self, requests: Iterator[Any]) -> Iterator[Any]:
+        return self._pool.score(requests)
+
+    def stop(self) -> None:
+        for c in self._channels:
+            c.close()
+        self.stack.stop()

@@ -1,0 +1,92 @@
+"""The GRPO service set of `rlfabric up`, in start order, and the run on it.
+
+Order: Redis -> reward worker(s) -> custom verifiers -> rollout replica -> actor and reference trainers ->
+coordinator. Every child registers in Redis with a lease; `LocalStack.wait_ready` shows each one arrive, the
+custom verifiers are registered, then the run starts (`StartRun`) and its iterations print as they finish.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from services.common.processes import ServiceStartError, tail
+from services.launcher.stack import Expected, LocalStack
+
+logger = logging.getLogger(__name__)
+
+
+class GrpoStack:
+    """One GRPO run's services on this host (see module doc) and the client that drives the run."""
+
+    def __init__(self, stack: LocalStack, config_path: Path, overrides: list[str], cfg: Any, *,
+                 reward_workers: int = 1, reward_processes: int = 1, full_metrics: bool = False) -> None:
+        self.stack = stack
+        self.config_path = Path(config_path).resolve()
+        self.overrides = list(overrides)
+        self.cfg = cfg
+        self.reward_workers = reward_workers
+        self.reward_processes = reward_processes
+        self.full_metrics = full_metrics
+        self.coordinator_address: str | None = None
+        self.run_id: str | None = None
+
+    def start(self) -> None:
+        stack = self.stack
+        url = ["--redis-url", stack.start_redis()]
+        cfg_args = ["--config", str(self.config_path)]
+        print(f"starting services (logs in {stack.logs_dir})", file=stack.out, flush=True)
+        stack.spawn_reward_workers(self.reward_workers, self.reward_processes)
+        stack.spawn_verifiers()
+        rollout_overrides = [a for o in self.overrides for a in ("--set", o)]
+        stack.spawn("rollout-0", ["rollout", "serve", *cfg_args, *rollout_overrides, "--address", "127.0.0.1:0", *url],
+                    Expected("rollout-0 (vLLM)", "rollout"))
+        trainer_overrides = [a for o in self.overrides for a in ("--override", o)]
+        roles = ["actor", "reference"] if self.cfg.derived.use_kl_loss else ["actor"]
+        for role in roles:
+            stack.spawn(f"trainer-{role}", ["trainer", "serve", *cfg_args, *trainer_overrides, "--role", role, *url],
+                        Expected(f"trainer-{role} (Megatron)", "trainer", role))
+        stack.spawn("coordinator", ["coordinator", "serve", *url, "--runs-dir", str(stack.run_dir / "runs")],
+                    Expected("coordinator", "coordinator"))
+        stack.wait_ready()
+        self.coordinator_address = stack.endpoints("coordinator")[0]
+        print(f"services up; coordinator at {self.coordinator_address}", file=stack.out, flush=True)
+
+    def train(self, run_id: str = "", resume: bool = False) -> int:
+        import grpc
+
+        from rlfabric.v1 import coordinator_pb2
+        from services.coordinator.follow import FINISHED_OK, start_and_follow
+
+        assert self.coordinator_address is not None
+
+        def check_services() -> None:
+            for p in self.stack.processes:
+                p.check()
+
+        request = coordinator_pb2.StartRunRequest(run_id=run_id, config_yaml=self.config_path.read_text(),
+                                                  overrides=self.overrides, resume=resume)
+        try:
+            final = start_and_follow(self.coordinator_address, request,
+                                     total=int(self.cfg.actor_config.train_iters or 0) or None,
+                                     on_started=lambda rid: setattr(self, "run_id", rid),
+                                     after_iteration=check_services, full_metrics=self.full_metrics)
+        except grpc.RpcError as e:
+            raise ServiceStartError(f"coordinator: {e.code().name}: {e.details()}") from e
+        if final.phase == coordinator_pb2.RUN_PHASE_FAILED:
+            print(f"coordinator log tail:\n{tail(self.stack.logs_dir / 'coordinator.log')}", flush=True)
+        return 0 if final.phase in FINISHED_OK else 1
+
+    def stop_run(self) -> None:
+        if not (self.coordinator_address and self.run_id):
+            return
+        from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+        from services.common.client import make_channel
+
+        with make_channel(self.coordinator_address) as channel:
+            try:
+                coordinator_pb2_grpc.CoordinatorStub(channel).StopRun(
+                    coordinator_pb2.StopRunRequest(run_id=self.run_id), timeout=300)
+            except Exception as e:  # stopping is best effort: the children are stopped next anyway
+                logger.warning("StopRun failed: %s", e)
