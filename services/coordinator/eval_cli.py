@@ -52,6 +52,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="engine length of the replica it starts (default: longest prompt + max tokens)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for services")
+    p.add_argument("--deadline", type=float, default=3600.0,
+                   help="longest one Generate or scoring call may take, in seconds (default 3600)")
     add_verifier_arguments(p)
     p.set_defaults(func=_eval)
 
@@ -67,9 +69,10 @@ def _settings(args: argparse.Namespace) -> Any:
         raise ValueError(f"--k {bad[0]}: k must be in 1..n ({n}); draw more samples with -n")
     temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
     seed = args.seed if args.seed is not None else secrets.randbits(63)  # drawn here so results.json records it
-    return EvalSettings(n=n, max_tokens=args.max_tokens, temperature=temperature, top_p=args.top_p, seed=seed,
-                        verifiers=tuple((v, 1.0) for v in (args.verifier_function or ["math_equiv"])),
-                        ks=tuple(sorted(set(args.k or [1, n]))), threshold=args.threshold)
+    return EvalSettings(n=n, max_tokens=args.max_tokens, temperature=temperature, top_p=args.top_p, top_k=-1,
+                        seed=seed, verifiers=tuple((v, 1.0) for v in (args.verifier_function or ["math_equiv"])),
+                        ks=tuple(sorted(set(args.k or [1, n]))), threshold=args.threshold,
+                        deadline_s=args.deadline)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -139,11 +142,11 @@ def _run(args: argparse.Namespace, settings: Any, services: Any, problems: list,
     from services.coordinator.evaluation import evaluate, summarize_samples
 
     def progress(done: int, total: int) -> None:
-        print(f"eval: {done}/{total} samples scored", flush=True)
+        print(f"eval: {done}/{total} problems sampled and scored", flush=True)
 
     started = time.perf_counter()
     samples = evaluate(services.replicas(), services.score, problems,
-                       lambda ids: tokenizer.decode(ids, skip_special_tokens=True), settings, progress)
+                       lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True), settings, progress=progress)
     results = summarize_samples(samples, settings)
     for name, figures in results.items():
         figures["left_out_too_long"] = float(left_out.get(name, 0))

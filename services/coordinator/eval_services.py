@@ -63,15 +63,16 @@ class EvalServices:
 
         self._pool = RewardClientPool(Registry(connect(url)))
 
-    def replicas(self) -> list[tuple[str, Any]]:
+    def replicas(self) -> list[Any]:
         from rlfabric.v1 import rollout_pb2_grpc
         from services.common.client import make_channel
+        from services.coordinator.weight_sync import Replica
 
         out = []
         for address in self.stack.endpoints("rollout"):
             channel = make_channel(address)
             self._channels.append(channel)
-            out.append((address, rollout_pb2_grpc.RolloutStub(channel)))
+            out.append(Replica(address, rollout_pb2_grpc.RolloutStub(channel)))
         return out
 
     def score(self, requests: Iterator[Any]) -> Iterator[Any]:
