@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 1
 help:
 	@echo "make setup   create .venv with the pinned CPU stack (idempotent)"
 	@echo "make test    lint + the default test suite (what CI runs)"
-	@echo "make demo    a whole GRPO run on this machine: tiny model, arithmetic prompts, every service"
+	@echo "make demo    GRPO that learns, on this machine in under 10 min: warm-up, every service, before/after, charts"
 	@echo "make up CONFIG=configs/x.yaml [ARGS='-o k=v ...']   rlfabric up: Redis + every service, then train"
 	@echo "make proto   regenerate the gRPC stubs from protos/"
 	@echo "make soak    the slow suites"
@@ -31,7 +31,7 @@ else
 endif
 
 demo:
-	bash examples/grpo/grpo_trainer_tiny_cpu.sh
+	bash examples/grpo/grpo_demo_cpu.sh
 
 proto:
 	$(PY) -m services.common.protogen

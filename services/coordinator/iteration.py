@@ -144,7 +144,9 @@ class GrpoIteration:
         self.placement.after_update(clock, weights_version + 1)
         t_end = time.perf_counter()
         timings = timing_metrics(clock, t0, t_end)
-        metrics = {**timings, **timeline_metrics(clock, t0), **actor_metrics, **self._metrics(gen, trained, timings),
+        # The actor's reply carries its own timing/update; the coordinator's span (which update_tps and the
+        # timeline use) is the one logged, so that the table stays consistent.
+        metrics = {**actor_metrics, **timings, **timeline_metrics(clock, t0), **self._metrics(gen, trained, timings),
                    **self.placement.take_memory_metrics()}
         trained_ids = [g.group_id for g in gen.trained]
         logger.info("iteration %d trained %d groups (%d kept of %d generated in %d batches)", iteration,

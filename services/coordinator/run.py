@@ -28,6 +28,7 @@ from services.coordinator.iteration import GrpoIteration
 from services.coordinator.placement import OffloadKeys, Placement
 from services.coordinator.settings import settings_from_config
 from services.coordinator.sinks import MetricsSink
+from services.coordinator.validation import Validation, plan_from_config
 from services.coordinator.weight_sync import Replica, WeightSync
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class RunDriver:
         self.token = token
         self.discovery_timeout_s = discovery_timeout_s
         self.settings = settings_from_config(cfg)
+        self.validation = Validation(plan_from_config(cfg, decode))
         self.stop_event = threading.Event()
 
     def run(self, resume: bool = False) -> None:
@@ -135,6 +137,8 @@ class RunDriver:
             seed = self._sampling_seed(previous)
             settings = dataclasses.replace(s, seed=seed)
             loop = GrpoIteration(replicas, self.score, actor, reference, self.decode, settings, placement)
+            self.validation.start(replicas, self.score, self.decode, settings, placement, iteration=iteration,
+                                  version=version, sink=self.sink)
             self.journal.write(phase="running", iteration=iteration, weights_version=version, consumed_batches=consumed,
                                train_iters=train_iters, rollout=endpoints.rollout, sampling_seed=seed, error="")
             while iteration < train_iters and not self.stop_event.is_set():
@@ -145,6 +149,7 @@ class RunDriver:
                 metrics = {**result.metrics, "iteration": float(iteration), "weights_version": float(version),
                            "data/batch_index": float(first.batch_index), "data/epoch": float(first.epoch),
                            "data/consumed_batches": float(loader.consumed_batches)}
+                metrics.update(self.validation.after_iteration(iteration, train_iters, version))
                 detail = {"batches": [b.batch_index for b in result.batches], "trained_groups": result.trained_groups}
                 self.journal.record_iteration(iteration, metrics, detail=detail, weights_version=version,
                                               consumed_batches=loader.consumed_batches, phase="iteration_done")

@@ -27,6 +27,7 @@ def _plot(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = args.out or path.parent / "plots"
-    for png in plot_run(metrics, out, title=f"{path.parent.name} ({len(metrics)} iterations)"):
+    iterations = sum(1 for m in metrics if m["iteration"] >= 1)  # iteration 0: validation before training
+    for png in plot_run(metrics, out, title=f"{path.parent.name} ({iterations} iterations)"):
         print(png)
     return 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.report.plot import (
+    OTHER_COLORS,
     PHASE_COLORS,
-    TIMELINE_PHASES,
     Metrics,
     phase_spans,
     representative_iterations,
@@ -48,7 +48,8 @@ def reward(metrics: Metrics, path: Path, run: str) -> Path:
         k = min(5, len(r))
         ax.text(0.01, 0.97, f"first {k} iterations: {r[:k].mean():.3f}   last {k}: {r[-k:].mean():.3f}",
                 transform=ax.transAxes, va="top", fontsize=9, bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
-    val_keys = sorted({k for m in metrics for k in m if k.startswith("val/") and ("pass@" in k or "mean@" in k)})
+    val_keys = sorted({k for m in metrics for k in m
+                       if k.startswith("val/") and ("pass@" in k or "mean@" in k) and k != "val/mean@1"})
     for key, color in zip(val_keys, ("#C44E52", "#55A868", "#8172B3", "#DD8452"), strict=False):
         vi, vv = series(metrics, key)
         ax.plot(vi, vv, marker="o", markersize=4, color=color, label=f"validation {key.removeprefix('val/')}")
@@ -116,10 +117,11 @@ def timeline(metrics: Metrics, path: Path, run: str) -> Path:
     for ax, m in zip(axes[:, 0], picks, strict=True):
         spans, logged = phase_spans(m)
         logged_any |= logged
-        rows = [p for p in TIMELINE_PHASES if p in spans and spans[p][1] > spans[p][0]]
+        rows = [p for p, (start, end) in spans.items() if end > start]
         for y, phase in enumerate(rows):
             start, end = spans[phase]
-            ax.barh(y, end - start, left=start, color=PHASE_COLORS[phase], height=0.6)
+            color = PHASE_COLORS.get(phase, OTHER_COLORS[y % len(OTHER_COLORS)])
+            ax.barh(y, end - start, left=start, color=color, height=0.6)
             ax.text(end, y, f" {end - start:.3f}s", va="center", fontsize=7)
         total = m.get("timing/all", 0.0)
         ax.axvline(total, color="black", linewidth=1, linestyle="--")

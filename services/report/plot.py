@@ -20,11 +20,14 @@ import numpy as np
 
 Metrics = Sequence[Mapping[str, float]]
 
-# Phases drawn on the timeline, top to bottom, with their colours.
-TIMELINE_PHASES = ("rollout", "rule_reward", "reference_model", "old_log_p", "adv", "update",
-                   "resharding_to_infer", "resharding_to_train")
-PHASE_COLORS = dict(zip(TIMELINE_PHASES, ("#4C72B0", "#DD8452", "#55A868", "#8172B3", "#937860", "#C44E52", "#64B5CD",
-                                     "#8C8C8C"), strict=True))
+# Colours of the phases a timeline shows; a phase not named here (a new one) gets one of OTHER_COLORS.
+PHASE_COLORS = {"rollout": "#4C72B0", "rule_reward": "#DD8452", "reward_model": "#DA8BC3",
+                "reference_model": "#55A868", "old_log_p": "#8172B3", "adv": "#937860", "update": "#C44E52",
+                "resharding_to_infer": "#64B5CD", "resharding_enter_infer": "#64B5CD",
+                "resharding_exit_infer": "#9BD0E0", "resharding_to_train": "#8C8C8C",
+                "resharding_enter_train": "#8C8C8C", "resharding_exit_train": "#B5B5B5", "ref_onload": "#A6D8A8",
+                "ref_offload": "#A6D8A8"}
+OTHER_COLORS = ("#CCB974", "#8EBA42", "#E24A33", "#348ABD")
 
 
 def find_metrics(path: str | Path) -> Path:
@@ -76,11 +79,12 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def phase_spans(m: Mapping[str, float]) -> tuple[dict[str, tuple[float, float]], bool]:
-    """{phase: (start, end)} within one iteration, and whether they are logged (True) or reconstructed."""
-    logged = {p: (m[f"timeline/{p}/start"], m[f"timeline/{p}/end"]) for p in TIMELINE_PHASES
-              if f"timeline/{p}/start" in m and f"timeline/{p}/end" in m}
+    """{phase: (start, end)} within one iteration, in order of start, and whether they are logged (True) or
+    reconstructed from timing/* (False)."""
+    logged = {k[len("timeline/"):-len("/start")]: (v, m.get(k[:-len("start")] + "end", v)) for k, v in m.items()
+              if k.startswith("timeline/") and k.endswith("/start")}
     if logged:
-        return logged, True
+        return dict(sorted(logged.items(), key=lambda kv: kv[1])), True
     t = {k.removeprefix("timing/"): v for k, v in m.items() if k.startswith("timing/")}
     spans: dict[str, tuple[float, float]] = {}
     rollout_end = t.get("rollout", 0.0)
@@ -97,7 +101,7 @@ def phase_spans(m: Mapping[str, float]) -> tuple[dict[str, tuple[float, float]],
     spans["adv"] = (adv_end - t.get("adv", 0.0), adv_end)
     spans["update"] = (adv_end, adv_end + t.get("update", 0.0))
     spans["resharding_to_infer"] = (spans["update"][1], spans["update"][1] + t.get("resharding_to_infer", 0.0))
-    return spans, False
+    return dict(sorted(spans.items(), key=lambda kv: kv[1])), False
 
 
 def representative_iterations(metrics: Metrics, count: int = 3) -> list[Mapping[str, float]]:

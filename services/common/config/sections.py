@@ -19,6 +19,7 @@ from services.common.config.statuses import (
     CONFIG_SECTIONS,
     COORDINATOR_RUN,
     COORDINATOR_SETTINGS,
+    COORDINATOR_VALIDATION,
     DERIVED,
     MOE,
     MULTIMODAL,
@@ -147,6 +148,22 @@ class FabricConfig:
     rpc_deadline_s: float = setting(
         600.0, "Longest one coordinator call to a service (a Generate stream, an Update, a weight push) may take, "
                "in seconds; a call past it fails the iteration naming the service.", read(COORDINATOR_SETTINGS))
+    # Periodic validation (MindSpeed-RL's RL trainers have none; Megatron's eval_interval is an LM-loss eval).
+    val_interval: int = setting(
+        0, "Validate every N iterations, and after the last one, on `val_data_path` with the run's verifiers; "
+           "logged as val/* with that iteration's metrics. 0: never.", read(COORDINATOR_VALIDATION))
+    val_before_train: bool = setting(
+        False, "Also validate the starting weights before the first iteration (logged as iteration 0).",
+        read(COORDINATOR_VALIDATION))
+    val_data_path: str | None = setting(
+        None, "Validation prompts: a dataset prefix preprocessed like megatron_training.data_path, with labels.",
+        read(COORDINATOR_VALIDATION))
+    val_n_samples: int = setting(
+        1, "Samples per validation prompt (val/pass@1; for n > 1 also val/pass@n and val/mean@n).",
+        read(COORDINATOR_VALIDATION))
+    val_temperature: float = setting(
+        0.0, "Sampling temperature of validation; 0 is greedy. Other sampling values are sampling_config's.",
+        read(COORDINATOR_VALIDATION))
 
 
 @dataclass(kw_only=True)

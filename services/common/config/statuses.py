@@ -24,6 +24,7 @@ COORDINATOR_SETTINGS = "services/coordinator/settings.py"
 ITERATION = "services/coordinator/iteration.py"
 COORDINATOR_APP = "services/coordinator/app.py"
 COORDINATOR_RUN = "services/coordinator/run.py"
+COORDINATOR_VALIDATION = "services/coordinator/validation.py"
 ROLLOUT_OPTIONS = "services/rollout/options.py"
 
 # Features rlfabric does not have: a config using one is refused with one message naming it.
