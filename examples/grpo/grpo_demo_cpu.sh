@@ -31,8 +31,7 @@ echo "$WORK/dataset/{train,heldout}"
 
 step "3/7 supervised warm-up (rlfabric sft): until 45% of a training slice is answered greedily"
 [ -f "$WORK/sft_model/sft_summary.json" ] || "$RLF" sft "$WORK/base_model" "$WORK/task/train.jsonl" \
-  "$WORK/sft_model" --held-out "$WORK/task/heldout.jsonl" --lr 3e-3 --lr-warmup-iters 50 --steps 3000 \
-  --stop-at-accuracy 0.45 --quiet
+  "$WORK/sft_model" --held-out "$WORK/task/heldout.jsonl" --recipe addition --quiet
 
 step "4/7 GRPO (rlfabric up configs/grpo_demo_cpu.yaml): validation on the held-out set before, every 100 iterations, at the end"
 rm -rf "$WORK/run" "$WORK/ckpt" "$WORK/final_model" "$WORK/eval_final"

@@ -88,6 +88,7 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = args.out or Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")
+    from services.coordinator.errors import IterationError
     from services.coordinator.eval_services import EvalServices
     from services.launcher.stack import ServiceStartError
 
@@ -95,13 +96,14 @@ def _eval(args: argparse.Namespace) -> int:
                             startup_timeout_s=args.startup_timeout)
     try:
         problems, left_out, tokenizer = _problems(args, settings, services)
-        services.start(args.model, dtype=args.dtype, max_model_len=args.max_model_len or _engine_length(
-            problems, settings.max_tokens, args.model))
+        engine_length = 0 if services.attach else args.max_model_len or _engine_length(
+            problems, settings.max_tokens, args.model)
+        services.start(args.model, dtype=args.dtype, max_model_len=engine_length)
         return _run(args, settings, services, problems, left_out, tokenizer, out)
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ServiceStartError as e:
+    except (ServiceStartError, IterationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
@@ -113,13 +115,16 @@ def _problems(args: argparse.Namespace, settings: Any, services: Any) -> tuple[l
 
     from services.coordinator.evaluation_data import load_problems, resolve_dataset
 
+    sets = [resolve_dataset(spec, args.eval_dir) for spec in args.dataset or ["math500"]]
     model = args.model or services.attached_model()
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {model}: cannot load its tokenizer: {e}") from e
     limit_len = services.attached_max_model_len()
     max_prompt = None if limit_len is None else limit_len - settings.max_tokens
     problems, left_out = [], {}
-    for spec in args.dataset or ["math500"]:
-        name, path = resolve_dataset(spec, args.eval_dir)
+    for name, path in sets:
         found, too_long = load_problems(name, path, tokenizer, args.template, prompt_key=args.prompt_key,
                                         answer_key=args.answer_key, limit=args.limit, max_prompt_length=max_prompt)
         problems += found

@@ -6,9 +6,26 @@ import argparse
 import sys
 from pathlib import Path
 
+# Flags that set an SftSettings field: (flag, field, type, help). Unset flags keep the recipe's (or the
+# default) value, so `--recipe addition --steps 500` changes the steps only.
+_SETTING_FLAGS = (
+    ("--template", "template", str, "prompt template from templates.json"),
+    ("--steps", "steps", int, "optimizer steps (a cap with --stop-at-accuracy)"),
+    ("--batch-size", "batch_size", int, "rows per step"),
+    ("--lr", "lr", float, "AdamW peak learning rate"),
+    ("--lr-decay-style", "lr_decay_style", str, "constant, linear or cosine (to 0 at the last step)"),
+    ("--lr-warmup-iters", "lr_warmup_iters", int, "linear warm-up steps"),
+    ("--weight-decay", "weight_decay", float, "AdamW weight decay"),
+    ("--stop-at-accuracy", "stop_at_accuracy", float,
+     "stop once greedy accuracy on the first --check-rows TRAINING rows reaches this"),
+    ("--check-every", "check_every", int, "steps between those checks"),
+    ("--check-rows", "check_rows", int, "training rows the check reads"),
+    ("--seed", "seed", int, "batch order and init seed"),
+)
+
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
-    from services.sft.train import LR_DECAY_STYLES, SftSettings
+    from services.sft.train import RECIPES, SftSettings
 
     d = SftSettings()
     p = subparsers.add_parser(
@@ -21,23 +38,29 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--held-out", type=Path, default=None, help="rows to measure greedy accuracy on at the end")
     p.add_argument("--prompt-key", default="problem", help="prompt field (default: problem)")
     p.add_argument("--answer-key", default="answer", help="answer field (default: answer)")
-    p.add_argument("--template", default=d.template, help=f"prompt template from templates.json (default: {d.template})")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default: {d.steps})")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"rows per step (default: {d.batch_size})")
-    p.add_argument("--lr", type=float, default=d.lr, help=f"AdamW peak learning rate (default: {d.lr:g})")
-    p.add_argument("--lr-decay-style", default=d.lr_decay_style, choices=LR_DECAY_STYLES,
-                   help=f"decay to 0 at the last step (default: {d.lr_decay_style})")
-    p.add_argument("--lr-warmup-iters", type=int, default=d.lr_warmup_iters,
-                   help=f"linear warm-up steps (default: {d.lr_warmup_iters})")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help=f"default: {d.weight_decay:g}")
-    p.add_argument("--stop-at-accuracy", type=float, default=None, metavar="ACC",
-                   help="stop once greedy accuracy on the first --check-rows TRAINING rows reaches ACC "
-                        "(checked every --check-every steps; --steps is then a cap)")
-    p.add_argument("--check-every", type=int, default=d.check_every, help=f"default: {d.check_every}")
-    p.add_argument("--check-rows", type=int, default=d.check_rows, help=f"default: {d.check_rows}")
-    p.add_argument("--seed", type=int, default=d.seed, help=f"batch order and init seed (default: {d.seed})")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
+                   help="start from named settings (addition: the warm-up of `make demo`); flags override them")
+    for flag, name, kind, text in _SETTING_FLAGS:
+        p.add_argument(flag, dest=name, type=kind, default=None, help=f"{text} (default: {getattr(d, name)})")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_sft)
+
+
+def settings_from_args(args: argparse.Namespace):  # noqa: ANN201 (SftSettings, imported lazily)
+    """The recipe's settings (or the defaults) with every flag given on the command line; ValueError if bad."""
+    import dataclasses
+
+    from services.sft.train import LR_DECAY_STYLES, RECIPES, SftSettings
+
+    base = RECIPES[args.recipe] if args.recipe else SftSettings()
+    given = {name: getattr(args, name) for _, name, _, _ in _SETTING_FLAGS if getattr(args, name) is not None}
+    settings = dataclasses.replace(base, **given)
+    for name in ("steps", "batch_size", "check_every", "check_rows"):
+        if getattr(settings, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(settings, name)}")
+    if settings.lr_decay_style not in LR_DECAY_STYLES:
+        raise ValueError(f"--lr-decay-style {settings.lr_decay_style!r}: expected one of {', '.join(LR_DECAY_STYLES)}")
+    return settings
 
 
 def _read_rows(path: Path, prompt_key: str, answer_key: str) -> list[tuple[str, str]]:
@@ -55,22 +78,15 @@ def _read_rows(path: Path, prompt_key: str, answer_key: str) -> list[tuple[str, 
 
 def _sft(args: argparse.Namespace) -> int:
     from services.common.errors import DataError
-    from services.sft.train import SftSettings, train
+    from services.sft.train import train
 
-    for name in ("steps", "batch_size", "check_every", "check_rows"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
     try:
+        settings = settings_from_args(args)
         rows = _read_rows(args.data, args.prompt_key, args.answer_key)
         held_out = _read_rows(args.held_out, args.prompt_key, args.answer_key) if args.held_out else []
-    except (DataError, OSError) as e:
+    except (DataError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    settings = SftSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, lr_decay_style=args.lr_decay_style,
-                           lr_warmup_iters=args.lr_warmup_iters, weight_decay=args.weight_decay, seed=args.seed,
-                           template=args.template, stop_at_accuracy=args.stop_at_accuracy,
-                           check_every=args.check_every, check_rows=args.check_rows)
 
     def progress(step: int, loss: float) -> None:
         if not args.quiet:
