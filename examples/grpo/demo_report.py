@@ -7,7 +7,9 @@ checks:
 - the mean training reward of the last 5 iterations exceeds that of the first 5 by at least 0.15;
 - held-out greedy accuracy after GRPO is higher than before;
 - the final model, sampled independently (temperature 1, fresh seeds), scores within 0.05 of the training
-  reward of the last 10 iterations;
+  reward of the last tenth of the run (50 of 500 iterations: 400 prompts, where the decaying learning rate
+  is under a tenth of its peak; the data loader's order is fixed, so a shorter window rests on a few dozen
+  always-the-same prompts whose difficulty shifts it by a few hundredths);
 - every iteration's record holds the seed's metric table, its throughputs consistent with its lengths,
   sizes and times (services/report/seed_metrics.py).
 Exits 1 when a check fails.
@@ -58,20 +60,21 @@ def main(argv: list[str] | None = None) -> int:
     before, after = val[0], val[-1]
     print(f"held-out greedy accuracy ({sampled['problems']:.0f} problems): {before[1]:.3f} (iteration {before[0]}) "
           f"-> {after[1]:.3f} (iteration {after[0]})")
-    first5, last5, last10 = mean(rewards[:5]), mean(rewards[-5:]), mean(rewards[-10:])
+    tail = max(10, len(rewards) // 10)
+    first5, last5, last_tenth = mean(rewards[:5]), mean(rewards[-5:]), mean(rewards[-tail:])
     print(f"training reward, mean of the first 5 iterations -> the last 5: {first5:.3f} -> {last5:.3f} "
           f"({last5 - first5:+.3f})")
     n = final["settings"]["n"]
     print(f"final model sampled independently ({n} samples per held-out problem, temperature "
           f"{final['settings']['temperature']:g}, fresh seeds): {sampled['pass@1']:.3f} (pass@{n} "
-          f"{sampled[f'pass@{n}']:.3f}); training reward of the last 10 iterations: {last10:.3f}")
+          f"{sampled[f'pass@{n}']:.3f}); training reward of the last {tail} iterations: {last_tenth:.3f}")
     table_problems = [f"iteration {int(r['iteration'])}: {p}" for r in train for p in check_record(r, [VERIFIER])]
     print(f"metrics: {metrics_path} ({len(train)} iterations); charts: {metrics_path.parent / 'plots'}")
     checks = [
         (f"reward rose by at least {MIN_REWARD_GAIN} (last 5 vs first 5 iterations)", last5 - first5 >= MIN_REWARD_GAIN),
         ("held-out greedy accuracy after GRPO is higher than before", after[1] > before[1] and after[0] > before[0]),
-        (f"the final model sampled independently is within {MAX_SAMPLED_GAP} of the last 10 iterations' reward",
-         abs(sampled["pass@1"] - last10) <= MAX_SAMPLED_GAP),
+        (f"the final model sampled independently is within {MAX_SAMPLED_GAP} of the last {tail} iterations' reward",
+         abs(sampled["pass@1"] - last_tenth) <= MAX_SAMPLED_GAP),
         ("every iteration logs the seed's metric table, e2e/update/vllm tps consistent with lengths, sizes, times",
          not table_problems),
     ]

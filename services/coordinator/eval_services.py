@@ -16,6 +16,8 @@ from services.launcher.stack import Expected, LocalStack, ServiceStartError
 
 
 class EvalServices:
+    """The rollout replicas and reward workers of one `rlfabric eval` (see module docstring)."""
+
     def __init__(self, run_dir: Path, *, redis_url: str | None, verifiers: Sequence[Any],
                  startup_timeout_s: float) -> None:
         self.attach = redis_url is not None

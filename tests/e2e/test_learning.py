@@ -5,9 +5,12 @@ task of the demo ("A+B=", A, B in 0..99), from the demo's supervised warm-up, wi
 The warm-up (`rlfabric sft --recipe addition`, in process: ~1,300 steps, ~80 s on 2 cores) is a session
 fixture; the short test then runs 100 iterations of `configs/grpo_demo_cpu.yaml` (~60 s with start-up).
 
-Margin, measured: 10 runs of exactly this shape (100 iterations from the same warm-up, sampling seeds drawn
-per run) gave a mean training reward of the last 10 iterations minus that of the first 10 of
-GAINS_MEASURED below: mean MEAN_GAIN, minimum MIN_GAIN. The test asserts MARGIN, below every measured run.
+Margin, measured (2-core machine, shared): 10 runs of exactly this shape (100 iterations of the demo config from
+the same warm-up, sampling seed drawn per run, no validation) gave, for the mean training reward of the last 10
+iterations minus that of the first 10: 0.066, 0.073, 0.080, 0.105, 0.106, 0.116, 0.120, 0.130, 0.131, 0.172
+(mean 0.110, standard deviation 0.032; first-10 means 0.29-0.37, last-10 means 0.40-0.47). MARGIN = 0.04 is
+2.2 standard deviations below the mean and below every measured run; with learning broken the gain centres on 0
+and the test fails. The sampling seed is fixed, so a given machine repeats its verdict.
 The slow test (`make soak`) runs the demo's full length and asserts the demo's marks.
 """
 
@@ -26,7 +29,6 @@ from services.report.seed_metrics import check_record
 CONFIG = "configs/grpo_demo_cpu.yaml"
 VERIFIER = "leading_number"
 SHORT_ITERATIONS = 100
-GAINS_MEASURED: tuple[float, ...] = ()
 MARGIN = 0.04
 
 
@@ -105,7 +107,7 @@ def test_reward_goes_up(addition_warmup: Path, repo_root: Path, tmp_path: Path) 
 def test_demo_length_run_learns(addition_warmup: Path, repo_root: Path, tmp_path: Path) -> None:
     """The demo's marks at the demo's length (its config as written): reward +0.15 (last 5 vs first 5
     iterations), greedy held-out accuracy up, the final model sampled independently within 0.05 of the
-    last 10 iterations' reward."""
+    training reward of the last 50 iterations (see examples/grpo/demo_report.py for why 50)."""
     proc = run_grpo(repo_root, addition_warmup, tmp_path, 500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = read_metrics(find_metrics(tmp_path))
@@ -123,4 +125,4 @@ def test_demo_length_run_learns(addition_warmup: Path, repo_root: Path, tmp_path
                     "-n", "8", "--temperature", "1", "--verifier-function", VERIFIER, "--verifier-command", verifier,
                     "--out", str(out)], cwd=repo_root, check=True, timeout=900, capture_output=True)
     sampled = json.loads((out / "results.json").read_text())["results"]["heldout"]["pass@1"]
-    assert abs(sampled - mean(rewards[-10:])) <= 0.05
+    assert abs(sampled - mean(rewards[-50:])) <= 0.05
