@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from services.common.processes import ServiceProcess, ServiceStartError
 from services.common.redis_store import RedisServer, Registry, connect, start_private_redis
 from services.launcher import verifiers as custom
-from services.common.processes import ServiceProcess, ServiceStartError
 
 logger = logging.getLogger(__name__)
 
