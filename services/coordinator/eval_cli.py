@@ -132,13 +132,19 @@ def _problems(args: argparse.Namespace, settings: Any, services: Any) -> tuple[l
     return problems, left_out, tokenizer
 
 
+# A replica started without a config refuses an engine length its default max_tokens (rlfabric rollout serve's
+# own default) cannot fit beside a one-token prompt; eval's requests set max_tokens themselves, so the engine
+# just gets at least this many positions.
+MIN_ENGINE_LENGTH = 256
+
+
 def _engine_length(problems: list, max_tokens: int, model: str) -> int:
     positions = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings", 1 << 30)
     needed = max(len(p.prompt_ids) for p in problems) + max_tokens
     if needed > positions:
         raise ValueError(f"the longest prompt plus --max-tokens needs {needed} positions; the model has {positions}: "
                          "lower --max-tokens or --limit the set")
-    return needed
+    return min(positions, max(needed, MIN_ENGINE_LENGTH))
 
 
 def _run(args: argparse.Namespace, settings: Any, services: Any, problems: list, left_out: dict[str, int],
