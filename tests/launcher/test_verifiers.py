@@ -67,3 +67,30 @@ def test_a_launched_verifier_is_registered_and_scores(tmp_path: Path) -> None:
     finally:
         stack.stop()
     assert all(not p.alive() for p in stack.processes)
+
+
+def test_a_running_verifier_is_registered_by_endpoint(tmp_path: Path) -> None:
+    import subprocess
+
+    from rlfabric.v1 import reward_pb2, reward_pb2_grpc
+    from services.common.client import make_channel
+    from services.common.net import free_port
+    from services.launcher.stack import LocalStack
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(VERIFIER), "--port", str(port)], stdout=subprocess.DEVNULL)
+    stack = LocalStack(tmp_path, verifiers=[parse_endpoint(f"sum_prefix=127.0.0.1:{port}")], startup_timeout_s=300)
+    try:
+        stack.start_redis()
+        stack.spawn_reward_workers(2, 1)
+        stack.spawn_verifiers()
+        stack.wait_ready()
+        for worker in stack.endpoints("reward"):  # every worker knows it before the run starts
+            with make_channel(worker) as channel:
+                listed = reward_pb2_grpc.RewardStub(channel).ListVerifiers(reward_pb2.ListVerifiersRequest(),
+                                                                           timeout=30).verifiers
+            assert any(v.name == "sum_prefix" and v.endpoint == f"127.0.0.1:{port}" for v in listed)
+    finally:
+        stack.stop()
+        server.terminate()
+        server.wait(timeout=30)
