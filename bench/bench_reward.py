@@ -114,7 +114,7 @@ WORKLOADS = ("math_equiv", "busy_3ms")
 STREAM_PASSES = {"math_equiv": 10, "busy_3ms": 1}
 
 
-def _pin_to(core: int | None):  # noqa: ANN202
+def _pin_to(core: int | None):
     if core is None:
         return None
     return lambda: os.sched_setaffinity(0, {core})  # inherited by the worker's forkserver and pool process

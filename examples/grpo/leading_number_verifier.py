@@ -31,7 +31,7 @@ def leading_number_score(response: str, ground_truth: str) -> float:
 class LeadingNumberVerifier(verifier_pb2_grpc.VerifierServicer):
     """Answers each VerifyRequest of the stream with one VerifyResponse carrying the same request_id."""
 
-    def Verify(self, request_iterator, context):  # noqa: N802, ANN001 (gRPC signature)
+    def Verify(self, request_iterator, context):
         for request in request_iterator:
             yield verifier_pb2.VerifyResponse(request_id=request.request_id,
                                               score=leading_number_score(request.response, request.ground_truth))

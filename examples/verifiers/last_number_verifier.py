@@ -33,7 +33,7 @@ def last_number_score(response: str, ground_truth: str) -> float:
 class LastNumberVerifier(verifier_pb2_grpc.VerifierServicer):
     """Answers each VerifyRequest of the stream with one VerifyResponse carrying the same request_id."""
 
-    def Verify(self, request_iterator, context):  # noqa: ANN001 (gRPC signature)
+    def Verify(self, request_iterator, context):
         for request in request_iterator:
             try:
                 score = last_number_score(request.response, request.ground_truth)

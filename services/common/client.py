@@ -55,7 +55,7 @@ class _TokenAuth(grpc.AuthMetadataPlugin):
     def __init__(self, token: str) -> None:
         self._token = token
 
-    def __call__(self, context, callback):  # noqa: ANN001 (grpc signature)
+    def __call__(self, context, callback):
         callback((("authorization", f"Bearer {self._token}"),), None)
 
 
@@ -70,19 +70,19 @@ class _MetadataInterceptor(
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self._metadata = metadata
 
-    def _details(self, details):  # noqa: ANN001
+    def _details(self, details):
         return details._replace(metadata=tuple(details.metadata or ()) + self._metadata)
 
-    def intercept_unary_unary(self, continuation, details, request):  # noqa: ANN001
+    def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._details(details), request)
 
-    def intercept_unary_stream(self, continuation, details, request):  # noqa: ANN001
+    def intercept_unary_stream(self, continuation, details, request):
         return continuation(self._details(details), request)
 
-    def intercept_stream_unary(self, continuation, details, request_iterator):  # noqa: ANN001
+    def intercept_stream_unary(self, continuation, details, request_iterator):
         return continuation(self._details(details), request_iterator)
 
-    def intercept_stream_stream(self, continuation, details, request_iterator):  # noqa: ANN001
+    def intercept_stream_stream(self, continuation, details, request_iterator):
         return continuation(self._details(details), request_iterator)
 
 

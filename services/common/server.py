@@ -84,7 +84,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return False
         return self._methods is None or method in self._methods
 
-    def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001 (grpc signature)
+    def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         if not self._guarded(method):
             return continuation(handler_call_details)
@@ -99,7 +99,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
 
 def _abort_handler(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str):
-    def deny(_request, context):  # noqa: ANN001
+    def deny(_request, context):
         context.abort(code, message)
 
     if handler is None or (not handler.request_streaming and not handler.response_streaming):

@@ -7,7 +7,7 @@ gradient. With `rl_config.filter_groups_enable`, the coordinator generates batch
 that verifier, before weighting and shaping) has a spread (std > 0), and keeps generating until
 `filter_groups_train_batch_size` prompts are kept. As in MindSpeed-RL (`RayDAPOTrainer.dynamic_sampling`),
 after `filter_groups_max_batches` generation batches without reaching it the run fails
-(`DynamicSamplingExhausted`); 0 or less means no limit.
+(`DynamicSamplingExhaustedError`); 0 or less means no limit.
 
 Choices:
 - "std > 0" is tested as max != min, which is what it means mathematically; a computed std of
@@ -20,7 +20,7 @@ Choices:
   free slots of its training batch the same way).
 - No limit (`filter_groups_max_batches <= 0`) is bounded by the data: when `data_batches` (one pass
   over the prompt set, the loader's batches per epoch) have been generated in one iteration without
-  filling the batch, it stops with `DynamicSamplingExhausted` naming the data, where MindSpeed-RL
+  filling the batch, it stops with `DynamicSamplingExhaustedError` naming the data, where MindSpeed-RL
   would start the data over and over for ever.
 
 Pure bookkeeping: groups are opaque objects (the coordinator's sample records); nothing here
@@ -38,7 +38,7 @@ import numpy as np
 T = TypeVar("T")
 
 
-class DynamicSamplingExhausted(RuntimeError):
+class DynamicSamplingExhaustedError(RuntimeError):
     """Raised when `filter_groups_max_batches` generation batches did not fill the training batch."""
 
 
@@ -108,7 +108,7 @@ class GroupAccumulator(Generic[T]):
                                n_samples_per_prompt=n, max_batches=cfg.filter_groups_max_batches)
         while not acc.ready:
             groups, metric_values = generate_and_score_one_batch()
-            acc.add(groups, metric_values)   # raises DynamicSamplingExhausted when out of tries
+            acc.add(groups, metric_values)   # raises DynamicSamplingExhaustedError when out of tries
         batch = acc.take()                    # batch.groups: exactly train_batch_size groups
 
     Attributes:
@@ -149,7 +149,7 @@ class GroupAccumulator(Generic[T]):
             How many of these groups were kept.
 
         Raises:
-            DynamicSamplingExhausted: the batch is still not full after `max_batches` batches.
+            DynamicSamplingExhaustedError: the batch is still not full after `max_batches` batches.
         """
         keep = groups_with_spread(metric_values, self.n_samples_per_prompt)
         if keep.size != len(groups):
@@ -170,7 +170,7 @@ class GroupAccumulator(Generic[T]):
                      f"{self.max_batches}, no limit, stops when the data runs out)")
         else:
             return len(kept)
-        raise DynamicSamplingExhausted(
+        raise DynamicSamplingExhaustedError(
             f"dynamic sampling kept {len(self._kept)} of the {self.train_batch_size} prompts "
             f"needed (rl_config.filter_groups_train_batch_size) after {self.num_gen_batches} {limit}; "
             f"{self.num_groups_seen - len(self._kept)} of {self.num_groups_seen} groups had no spread in "

@@ -38,7 +38,11 @@ from services.coordinator.advantages import (
     compute_group_advantages,
     make_kl_controller,
 )
-from services.coordinator.dynamic_sampling import DynamicSamplingExhausted, GroupAccumulator, select_metric
+from services.coordinator.dynamic_sampling import (
+    DynamicSamplingExhaustedError,
+    GroupAccumulator,
+    select_metric,
+)
 from services.coordinator.errors import IterationError
 from services.coordinator.generation import (
     Generator,
@@ -174,7 +178,7 @@ class GrpoIteration:
             generated.extend(groups)
             try:
                 acc.add(groups, select_metric(self._verifier_scores(groups), s.filter_groups_metric))
-            except DynamicSamplingExhausted as e:
+            except DynamicSamplingExhaustedError as e:
                 raise IterationError(str(e)) from e
         taken = acc.take()
         return _Generated(generated, taken.groups, batches, taken.num_groups_kept)

@@ -218,7 +218,7 @@ class _Session:
             for link in self.links.values():
                 link.close()
 
-    def _handle_all(self, kind: str, link: _Link | None, payload) -> list[reward_pb2.ScoreResponse]:  # noqa: ANN001
+    def _handle_all(self, kind: str, link: _Link | None, payload) -> list[reward_pb2.ScoreResponse]:
         """The answers an event brings: a batch of results, or what `_handle` makes of one event."""
         if kind == "results":
             answers = [self._handle("result", link, response) for response in payload]
@@ -226,7 +226,7 @@ class _Session:
         answer = self._handle(kind, link, payload)
         return [] if answer is None else [answer]
 
-    def _handle(self, kind: str, link: _Link | None, payload) -> reward_pb2.ScoreResponse | None:  # noqa: ANN001
+    def _handle(self, kind: str, link: _Link | None, payload) -> reward_pb2.ScoreResponse | None:
         if kind == "request":
             sample_id = payload.sample_id
             if sample_id in self.requests:

@@ -53,7 +53,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             weights_version=int(state.get("weights_version", 0)), error=state.get("error", "") or "",
             checkpoint=ckpt.get("path", ""))
 
-    def StartRun(self, request, context):  # noqa: N802
+    def StartRun(self, request, context):
         run_id = request.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         with self._lock:
             if self._active and self._active[2].is_alive():
@@ -82,12 +82,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         except Exception:
             logger.exception("run %s failed", driver.run_id)
 
-    def GetRun(self, request, context):  # noqa: N802
+    def GetRun(self, request, context):
         if not RunJournal(self.redis, request.run_id).exists():
             context.abort(grpc.StatusCode.NOT_FOUND, f"no run {request.run_id!r}")
         return self._status(request.run_id)
 
-    def StopRun(self, request, context):  # noqa: N802
+    def StopRun(self, request, context):
         with self._lock:
             active = self._active
         if active and active[0] == request.run_id and active[2].is_alive():
@@ -97,7 +97,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no run {request.run_id!r}")
         return self._status(request.run_id)
 
-    def StreamMetrics(self, request, context):  # noqa: N802
+    def StreamMetrics(self, request, context):
         journal = RunJournal(self.redis, request.run_id)
         if not journal.exists():
             context.abort(grpc.StatusCode.NOT_FOUND, f"no run {request.run_id!r}")

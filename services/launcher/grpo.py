@@ -11,6 +11,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from services.common.processes import ServiceStartError, tail
 from services.launcher.stack import Expected, LocalStack
 
@@ -88,5 +90,5 @@ class GrpoStack:
             try:
                 coordinator_pb2_grpc.CoordinatorStub(channel).StopRun(
                     coordinator_pb2.StopRunRequest(run_id=self.run_id), timeout=300)
-            except Exception as e:  # stopping is best effort: the children are stopped next anyway
+            except grpc.RpcError as e:  # stopping is best effort: the children are stopped next anyway
                 logger.warning("StopRun failed: %s", e)

@@ -22,7 +22,7 @@ def _window(n: int) -> int:
     return max(5, n // 20)
 
 
-def _save(fig, path: Path) -> Path:  # noqa: ANN001 (matplotlib Figure)
+def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
@@ -31,7 +31,7 @@ def _save(fig, path: Path) -> Path:  # noqa: ANN001 (matplotlib Figure)
     return path
 
 
-def _title(ax, text: str, run: str) -> None:  # noqa: ANN001
+def _title(ax, text: str, run: str) -> None:
     ax.set_title(f"{text}" + (f"\n{run}" if run else ""), fontsize=11)
 
 

@@ -34,7 +34,7 @@ _METADATA_ADDRESSES = frozenset({ipaddress.ip_address("fd00:ec2::254"), ipaddres
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
-class EndpointRefused(ValueError):
+class EndpointRefusedError(ValueError):
     """The endpoint's host is not allowed (the message says why and what to change)."""
 
 
@@ -62,7 +62,7 @@ def _resolve(host: str) -> set[Address]:
     try:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except (OSError, UnicodeError) as e:
-        raise EndpointRefused(f"host {host!r} does not resolve ({e})") from e
+        raise EndpointRefusedError(f"host {host!r} does not resolve ({e})") from e
     return {ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos}
 
 
@@ -98,10 +98,10 @@ class EndpointPolicy:
         return cls(patterns, member_hosts or (lambda: ()))
 
     def check(self, endpoint: str) -> None:
-        """Raises EndpointRefused (or ValueError for a malformed endpoint) unless `endpoint` is allowed."""
+        """Raises EndpointRefusedError (or ValueError for a malformed endpoint) unless `endpoint` is allowed."""
         host, _port = split_endpoint(endpoint)
         name = host.lower().rstrip(".")
-        never = EndpointRefused(f"endpoint {endpoint!r} is a link-local, metadata, unspecified or multicast "
+        never = EndpointRefusedError(f"endpoint {endpoint!r} is a link-local, metadata, unspecified or multicast "
                                 "address; verifiers are never allowed there")
         if name in _METADATA_NAMES:
             raise never
@@ -109,7 +109,7 @@ class EndpointPolicy:
         if any(_never(a) for a in addresses):
             raise never
         if not any(self._matches(pattern, name, addresses) for pattern in self.patterns):
-            raise EndpointRefused(f"endpoint {endpoint!r} is not allowed by --verifier-allow "
+            raise EndpointRefusedError(f"endpoint {endpoint!r} is not allowed by --verifier-allow "
                                   f"{','.join(self.patterns)!r}; start the workers with a pattern that "
                                   f"matches it (a host name, glob, IP address or CIDR network)")
 

@@ -48,7 +48,7 @@ _MAX_BATCH = 32
 _MAX_POLL_MS = 2**31 - 1  # poll() takes a C int
 
 
-class _OutOfOrder(Exception):
+class _OutOfOrderError(Exception):
     """The process answered a task of this batch other than the one awaited: its pipe cannot be trusted."""
 
 
@@ -148,7 +148,7 @@ class _Slot:
         if not self._pool.closed:
             try:
                 self._start_process()
-            except Exception:  # noqa: BLE001 (retried on the next verification; the slot must live on)
+            except Exception:
                 logger.exception("could not start reward pool process %d", self.index)
 
     def _exit_code(self) -> int | None:
@@ -186,7 +186,7 @@ class _Slot:
             if runnable:
                 try:
                     self._verify_batch(runnable)
-                except Exception as e:  # noqa: BLE001 (a pool bug must cost its samples, not the slot)
+                except Exception as e:
                     logger.exception("reward pool slot %d failed on a batch of %d", self.index, len(runnable))
                     # Verdicts of this batch may still be on their way: a fresh process and pipe.
                     self._replace_process(f"slot error: {e}")
@@ -229,7 +229,7 @@ class _Slot:
             started = time.monotonic()
             try:
                 reply = self._verdict(task, batch_ids)
-            except _OutOfOrder as e:
+            except _OutOfOrderError as e:
                 self._replace_process(str(e))
                 return pending[index:]  # nothing was lost but the pipe's order: send them again
             except (EOFError, OSError, BrokenPipeError):
@@ -263,7 +263,7 @@ class _Slot:
             if task_id == task.task_id:
                 return kind, value
             if task_id in batch_ids:
-                raise _OutOfOrder(f"verdict of task {task_id} arrived while task {task.task_id} was awaited")
+                raise _OutOfOrderError(f"verdict of task {task_id} arrived while task {task.task_id} was awaited")
             logger.warning("reward pool process %d: discarded a stale verdict of task %s", self.index, task_id)
 
 

@@ -19,7 +19,7 @@ import redis
 from rlfabric.v1 import verifier_pb2, verifier_pb2_grpc
 from services.common.client import make_channel
 from services.reward import metrics
-from services.reward.endpoints import EndpointPolicy, EndpointRefused
+from services.reward.endpoints import EndpointPolicy, EndpointRefusedError
 from services.reward.outcome import CIRCUIT_OPEN, NON_FINITE, REMOTE, TIMEOUT, Outcome
 from services.reward.pool import SampleClock
 from services.reward.verifier_store import RemoteVerifierEntry, VerifierStore
@@ -195,7 +195,7 @@ class RemoteVerifiers:
     def _allowed(self, entry: RemoteVerifierEntry) -> bool:
         try:
             self._endpoints.check(entry.endpoint)
-        except EndpointRefused as e:
+        except EndpointRefusedError as e:
             if self._refused.get(entry.name) != entry:  # once per entry, not on every reload
                 logger.warning("skipping the registered verifier %s: %s", entry.name, e)
             self._refused[entry.name] = entry

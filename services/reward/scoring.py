@@ -147,7 +147,7 @@ class Scorer:
                     samples += 1
         except grpc.RpcError:
             return  # the client went away; its samples are abandoned
-        except Exception as e:  # noqa: BLE001 (report instead of hanging the stream)
+        except Exception as e:
             logger.exception("Score stream failed")
             results.put(StreamError(grpc.StatusCode.INTERNAL, f"reward worker {self._worker_id}: {e}"))
             return

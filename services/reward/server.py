@@ -15,7 +15,7 @@ import grpc
 import redis
 
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
-from services.reward.endpoints import EndpointPolicy, EndpointRefused
+from services.reward.endpoints import EndpointPolicy, EndpointRefusedError
 from services.reward.pool import VerifierPool
 from services.reward.remote import RemoteVerifiers
 from services.reward.scoring import CANCELLED, InputEnded, Scorer, StreamError, StreamState
@@ -121,7 +121,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             self._endpoints.check(entry.endpoint)
         except KeyError as e:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e.args[0]))
-        except EndpointRefused as e:
+        except EndpointRefusedError as e:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"RegisterVerifier: {e}")
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"RegisterVerifier: {e}")

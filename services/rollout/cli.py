@@ -46,7 +46,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instance-id", default=None, help="registry instance id (default rollout-HOST-PORT)")
 
 
-def build_options(args: argparse.Namespace):  # noqa: ANN201 - heavy types imported lazily
+def build_options(args: argparse.Namespace):
     """EngineOptions and default SamplingOptions from the config (if any) and the flags."""
     import dataclasses
 
@@ -77,13 +77,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from services.common.server import serve_until_signal
     from services.rollout.engine import RolloutEngine
-    from services.rollout.options import InvalidSamplingValue
+    from services.rollout.options import InvalidSamplingValueError
     from services.rollout.server import SERVICE_NAME, create_rollout_server
 
     engine_options, sampling = build_options(args)
     try:
         sampling.validate(engine_options.max_model_len)
-    except InvalidSamplingValue as e:
+    except InvalidSamplingValueError as e:
         raise SystemExit(f"rlfabric rollout serve: generate_config.sampling_config: {e}") from e
     engine = RolloutEngine(engine_options)
     guarded = {f"/{SERVICE_NAME}/{m}" for m in ("UpdateWeights", "Sleep", "Wake")}

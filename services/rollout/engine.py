@@ -50,12 +50,12 @@ from services.rollout.samples import (
     SampleResult,
 )
 from services.rollout.vllm_args import configure_environment, engine_args, sampling_params
-from services.rollout.weights import StagedUpdate, WeightsVersionBehind, read_checkpoint_specs
+from services.rollout.weights import StagedUpdate, WeightsVersionBehindError, read_checkpoint_specs
 
 logger = logging.getLogger(__name__)
 
 
-class EngineUnavailable(RuntimeError):
+class EngineUnavailableError(RuntimeError):
     """The engine cannot generate now (asleep, or its weights are invalid); the message says why."""
 
 
@@ -173,14 +173,14 @@ class RolloutEngine:
         self._thread.join(timeout=30)
         try:
             self._engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001 - best effort at teardown
+        except Exception:
             logger.debug("engine shutdown raised", exc_info=True)
 
     # --- engine thread --------------------------------------------------------------------------------
 
     def _call(self, fn: Callable[[], Any], wait: bool = True) -> Any:
         if self._closed:
-            raise EngineUnavailable("the engine is closed")
+            raise EngineUnavailableError("the engine is closed")
         future: Future = Future()
         if not wait:
             future.add_done_callback(_log_failure)
@@ -219,7 +219,7 @@ class RolloutEngine:
             if self._active:
                 try:
                     self._step()
-                except Exception as e:  # noqa: BLE001 - fail the samples, keep the service up
+                except Exception as e:
                     logger.exception("engine step failed")
                     self._abort(list(self._active), f"engine step failed: {e}")
 
@@ -307,15 +307,15 @@ class RolloutEngine:
     def _deliver(on_finish: Callable[[SampleResult], None], result: SampleResult) -> None:
         try:
             on_finish(result)
-        except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine
+        except Exception:
             logger.exception("sample callback failed for %s", result.request_id)
 
     def _apply_weights(self, update: StagedUpdate) -> float:
         if self._sleeping and self.sleep_mode_native:
             # vLLM's sleep mode has moved or discarded the device weights; writing them now would be lost.
-            raise EngineUnavailable("the replica is asleep; call Wake before UpdateWeights")
+            raise EngineUnavailableError("the replica is asleep; call Wake before UpdateWeights")
         if update.version < self._version:
-            raise WeightsVersionBehind(update.version, self._version)
+            raise WeightsVersionBehindError(update.version, self._version)
         started = time.monotonic()
         if self._active:
             self._abort(list(self._active),

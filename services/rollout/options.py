@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class InvalidSamplingValue(ValueError):
+class InvalidSamplingValueError(ValueError):
     """A sampling value out of range; `field` names the offending SamplingParams field."""
 
     def __init__(self, field_name: str, message: str) -> None:
@@ -60,28 +60,28 @@ class SamplingOptions:
     seed: int | None = None
 
     def validate(self, max_model_len: int | None = None) -> None:
-        """Raises InvalidSamplingValue naming the first field out of range.
+        """Raises InvalidSamplingValueError naming the first field out of range.
 
         With `max_model_len`, also refuses a `max_tokens` that no prompt (of at least one token) fits
         beside: the engine would otherwise cut every response short without saying so.
         """
         if self.max_tokens < 1:
-            raise InvalidSamplingValue("max_tokens", f"must be >= 1, got {self.max_tokens}")
+            raise InvalidSamplingValueError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if max_model_len is not None and self.max_tokens >= max_model_len:
-            raise InvalidSamplingValue(
+            raise InvalidSamplingValueError(
                 "max_tokens", f"{self.max_tokens} cannot be honoured: max_model_len={max_model_len} leaves at most "
                               f"{max_model_len - 1} response tokens beside a one-token prompt; lower max_tokens or "
                               f"raise generate_config.max_model_len")
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidSamplingValue("temperature", f"must be a finite value >= 0, got {self.temperature}")
+            raise InvalidSamplingValueError("temperature", f"must be a finite value >= 0, got {self.temperature}")
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidSamplingValue("top_p", f"must be in (0, 1], got {self.top_p}")
+            raise InvalidSamplingValueError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1 or self.top_k == 0:
-            raise InvalidSamplingValue("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
+            raise InvalidSamplingValueError("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
         if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
-            raise InvalidSamplingValue("min_p", f"must be in [0, 1], got {self.min_p}")
+            raise InvalidSamplingValueError("min_p", f"must be in [0, 1], got {self.min_p}")
         if not 0 <= self.logprobs <= 20:
-            raise InvalidSamplingValue("logprobs", f"must be in [0, 20], got {self.logprobs}")
+            raise InvalidSamplingValueError("logprobs", f"must be in [0, 20], got {self.logprobs}")
 
 
 def options_from_config(generate_config: Any, model: str, **extra: Any) -> tuple[EngineOptions, SamplingOptions]:

@@ -34,8 +34,8 @@ from services.common.server import ServiceServer, ServiceSpec, create_server
 from services.common.status import abort, echo
 from services.common.tensors import TensorDecodeError, dtype_code, to_numpy, to_proto
 from services.rollout import metrics
-from services.rollout.engine import EngineUnavailable, RolloutEngine
-from services.rollout.options import InvalidSamplingValue, SamplingOptions
+from services.rollout.engine import EngineUnavailableError, RolloutEngine
+from services.rollout.options import InvalidSamplingValueError, SamplingOptions
 from services.rollout.samples import FINISH_ERROR, SampleRequest, SampleResult
 from services.rollout.weights import WeightStager, WeightUpdateError
 
@@ -191,7 +191,7 @@ class _GenerateStream:
         sampling = merge_sampling(self.servicer.defaults, request.sampling)
         try:
             sampling.validate(self.servicer.engine.max_model_len)
-        except InvalidSamplingValue as e:
+        except InvalidSamplingValueError as e:
             raise _StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {e}") from e
         return prompt, sampling
 
@@ -256,7 +256,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.max_samples_per_group = max_samples_per_group or 4 * engine.options.max_num_seqs
         self._update_lock = threading.Lock()
 
-    def Generate(self, request_iterator, context):  # noqa: N802 (RPC name)
+    def Generate(self, request_iterator, context):
         stream = _GenerateStream(self)
         context.add_callback(stream.cancel)
         metrics.STREAMS.inc()
@@ -277,7 +277,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             stream.cancel()
             metrics.STREAMS.dec()
 
-    def UpdateWeights(self, request_iterator, context):  # noqa: N802
+    def UpdateWeights(self, request_iterator, context):
         stager = WeightStager(self.engine.expected_weights, held_version=self.engine.weights_version)
         staged = None
         try:
@@ -297,7 +297,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             with self._update_lock:
                 try:
                     self.engine.update_weights(staged)
-                except EngineUnavailable as e:
+                except EngineUnavailableError as e:
                     abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
                 except WeightUpdateError:
                     raise
@@ -311,7 +311,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                                            num_tensors=len(staged.tensors), num_bytes=staged.num_bytes,
                                            duration_s=duration)
 
-    def Sleep(self, request, context):  # noqa: N802
+    def Sleep(self, request, context):
         level = request.level or 1
         if level not in (1, 2):
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"level must be 1 or 2, got {request.level}")
@@ -319,12 +319,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         metrics.SLEEP_SECONDS.labels("sleep").observe(seconds)
         return rollout_pb2.SleepResponse(duration_s=seconds, resident_bytes=resident_bytes())
 
-    def Wake(self, request, context):  # noqa: N802
+    def Wake(self, request, context):
         seconds = self.engine.wake()
         metrics.SLEEP_SECONDS.labels("wake").observe(seconds)
         return rollout_pb2.WakeResponse(duration_s=seconds, resident_bytes=resident_bytes())
 
-    def Info(self, request, context):  # noqa: N802
+    def Info(self, request, context):
         engine = self.engine
         info = rollout_pb2.RolloutInfo(
             model=engine.options.model,

@@ -38,13 +38,13 @@ class WeightUpdateError(Exception):
     code = "INVALID_ARGUMENT"
 
 
-class WeightDataLoss(WeightUpdateError):
+class WeightDataLossError(WeightUpdateError):
     """Bytes were corrupted or a bucket is missing."""
 
     code = "DATA_LOSS"
 
 
-class WeightsVersionBehind(WeightUpdateError):
+class WeightsVersionBehindError(WeightUpdateError):
     """The update is for a version below the one served: versions only move forward."""
 
     code = "FAILED_PRECONDITION"
@@ -86,10 +86,10 @@ class WeightStager:
         self.started_at = time.monotonic()
 
     def add_bucket(self, bucket: common_pb2.WeightBucket) -> None:
-        """Verifies and stages one bucket; raises WeightUpdateError / WeightDataLoss."""
+        """Verifies and stages one bucket; raises WeightUpdateError / WeightDataLossError."""
         if self._version is None:
             if bucket.version < self._held_version:
-                raise WeightsVersionBehind(bucket.version, self._held_version)
+                raise WeightsVersionBehindError(bucket.version, self._held_version)
             self._version = bucket.version
         elif bucket.version != self._version:
             raise WeightUpdateError(
@@ -98,7 +98,7 @@ class WeightStager:
             )
         actual = bucket_checksum(bucket.tensors)
         if actual != bucket.checksum:
-            raise WeightDataLoss(
+            raise WeightDataLossError(
                 f"bucket {bucket.index} of version {bucket.version}: checksum {actual:#010x} != sent "
                 f"{bucket.checksum:#010x}; resend the update"
             )
@@ -151,12 +151,12 @@ class WeightStager:
         missing = sorted(set(range(commit.num_buckets)) - set(self._buckets))
         extra = sorted(set(self._buckets) - set(range(commit.num_buckets)))
         if missing:
-            raise WeightDataLoss(f"version {commit.version}: buckets {missing} of {commit.num_buckets} never arrived")
+            raise WeightDataLossError(f"version {commit.version}: buckets {missing} of {commit.num_buckets} never arrived")
         if extra:
             raise WeightUpdateError(f"buckets {extra} exceed the commit's num_buckets={commit.num_buckets}")
         combined = combine_checksums([self._buckets[i][0] for i in range(commit.num_buckets)])
         if combined != commit.checksum:
-            raise WeightDataLoss(
+            raise WeightDataLossError(
                 f"version {commit.version}: combined checksum {combined:#010x} != commit's {commit.checksum:#010x}"
             )
         tensors = [item for i in range(commit.num_buckets) for item in self._buckets[i][1]]
@@ -193,6 +193,6 @@ def read_checkpoint_specs(model_dir: str, dtype: Any) -> dict[str, ParamSpec]:
     specs: dict[str, ParamSpec] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+            for name in f.keys():
                 specs[name] = ParamSpec(tuple(f.get_slice(name).get_shape()), dtype)
     return specs

@@ -46,7 +46,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_sft)
 
 
-def settings_from_args(args: argparse.Namespace):  # noqa: ANN201 (SftSettings, imported lazily)
+def settings_from_args(args: argparse.Namespace):
     """The recipe's settings (or the defaults) with every flag given on the command line; ValueError if bad."""
     import dataclasses
 

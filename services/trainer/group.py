@@ -32,11 +32,11 @@ logger = logging.getLogger(__name__)
 STOP = "__stop__"
 
 
-class GroupBroken(RuntimeError):
+class GroupBrokenError(RuntimeError):
     """A rank died (or the group failed); the trainer group must be restarted."""
 
 
-class OperationFailed(RuntimeError):
+class OperationFailedError(RuntimeError):
     """An operation raised on one or more ranks (the group is still usable)."""
 
     def __init__(self, message: str, kinds: set[str]) -> None:
@@ -105,7 +105,7 @@ class Liveness:
 def _outcome(fn: Callable[[], Any]) -> tuple[Any, str | None]:
     try:
         return fn(), None
-    except Exception as e:  # noqa: BLE001 - reported to rank 0 and re-raised there
+    except Exception as e:
         logger.exception("trainer operation failed on rank %d", dist.get_rank())
         return None, (type(e).__name__, f"rank {dist.get_rank()}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}")
 
@@ -118,7 +118,7 @@ class CommandBus:
         self.world = dist.get_world_size()
 
     def call(self, op: str, **kwargs: Any) -> Any:
-        """Rank 0: run `op` on all ranks; return rank 0's result or raise OperationFailed."""
+        """Rank 0: run `op` on all ranks; return rank 0's result or raise OperationFailedError."""
         if self.world > 1:
             dist.broadcast_object_list([(op, kwargs)], src=0)
         result, error = _outcome(lambda: self.handlers[op](**kwargs))
@@ -129,7 +129,7 @@ class CommandBus:
             errors = gathered
         failed = [e for e in errors if e]
         if failed:
-            raise OperationFailed("; ".join(text for _, text in failed), {kind for kind, _ in failed})
+            raise OperationFailedError("; ".join(text for _, text in failed), {kind for kind, _ in failed})
         return result
 
     def stop(self) -> None:
@@ -158,7 +158,7 @@ class GroupExecutor:
         self.broken: str | None = None
 
     def run(self, op: str, timeout_s: float | None, **kwargs: Any) -> Any:
-        """Run `op` on every rank; raise GroupBroken when a rank is dead, TimeoutError past the deadline."""
+        """Run `op` on every rank; raise GroupBrokenError when a rank is dead, TimeoutError past the deadline."""
         self._check()
         fut = self._pool.submit(self.bus.call, op, **kwargs)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -167,7 +167,7 @@ class GroupExecutor:
                 return fut.result(timeout=0.1)
             except concurrent.futures.TimeoutError:
                 pass
-            except OperationFailed:
+            except OperationFailedError:
                 raise
             except Exception as e:  # a collective failed (for example a peer reset the connection)
                 self.broken = f"{op} failed in a collective: {e}"
@@ -181,7 +181,7 @@ class GroupExecutor:
         if self.liveness.dead:
             self.broken = f"trainer rank(s) {sorted(self.liveness.dead)} died"
         if self.broken:
-            raise GroupBroken(f"{self.broken}; the trainer group must be restarted")
+            raise GroupBrokenError(f"{self.broken}; the trainer group must be restarted")
 
     def shutdown(self) -> None:
         if not self.broken:

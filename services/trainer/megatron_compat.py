@@ -98,7 +98,7 @@ def seed_model_parallel_rng(seed: int) -> None:
 class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites `device="cuda"` (or a cuda torch.device) in torch calls to the CPU."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         device = kwargs.get("device")
         if device is not None and _is_cuda(device):

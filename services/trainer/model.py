@@ -128,10 +128,10 @@ def build_gpt_model(
     return model
 
 
-def _gpt_model(GPTModel, spec: ModelSpec, config, tp: int):
+def _gpt_model(gpt_model_class, spec: ModelSpec, config, tp: int):
     from megatron.core import parallel_state
 
-    return GPTModel(
+    return gpt_model_class(
         config=config,
         transformer_layer_spec=layer_spec(spec),
         vocab_size=spec.padded_vocab_size(tp),

@@ -13,7 +13,7 @@ Where the state goes:
   process's resident set really shrinks and grows again, so integrated mode on one CPU machine does what it
   does on devices, and can be measured.
 
-While a kind is offloaded the operations that need it refuse to run (`Offloaded`, FAILED_PRECONDITION on the
+While a kind is offloaded the operations that need it refuse to run (`OffloadedError`, FAILED_PRECONDITION on the
 wire) rather than compute on absent tensors. Offload and onload are idempotent per kind.
 """
 
@@ -31,7 +31,7 @@ from services.common.memory import release_free_memory
 KINDS = ("params", "grads", "optimizer")
 
 
-class Offloaded(RuntimeError):
+class OffloadedError(RuntimeError):
     """An operation needs state that is offloaded; call Onload first."""
 
 
@@ -65,10 +65,10 @@ class StateOffloader:
         return kind in self._offloaded
 
     def require(self, *kinds: str, what: str) -> None:
-        """Raises `Offloaded` when any of `kinds` is offloaded."""
+        """Raises `OffloadedError` when any of `kinds` is offloaded."""
         missing = [k for k in kinds if k in self._offloaded]
         if missing:
-            raise Offloaded(f"{what} needs the {' and '.join(missing)} that Offload moved out; call Onload first")
+            raise OffloadedError(f"{what} needs the {' and '.join(missing)} that Offload moved out; call Onload first")
 
     def offload(self, kinds: Iterable[str]) -> int:
         """Moves each kind out (see module docstring); returns the bytes moved."""

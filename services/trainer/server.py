@@ -28,7 +28,7 @@ from services.common.status import abort, echo
 from services.common.tensors import dtype_code, to_proto
 from services.common.transports import TRANSPORTS
 from services.trainer import inputs
-from services.trainer.group import GroupBroken, GroupExecutor, OperationFailed
+from services.trainer.group import GroupBrokenError, GroupExecutor, OperationFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +50,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def _errors(self, context: grpc.ServicerContext, what: str):
         try:
             yield
-        except GroupBroken as e:
+        except GroupBrokenError as e:
             if self.server is not None:
                 self.server.set_serving(False)
             abort(context, grpc.StatusCode.UNAVAILABLE, f"{what}: {e}")
         except TimeoutError as e:
             abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"{what}: {e}")
-        except OperationFailed as e:
+        except OperationFailedError as e:
             if e.kinds <= {"ValueError"}:  # the input was refused on every rank that failed
                 abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {e}")
             if e.kinds <= {"FileNotFoundError"}:
                 abort(context, grpc.StatusCode.NOT_FOUND, f"{what}: {e}")
-            if e.kinds <= {"Offloaded"}:  # services/trainer/offload.py: state moved out, Onload first
+            if e.kinds <= {"OffloadedError"}:  # services/trainer/offload.py: state moved out, Onload first
                 abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"{what}: {e}")
             abort(context, grpc.StatusCode.INTERNAL, f"{what} failed: {e}")
         except ValueError as e:

@@ -20,10 +20,10 @@ TOKEN = "s3cret"
 class EchoReward(reward_pb2_grpc.RewardServicer):
     """A minimal servicer: enough to exercise the bootstrap, not the reward logic."""
 
-    def ListVerifiers(self, request, context):  # noqa: N802 (RPC name)
+    def ListVerifiers(self, request, context):
         return reward_pb2.ListVerifiersResponse(verifiers=[reward_pb2.VerifierInfo(name="echo")])
 
-    def RegisterVerifier(self, request, context):  # noqa: N802
+    def RegisterVerifier(self, request, context):
         return reward_pb2.RegisterVerifierResponse(verifier=reward_pb2.VerifierInfo(name=request.name))
 
 
@@ -87,7 +87,7 @@ def test_stop_turns_health_not_serving() -> None:
     channel.close()
 
 
-def _self_signed(tmp_path) -> tuple[str, str]:  # noqa: ANN001
+def _self_signed(tmp_path) -> tuple[str, str]:
     import datetime
 
     from cryptography import x509
@@ -112,7 +112,7 @@ def _self_signed(tmp_path) -> tuple[str, str]:  # noqa: ANN001
     return str(cert_path), str(key_path)
 
 
-def test_tls_with_token_call_credentials(tmp_path) -> None:  # noqa: ANN001
+def test_tls_with_token_call_credentials(tmp_path) -> None:
     from services.common.server import TlsConfig
 
     cert, key = _self_signed(tmp_path)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.coordinator.dynamic_sampling import (
-    DynamicSamplingExhausted,
+    DynamicSamplingExhaustedError,
     GroupAccumulator,
     groups_with_spread,
     select_metric,
@@ -45,7 +45,7 @@ def test_accumulates_until_full_and_drops_the_surplus():
 def test_gives_up_after_max_batches_with_a_clear_error():
     acc: GroupAccumulator[int] = GroupAccumulator(train_batch_size=2, n_samples_per_prompt=2, max_batches=2)
     acc.add([0, 1], [1, 1, 0, 0])
-    with pytest.raises(DynamicSamplingExhausted) as info:
+    with pytest.raises(DynamicSamplingExhaustedError) as info:
         acc.add([2, 3], [0, 1, 1, 1])  # one kept, still short after the second (last) batch
     message = str(info.value)
     assert "kept 1 of the 2 prompts" in message
@@ -68,7 +68,7 @@ def test_no_limit_stops_when_the_data_runs_out():
                                                   data_batches=3)
     acc.add([0], [1, 1])
     acc.add([1], [0, 1])
-    with pytest.raises(DynamicSamplingExhausted, match="every prompt of the data set once") as info:
+    with pytest.raises(DynamicSamplingExhaustedError, match="every prompt of the data set once") as info:
         acc.add([2], [0, 0])
     assert "kept 1 of the 2 prompts" in str(info.value) and "after 3 generation batches" in str(info.value)
 

@@ -5,7 +5,7 @@ import pytest
 
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 from services.common.client import make_channel
-from services.reward.endpoints import EndpointPolicy, EndpointRefused
+from services.reward.endpoints import EndpointPolicy, EndpointRefusedError
 
 
 @pytest.mark.parametrize(("allow", "endpoint"), [
@@ -36,7 +36,7 @@ def test_allowed(allow, endpoint):
     ("*", "no-such-host.invalid:80", "does not resolve"),
 ])
 def test_refused(allow, endpoint, why):
-    with pytest.raises(EndpointRefused, match=why):
+    with pytest.raises(EndpointRefusedError, match=why):
         EndpointPolicy.parse(allow, lambda: {"10.9.9.9"}).check(endpoint)
 
 
@@ -49,7 +49,7 @@ def test_host_globs_and_bad_patterns(monkeypatch):
     }[host])
     policy = EndpointPolicy.parse("*.verifiers.svc")
     policy.check("rule.verifiers.svc:50070")
-    with pytest.raises(EndpointRefused, match="never allowed"):
+    with pytest.raises(EndpointRefusedError, match="never allowed"):
         policy.check("evil.verifiers.svc:50070")  # a name that resolves to the metadata address
     with pytest.raises(ValueError, match="not a CIDR"):
         EndpointPolicy.parse("10.0.0.0/99")

@@ -12,7 +12,13 @@ from rollout_helpers import generate, group_request, hf_greedy, hf_token_log_pro
 
 from rlfabric.v1 import common_pb2, rollout_pb2
 from services.common.checksum import combine_checksums
-from services.rollout.weights import ParamSpec, WeightDataLoss, WeightStager, WeightUpdateError, make_bucket
+from services.rollout.weights import (
+    ParamSpec,
+    WeightDataLossError,
+    WeightStager,
+    WeightUpdateError,
+    make_bucket,
+)
 
 SPECS = {"a.weight": ParamSpec((2, 3), torch.float32), "b.bias": ParamSpec((3,), torch.float32)}
 
@@ -55,7 +61,7 @@ def test_stager_casts_to_the_engine_dtype() -> None:
 def test_corrupted_bucket_is_data_loss() -> None:
     bucket = make_bucket(1, 0, _tensors())
     bucket.checksum ^= 1
-    with pytest.raises(WeightDataLoss, match="checksum"):
+    with pytest.raises(WeightDataLossError, match="checksum"):
         WeightStager(SPECS).add_bucket(bucket)
 
 
@@ -64,7 +70,7 @@ def test_missing_bucket_is_data_loss() -> None:
     b1 = make_bucket(1, 1, {"b.bias": _tensors()["b.bias"]})
     stager = WeightStager(SPECS)
     stager.add_bucket(b0)
-    with pytest.raises(WeightDataLoss, match=r"buckets \[1\]"):
+    with pytest.raises(WeightDataLossError, match=r"buckets \[1\]"):
         stager.commit(_commit(1, [b0, b1]))
 
 
@@ -74,7 +80,7 @@ def test_wrong_combined_checksum_is_data_loss() -> None:
     stager.add_bucket(bucket)
     bad = _commit(1, [bucket])
     bad.checksum ^= 1
-    with pytest.raises(WeightDataLoss, match="combined checksum"):
+    with pytest.raises(WeightDataLossError, match="combined checksum"):
         stager.commit(bad)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.common.memory import resident_bytes
-from services.trainer.offload import Offloaded, StateOffloader
+from services.trainer.offload import OffloadedError, StateOffloader
 
 MIB = 1 << 20
 
@@ -37,7 +37,7 @@ def test_offload_frees_the_memory_and_onload_restores_every_value() -> None:
     assert before - after > 100 * MIB  # of the 128 MiB moved out, the process gave (nearly) all back
     assert all(p.numel() == 0 for p in model.parameters()) and all(p.grad is None for p in model.parameters())
 
-    with pytest.raises(Offloaded, match="params and grads and optimizer"):
+    with pytest.raises(OffloadedError, match="params and grads and optimizer"):
         off.require("params", "grads", "optimizer", what="Update")
     assert off.onload(["params", "grads", "optimizer"]) == moved
     assert resident_bytes() - after > 100 * MIB

@@ -101,7 +101,7 @@ def normalize_key(key: Any) -> str:
     return str(key).replace("-", "_")
 
 
-class _TypeMismatch(Exception):
+class _TypeMismatchError(Exception):
     """Raised by `coerce` with the expected type spelled for humans."""
 
     def __init__(self, expected: str):
@@ -137,7 +137,7 @@ def describe(annotation: Any) -> str:
 
 
 def coerce(value: Any, annotation: Any) -> Any:
-    """Check `value` against `annotation`; return it (possibly converted) or raise `_TypeMismatch`.
+    """Check `value` against `annotation`; return it (possibly converted) or raise `_TypeMismatchError`.
 
     Conversions allowed: int -> float for float fields; a numeric string -> float for float fields
     (PyYAML reads `lr: 1e-6` as the string "1e-6"). Booleans are never accepted as numbers.
@@ -150,49 +150,49 @@ def coerce(value: Any, annotation: Any) -> Any:
         if value is None:
             if type(None) in options:
                 return None
-            raise _TypeMismatch(describe(annotation))
+            raise _TypeMismatchError(describe(annotation))
         # Try exact-type options first so `int | float` keeps an int an int.
         for option in sorted(options, key=lambda o: 0 if o is type(value) else 1):
             if option is type(None):
                 continue
             try:
                 return coerce(value, option)
-            except _TypeMismatch:
+            except _TypeMismatchError:
                 continue
-        raise _TypeMismatch(describe(annotation))
+        raise _TypeMismatchError(describe(annotation))
     if origin is list or annotation is list:
         if not isinstance(value, list | tuple):
-            raise _TypeMismatch(describe(annotation))
+            raise _TypeMismatchError(describe(annotation))
         (item,) = typing.get_args(annotation) or (Any,)
         try:
             return [coerce(v, item) for v in value]
-        except _TypeMismatch as exc:
-            raise _TypeMismatch(describe(annotation)) from exc
+        except _TypeMismatchError as exc:
+            raise _TypeMismatchError(describe(annotation)) from exc
     if origin is dict or annotation is dict:
         if not isinstance(value, Mapping):
-            raise _TypeMismatch("mapping")
+            raise _TypeMismatchError("mapping")
         return dict(value)
     if annotation is bool:
         if isinstance(value, bool):
             return value
-        raise _TypeMismatch(describe(bool))
+        raise _TypeMismatchError(describe(bool))
     if annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise _TypeMismatch(describe(int))
+        raise _TypeMismatchError(describe(int))
     if annotation is float:
         if isinstance(value, bool):
-            raise _TypeMismatch(describe(float))
+            raise _TypeMismatchError(describe(float))
         if isinstance(value, int | float):
             return float(value)
         if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
             return float(value.strip().replace("_", ""))
-        raise _TypeMismatch(describe(float))
+        raise _TypeMismatchError(describe(float))
     if annotation is str:
         if isinstance(value, str):
             return value
-        raise _TypeMismatch(describe(str))
-    raise _TypeMismatch(describe(annotation))
+        raise _TypeMismatchError(describe(str))
+    raise _TypeMismatchError(describe(annotation))
 
 
 @functools.cache
@@ -299,7 +299,7 @@ def parse_section(
             continue
         try:
             kwargs[key] = coerce(value, annotation)
-        except _TypeMismatch as exc:
+        except _TypeMismatchError as exc:
             bad.add(where)
             issues.append(ConfigIssue(where, f"`{key}` in section `{section}` must be {exc.expected}, "
                                              f"got {value!r} ({type(value).__name__})", source(raw_key)))

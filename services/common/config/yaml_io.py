@@ -52,7 +52,7 @@ def _make_loader(label: str) -> type[yaml.SafeLoader]:
 def parse_yaml(text: str, label: str) -> Any:
     """Parse YAML text; `label` (a path or "--override ...") is used in messages and key sources."""
     try:
-        return yaml.load(text, Loader=_make_loader(label))  # noqa: S506 - SafeLoader subclass
+        return yaml.load(text, Loader=_make_loader(label))
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = f":{mark.line + 1}" if mark is not None else ""

@@ -31,24 +31,24 @@ _POINTS = ((2, 3, 5, 7, 11, 13), (3, 7, 2, 11, 5, 4), (6, 4, 9, 3, 8, 2))
 _MAX_TERMS = 60  # a sum longer than this at a probe point is not cheap: no verdict
 
 
-class _NotOurs(Exception):
+class _NotOursError(Exception):
     """The text uses LaTeX this reader does not handle."""
 
 
 def _group(text: str, start: int) -> tuple[str, int]:
     """The argument at `start`: a `{...}` group's content or a single character; and the index after it."""
     if start >= len(text):
-        raise _NotOurs
+        raise _NotOursError
     if text[start] != "{":
         if text[start] == "\\":
-            raise _NotOurs
+            raise _NotOursError
         return text[start], start + 1
     depth = 0
     for i in range(start, len(text)):
         depth += (text[i] == "{") - (text[i] == "}")
         if depth == 0:
             return text[start + 1 : i], i + 1
-    raise _NotOurs
+    raise _NotOursError
 
 
 def _term_end(text: str, start: int) -> int:
@@ -68,18 +68,18 @@ def _term_end(text: str, start: int) -> int:
 
 
 def _convert(text: str, functions: set[str]) -> str:
-    """LaTeX (normalised) -> sympy Python syntax; raises _NotOurs on anything else."""
+    """LaTeX (normalised) -> sympy Python syntax; raises _NotOursError on anything else."""
     out: list[str] = []
     i = 0
     while i < len(text):
         if text.startswith("\\sum_", i):
             lower, i = _group(text, i + 5)
             if i >= len(text) or text[i] != "^":
-                raise _NotOurs
+                raise _NotOursError
             upper, i = _group(text, i + 1)
             variable, sep, start = lower.partition("=")
             if not sep or len(variable) != 1 or not variable.isalpha():
-                raise _NotOurs
+                raise _NotOursError
             end = _term_end(text, i)
             body = _convert(text[i:end], functions)
             out.append(f"Sum(({body}),({variable},({_convert(start, functions)}),({_convert(upper, functions)})))")
@@ -94,7 +94,7 @@ def _convert(text: str, functions: set[str]) -> str:
             if i < len(text) and text[i] == "[":
                 close = text.find("]", i)
                 if close < 0:
-                    raise _NotOurs
+                    raise _NotOursError
                 degree, i = _convert(text[i + 1 : close], functions), close + 1
             radicand, i = _group(text, i)
             out.append(f"(({_convert(radicand, functions)})**(1/({degree})))")
@@ -102,11 +102,11 @@ def _convert(text: str, functions: set[str]) -> str:
             out.append("*")
             i += 5 if text.startswith("\\cdot", i) else 6
         elif text[i] == "\\":
-            raise _NotOurs
+            raise _NotOursError
         elif text[i] == "_":
             name = out[-1] if out else ""
             if len(name) != 1 or not name.isalpha():
-                raise _NotOurs
+                raise _NotOursError
             functions.add(name)
             index, i = _group(text, i + 1)
             out.append(f"({_convert(index, functions)})")
@@ -128,7 +128,7 @@ def _parse(text: str) -> tuple[sympy.Expr, ...] | None:
     functions: set[str] = set()
     try:
         python = _convert(text, functions)
-    except _NotOurs:
+    except _NotOursError:
         return None
     bare = python.replace("Sum(", "(")
     if not _PLAIN.match(python) or _HUGE.search(python) or has_names(bare):
