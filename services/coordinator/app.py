@@ -60,7 +60,7 @@ def build_driver(config_yaml: str, overrides: list[str], run_id: str, *, redis_c
 
     def loader(consumed: int) -> PromptLoader:
         return PromptLoader(mt.data_path, int(mt.global_batch_size), int(cfg.rl_config.max_prompt_length),
-                            int(mt.seed), consumed_batches=consumed)
+                            int(mt.seed), consumed_batches=consumed, shuffle=not mt.no_shuffle)
 
     loader(0)  # fail at StartRun, not mid-run, when the data is missing
     try:

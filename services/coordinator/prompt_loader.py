@@ -55,10 +55,11 @@ class PromptLoader:
         max_prompt_length: prompts with this many tokens or more are dropped, not truncated.
         seed: shuffling seed; epoch e uses the permutation drawn from `(seed, e)`.
         consumed_batches: batches already used by an earlier run; iteration starts after them.
+        shuffle: False (upstream's `no_shuffle: true`) keeps the dataset's order in every epoch.
     """
 
     def __init__(self, data_prefix: str | Path, global_batch_size: int, max_prompt_length: int, seed: int,
-                 consumed_batches: int = 0) -> None:
+                 consumed_batches: int = 0, shuffle: bool = True) -> None:
         if global_batch_size < 1:
             raise DataError(f"global_batch_size must be >= 1, got {global_batch_size}")
         if max_prompt_length < 1:
@@ -84,6 +85,7 @@ class PromptLoader:
         self.global_batch_size = global_batch_size
         self.max_prompt_length = max_prompt_length
         self.seed = seed
+        self.shuffle = shuffle
         self.consumed_batches = consumed_batches
         lengths = np.array(self.prompts.sequence_lengths, dtype=np.int64)  # a copy: see `batch`
         self.kept_indices = np.flatnonzero(lengths < max_prompt_length).astype(np.int64)
@@ -110,7 +112,9 @@ class PromptLoader:
         return self.consumed_batches * self.global_batch_size
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """The kept prompt indices in epoch `epoch`'s shuffled order."""
+        """The kept prompt indices in epoch `epoch`'s order (shuffled unless `shuffle` is False)."""
+        if not self.shuffle:
+            return self.kept_indices
         if self._epoch_cache is None or self._epoch_cache[0] != epoch:
             rng = np.random.default_rng([self.seed, epoch])
             self._epoch_cache = (epoch, rng.permutation(self.kept_indices))

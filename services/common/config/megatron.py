@@ -144,9 +144,8 @@ class MegatronConfig(ModelConfig):
         allowed=(None, "100,0,0", "100", "100,0")))
     dataloader_type: str | None = setting(None, "Data loader type: single or cyclic.", UPSTREAM_UNUSED)
     num_workers: int = setting(2, "Data loader worker processes.", _LOADER_ONLY)
-    no_shuffle: bool = setting(False, "Do not shuffle the prompts.", inert(
-        "not yet implemented: rlfabric's prompt loader always draws a seeded shuffle "
-        "(services/coordinator/prompt_loader.py)"))
+    no_shuffle: bool = setting(False, "Do not shuffle the prompts: every epoch in dataset order.",
+                               read(COORDINATOR_APP))
     full_shuffle_instruction_dataset: bool = setting(False, "Shuffle the whole instruction dataset.",
                                                      UPSTREAM_UNUSED)
     is_instruction_dataset: bool = setting(False, "The dataset is an instruction dataset.", UPSTREAM_UNUSED)
