@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -107,12 +109,39 @@ def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
 
-def make_channel(target: str, *, token: str | None = None, tls_ca: str | None = None) -> grpc.Channel:
+@dataclass(frozen=True)
+class _Defaults:
+    token: str | None = None
+    tls_ca: str | None = None
+
+
+# This process's service identity: the token and CA its `serve` or client flags gave
+# (services/common/security.py configure_client). `make_channel` uses them unless told otherwise, so every
+# service-to-service call of a process carries the same credentials without each call site threading them.
+_defaults = _Defaults()
+INHERIT: Any = object()
+
+
+def configure(*, token: str | None, tls_ca: str | None) -> None:
+    """Sets the token and CA that `make_channel` uses when its caller passes neither."""
+    global _defaults
+    _defaults = _Defaults(token, tls_ca)
+
+
+def default_token() -> str | None:
+    """This process's service token (None without one)."""
+    return _defaults.token
+
+
+def make_channel(target: str, *, token: str | None = INHERIT, tls_ca: str | None = INHERIT) -> grpc.Channel:
     """A channel to `target` ("host:port", or "dns:///name:port" for round-robin over a headless service).
 
     With a `token`, every call carries `authorization: Bearer <token>` (as call credentials over TLS, as
-    plain metadata over a plaintext loopback channel).
+    plain metadata over a plaintext channel). Unless given, `token` and `tls_ca` are this process's
+    (`configure`); pass None explicitly for a channel to a peer that must not see them (a user's verifier).
     """
+    token = _defaults.token if token is INHERIT else token
+    tls_ca = _defaults.tls_ca if tls_ca is INHERIT else tls_ca
     options = channel_options()
     if target.startswith("dns:///"):
         options.append(("grpc.lb_policy_name", "round_robin"))
@@ -124,3 +153,11 @@ def make_channel(target: str, *, token: str | None = None, tls_ca: str | None = 
     if token:
         creds = grpc.composite_channel_credentials(creds, grpc.metadata_call_credentials(_TokenAuth(token)))
     return grpc.secure_channel(target, creds, options=options)
+
+
+def raw_channel(target: str, options: list[tuple[str, object]]) -> grpc.Channel:
+    """A channel with the caller's own options, plaintext or TLS after this process's CA (no token added)."""
+    if _defaults.tls_ca is None:
+        return grpc.insecure_channel(target, options=options)
+    with open(_defaults.tls_ca, "rb") as f:
+        return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=f.read()), options=options)

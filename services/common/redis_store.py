@@ -25,6 +25,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from services.common.net import free_port
+from services.common.security import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class RedisServer:
             self.process.wait()
         self.process = _spawn_redis(self.args)
         if not _wait_for_ping(self.process, self.url, timeout_s):
-            raise RuntimeError(f"redis at {self.url} did not come back; log: {self.workdir / 'redis.log'}")
+            raise RuntimeError(f"redis at {redact_url(self.url)} did not come back; log: {self.workdir / 'redis.log'}")
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -88,28 +89,39 @@ class RedisServer:
 
 
 def start_private_redis(workdir: str | None = None, *, appendonly: bool = False,
-                        timeout_s: float = 10.0) -> RedisServer:
+                        timeout_s: float = 10.0, password: str | None = None) -> RedisServer:
     """Starts redis-server on a free loopback port and waits until it answers PING.
 
     Args:
         workdir: data directory; a temporary one (removed on stop) when None.
         appendonly: enable AOF (`appendfsync everysec`) for a journal that survives a restart.
+        password: require it (`requirepass`, the default user's password); it goes in a 0600 config file in
+            `workdir`, never on the server's command line, and into the returned URL.
     """
     binary = find_redis_server()
     owns = workdir is None
     # Absolute: redis-server changes into --dir before it opens --logfile, so a relative path would break.
     path = Path(workdir or tempfile.mkdtemp(prefix="rlfabric-redis-")).resolve()
     path.mkdir(parents=True, exist_ok=True)
+    conf: list[str] = []
+    auth = ""
+    if password is not None:
+        from services.common.security import write_secret_file
+
+        if not password or any(c in password for c in " \t\r\n\"'@:/"):
+            raise ValueError("the Redis password must be non-empty, without spaces, quotes, '@', ':' or '/'")
+        conf = [str(write_secret_file(path / "redis-auth.conf", f"requirepass {password}"))]
+        auth = f":{password}@"
     last_error = ""
     for _attempt in range(5):
         port = free_port()
-        args = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+        args = [binary, *conf, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
                 "--appendonly", "yes" if appendonly else "no", "--dir", str(path),
                 "--daemonize", "no", "--logfile", str(path / "redis.log")]
         proc = _spawn_redis(args)
-        url = f"redis://127.0.0.1:{port}/0"
+        url = f"redis://{auth}127.0.0.1:{port}/0"
         if _wait_for_ping(proc, url, timeout_s):
-            logger.info("private redis at %s (%s)", url, binary)
+            logger.info("private redis at redis://127.0.0.1:%d/0 (%s, password: %s)", port, binary, bool(auth))
             return RedisServer(url, proc, path, owns, args)
         if proc.poll() is not None:
             last_error = (proc.stderr.read() or b"").decode(errors="replace") if proc.stderr else ""
@@ -235,9 +247,28 @@ class Registry:
         for key, value, ttl in zip(keys, raw[0::2], raw[1::2], strict=True):
             if value is None or ttl is None or ttl < 0:
                 continue
-            doc = json.loads(value)
-            out.append(Member(key.rsplit(":", 1)[1], doc["endpoint"], doc.get("metadata", {}), now + ttl / 1000))
+            member = _parse_member(key, value, now + ttl / 1000)
+            if member is not None:
+                out.append(member)
         return out
+
+
+def _parse_member(key: str, value: str, expires_at: float) -> Member | None:
+    """The member a registration holds, or None (logged) when it is not one: whoever can write Redis keys can
+    write anything, and one bad entry must not stop the callers' discovery of the good ones."""
+    try:
+        doc = json.loads(value)
+    except (json.JSONDecodeError, TypeError):
+        doc = None
+    endpoint = doc.get("endpoint") if isinstance(doc, dict) else None
+    metadata = doc.get("metadata", {}) if isinstance(doc, dict) else None
+    host, sep, port = endpoint.rpartition(":") if isinstance(endpoint, str) else ("", "", "")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536 and isinstance(metadata, dict)
+            and len(endpoint) <= 255 and not any(c.isspace() or c in "/@" for c in endpoint)):
+        logger.warning("registry entry %s ignored: not {\"endpoint\": \"HOST:PORT\", \"metadata\": {...}}: %.200r",
+                       key, value)
+        return None
+    return Member(key.rsplit(":", 1)[1], endpoint, metadata, expires_at)
 
 
 @dataclass

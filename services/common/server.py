@@ -160,15 +160,42 @@ class ServiceServer:
         self.server.wait_for_termination()
 
 
+@dataclass(frozen=True)
+class _ProcessSecurity:
+    token: str | None = None
+    tls: TlsConfig | None = None
+
+
+# The token and TLS material this process's `serve` flags gave (services/common/security.py server_security);
+# `create_server` uses them unless its caller passes its own, so every server of a process is protected alike.
+_process = _ProcessSecurity()
+INHERIT: Any = object()
+
+
+def configure(*, token: str | None, tls: TlsConfig | None) -> None:
+    """Sets the token and TLS that `create_server` uses when its caller passes neither."""
+    global _process
+    _process = _ProcessSecurity(token, tls)
+
+
+def _default_methods(names: Sequence[str]) -> Collection[str] | None:
+    """The guarded methods of the mounted services (security.GUARDED_METHODS); None (all) for unknown ones."""
+    from services.common.security import GUARDED_METHODS, guarded
+
+    if not names or any(n not in GUARDED_METHODS for n in names):
+        return None
+    return frozenset().union(*(guarded(n) for n in names))
+
+
 def create_server(
     specs: Sequence[ServiceSpec],
     address: str = "127.0.0.1:0",
     *,
     component: str,
     metrics_port: int | None = 0,
-    auth_token: str | None = None,
-    auth_methods: Collection[str] | None = None,
-    tls: TlsConfig | None = None,
+    auth_token: str | None = INHERIT,
+    auth_methods: Collection[str] | None = INHERIT,
+    tls: TlsConfig | None = INHERIT,
     max_workers: int = 16,
 ) -> ServiceServer:
     """Builds (but does not start) a server hosting `specs` plus health and reflection.
@@ -179,9 +206,14 @@ def create_server(
         component: service name used in logs.
         metrics_port: Prometheus HTTP port; 0 picks a free one; None disables it.
         auth_token: when set, `auth_methods` (or every non-health method when None) need the token.
-        tls: serve TLS instead of plaintext.
+            Default: this process's (`configure`), on the services' GUARDED_METHODS (security.py).
+        tls: serve TLS instead of plaintext. Default: this process's (`configure`).
         max_workers: handler threads (each streaming call holds one for its lifetime).
     """
+    names = [s.name for s in specs]
+    auth_token = _process.token if auth_token is INHERIT else auth_token
+    auth_methods = _default_methods(names) if auth_methods is INHERIT else auth_methods
+    tls = _process.tls if tls is INHERIT else tls
     interceptors = [TokenAuthInterceptor(auth_token, auth_methods)] if auth_token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=component),
@@ -192,7 +224,6 @@ def create_server(
         spec.add_fn(spec.servicer, server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = [s.name for s in specs]
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if port == 0:

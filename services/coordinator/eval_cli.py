@@ -55,6 +55,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--deadline", type=float, default=3600.0,
                    help="longest one Generate or scoring call may take, in seconds (default 3600)")
     add_verifier_arguments(p)
+    from services.common.security import add_security_args
+
+    add_security_args(p, server=False)  # with --redis-url: the running services' token, CA, Redis URL file
     p.set_defaults(func=_eval)
 
 
@@ -88,12 +91,14 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = args.out or Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")
+    from services.common.security import configure_client
     from services.coordinator.errors import IterationError
     from services.coordinator.eval_services import EvalServices
     from services.launcher.stack import ServiceStartError
 
+    configure_client(args)
     services = EvalServices(out / "services", redis_url=args.redis_url, verifiers=verifiers,
-                            startup_timeout_s=args.startup_timeout)
+                            startup_timeout_s=args.startup_timeout, auth_token=args.auth_token)
     try:
         problems, left_out, tokenizer = _problems(args, settings, services)
         engine_length = 0 if services.attach else args.max_model_len or _engine_length(

@@ -2,12 +2,11 @@
 
 Started: a private Redis, one reward worker, one vLLM rollout replica serving the model, the custom
 verifiers; all stopped at the end. Found (`--redis-url`): every rollout replica and reward worker registered
-there; custom verifiers are registered with those workers (with the token in $RLFABRIC_AUTH_TOKEN).
+there; custom verifiers are registered with those workers (with the token of `--auth-token-file`).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,10 +18,10 @@ class EvalServices:
     """The rollout replicas and reward workers of one `rlfabric eval` (see module docstring)."""
 
     def __init__(self, run_dir: Path, *, redis_url: str | None, verifiers: Sequence[Any],
-                 startup_timeout_s: float) -> None:
+                 startup_timeout_s: float, auth_token: str | None = None) -> None:
         self.attach = redis_url is not None
         self.stack = LocalStack(run_dir, redis_url=redis_url, startup_timeout_s=startup_timeout_s,
-                                verifiers=verifiers)
+                                verifiers=verifiers, auth_token=auth_token)
         self._channels: list[Any] = []
         self._pool: Any = None
 
@@ -51,13 +50,13 @@ class EvalServices:
         url = stack.start_redis()
         if self.attach:
             stack.spawn_verifiers()
-            stack.register_verifiers(os.environ.get("RLFABRIC_AUTH_TOKEN"))
+            stack.register_verifiers(stack.auth_token)
         else:
             print(f"starting services (logs in {stack.logs_dir})", file=stack.out, flush=True)
             stack.spawn_reward_workers(1, 1)
             stack.spawn_verifiers()
             stack.spawn("rollout-0", ["rollout", "serve", "--model", str(model), "--address", "127.0.0.1:0",
-                                      "--redis-url", url, "--dtype", dtype, "--max-model-len", str(max_model_len)],
+                                      *stack.redis_args(), "--dtype", dtype, "--max-model-len", str(max_model_len)],
                         Expected("rollout-0 (vLLM)", "rollout"))
             stack.wait_ready()
         from services.common.redis_store import Registry, connect

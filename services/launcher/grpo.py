@@ -36,7 +36,7 @@ class GrpoStack:
 
     def start(self) -> None:
         stack = self.stack
-        url = ["--redis-url", stack.start_redis()]
+        url = stack.redis_args()  # a file: the private Redis's URL carries its password
         cfg_args = ["--config", str(self.config_path)]
         print(f"starting services (logs in {stack.logs_dir})", file=stack.out, flush=True)
         stack.spawn_reward_workers(self.reward_workers, self.reward_processes)

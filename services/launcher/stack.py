@@ -9,7 +9,6 @@ set (services/launcher/grpo.py), `rlfabric eval` a rollout replica and reward wo
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import sys
 import time
@@ -18,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from services.common import client
 from services.common.processes import ServiceProcess, ServiceStartError
 from services.common.redis_store import RedisServer, Registry, connect, start_private_redis
+from services.common.security import child_args, generate_tls, write_secret_file
 from services.launcher import verifiers as custom
 
 logger = logging.getLogger(__name__)
@@ -42,21 +43,31 @@ class Expected:
 class LocalStack:
     """Children of one local run, with their logs in `run_dir/logs`.
 
+    Security is on: one token for every service-to-service call (the given one, else a fresh one), a private
+    Redis with a fresh password, and TLS when `tls` is given ("generate": a CA of this run's own). Children get
+    them as files in `run_dir/secrets` (0600; the folder 0700) named by flags, never as values on a command line.
+
     Args:
         redis_url: use this Redis instead of starting a private one in `run_dir/redis`.
         verifiers: custom verifiers to start (command) and register once the reward workers are up.
         out: where progress lines go.
+        auth_token: the service token (default: a fresh random one).
+        tls: None (plaintext), "generate", or (cert, key, ca) PEM paths every service serves and trusts.
     """
 
     def __init__(self, run_dir: Path, *, redis_url: str | None = None, startup_timeout_s: float = 600.0,
-                 verifiers: Sequence[custom.CustomVerifier] = (), out: TextIO | None = None) -> None:
+                 verifiers: Sequence[custom.CustomVerifier] = (), out: TextIO | None = None,
+                 auth_token: str | None = None, tls: str | tuple[Path, Path, Path] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.redis_url = redis_url
         self.startup_timeout_s = startup_timeout_s
         self.verifiers = list(verifiers)
         self.out = out or sys.stdout
-        # The reward workers this stack starts accept RegisterVerifier with this token (never on a command line).
-        self.auth_token = os.environ.get("RLFABRIC_AUTH_TOKEN") or secrets.token_hex(16)
+        self.auth_token = auth_token or secrets.token_hex(32)
+        self.tls_request = tls
+        self.tls: tuple[Path, Path, Path] | None = None
+        self.token_file: Path | None = None
+        self.redis_url_file: Path | None = None
         self.redis: RedisServer | None = None
         self.processes: list[ServiceProcess] = []
         self.expected: list[Expected] = []
@@ -67,19 +78,55 @@ class LocalStack:
     def logs_dir(self) -> Path:
         return self.run_dir / "logs"
 
+    @property
+    def secrets_dir(self) -> Path:
+        return self.run_dir / "secrets"
+
+    def prepare_security(self) -> None:
+        """Writes the token (and TLS material) to `secrets_dir`; this process's calls use them from now on."""
+        self.secrets_dir.mkdir(parents=True, exist_ok=True)
+        self.secrets_dir.chmod(0o700)
+        self.token_file = write_secret_file(self.secrets_dir / "token", self.auth_token)
+        if self.tls_request == "generate":
+            self.tls = generate_tls(self.secrets_dir)
+        elif self.tls_request is not None:
+            self.tls = tuple(Path(p).resolve() for p in self.tls_request)  # type: ignore[assignment]
+        client.configure(token=self.auth_token, tls_ca=str(self.tls[2]) if self.tls else None)
+
     def start_redis(self) -> str:
-        """The Redis URL: the given one, else a private server's (append-only file in run_dir/redis)."""
+        """The Redis URL: the given one, else a private server's (append-only file in run_dir/redis, a password).
+
+        The URL goes to children in a 0600 file (`redis_args`), as it may hold the password.
+        """
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._started = time.monotonic()
         if self.redis_url is None:
-            self.redis = start_private_redis(str(self.run_dir / "redis"), appendonly=True)
+            self.redis = start_private_redis(str(self.run_dir / "redis"), appendonly=True,
+                                             password=secrets.token_hex(24))
             self.redis_url = self.redis.url
         return self.redis_url
 
+    def redis_args(self) -> list[str]:
+        """The flags that give a child the Redis URL (a file; the URL may carry the password)."""
+        if self.redis_url_file is None:
+            url = self.start_redis() if self.redis_url is None else self.redis_url
+            self.secrets_dir.mkdir(parents=True, exist_ok=True)
+            self.secrets_dir.chmod(0o700)
+            self.redis_url_file = write_secret_file(self.secrets_dir / "redis-url", url)
+        return ["--redis-url-file", str(self.redis_url_file)]
+
+    def security_args(self, server: bool = True) -> list[str]:
+        """The flags that give a child the token and TLS material (paths; see services/common/security.py)."""
+        if self.token_file is None:
+            self.prepare_security()
+        return child_args(token_file=self.token_file, tls=self.tls, server=server)
+
     def spawn(self, name: str, args: list[str], expect: Expected | None = None,
               env: dict[str, str] | None = None) -> ServiceProcess:
-        """Starts `rlfabric ARGS` as child `name`; `expect` is the registration that says it is ready."""
-        proc = ServiceProcess(name, args, self.logs_dir / f"{name}.log", env=env or {}).start()
+        """Starts `rlfabric ARGS` as child `name` with the stack's security flags appended (`args` is a
+        `serve` command); `expect` is the registration that says it is ready."""
+        proc = ServiceProcess(name, [*args, *self.security_args()], self.logs_dir / f"{name}.log",
+                              env=env or {}).start()
         self.processes.append(proc)
         if expect is not None:
             self.expected.append(expect)
@@ -87,9 +134,8 @@ class LocalStack:
 
     def spawn_reward_workers(self, count: int, processes: int) -> None:
         for i in range(count):
-            self.spawn(f"reward-{i}", ["reward", "serve", "--redis-url", str(self.redis_url),
-                                       "--processes", str(processes)],
-                       Expected(f"reward-{i}", "reward"), env={"RLFABRIC_AUTH_TOKEN": self.auth_token})
+            self.spawn(f"reward-{i}", ["reward", "serve", *self.redis_args(), "--processes", str(processes)],
+                       Expected(f"reward-{i}", "reward"))
 
     def spawn_verifiers(self) -> None:
         """Starts the command verifiers (their servers load while the services do)."""

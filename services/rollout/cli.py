@@ -40,10 +40,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-kv-cache-gib", type=int, default=1, help="CPU only: KV-cache size in GiB (default 1)")
     p.add_argument("--num-threads", type=int, default=None, help="CPU only: torch threads for the engine")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
-    p.add_argument("--auth-token", default=None,
-                   help="require 'authorization: Bearer TOKEN' on UpdateWeights, Sleep and Wake")
     p.add_argument("--redis-url", default=None, help="register this replica in Redis as service 'rollout'")
     p.add_argument("--instance-id", default=None, help="registry instance id (default rollout-HOST-PORT)")
+    from services.common.security import add_security_args
+
+    add_security_args(p)  # token guards UpdateWeights, Sleep and Wake (docs/security.md)
 
 
 def build_options(args: argparse.Namespace):
@@ -75,22 +76,25 @@ def build_options(args: argparse.Namespace):
 def run_serve(args: argparse.Namespace) -> int:
     import socket
 
+    from services.common.security import server_security
     from services.common.server import serve_until_signal
     from services.rollout.engine import RolloutEngine
     from services.rollout.options import InvalidSamplingValueError
-    from services.rollout.server import SERVICE_NAME, create_rollout_server
+    from services.rollout.server import create_rollout_server
 
+    try:
+        server_security(args)  # create_server below serves with this process's token and TLS
+    except ValueError as e:
+        raise SystemExit(f"rlfabric rollout serve: {e}") from e
     engine_options, sampling = build_options(args)
     try:
         sampling.validate(engine_options.max_model_len)
     except InvalidSamplingValueError as e:
         raise SystemExit(f"rlfabric rollout serve: generate_config.sampling_config: {e}") from e
     engine = RolloutEngine(engine_options)
-    guarded = {f"/{SERVICE_NAME}/{m}" for m in ("UpdateWeights", "Sleep", "Wake")}
     server, _ = create_rollout_server(engine, sampling, args.address, max_in_flight_samples=args.max_in_flight,
                                       max_samples_per_group=args.max_samples_per_group,
-                                      metrics_port=args.metrics_port, auth_token=args.auth_token,
-                                      auth_methods=guarded if args.auth_token else None)
+                                      metrics_port=args.metrics_port)
     server.start()
     registration = None
     if args.redis_url:

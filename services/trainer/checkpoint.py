@@ -217,3 +217,22 @@ def reference_load_path(*, load: str | None, finetune: bool, ref_model_load_path
             "(converted) weights"
         )
     return load
+
+
+class CheckpointPathError(ValueError):
+    """A SaveCheckpoint/LoadCheckpoint directory outside the roots this trainer may use."""
+
+
+def confine(directory: str, roots: list[Path]) -> Path:
+    """`directory` resolved (symlinks and `..` followed), when it lies under one of `roots`.
+
+    A trainer serves one run: its checkpoints belong under the config's `save`/`load` directories and the
+    `--checkpoint-root`s, not wherever a caller names (a SaveCheckpoint could otherwise write any directory the
+    trainer's user can, a LoadCheckpoint read any). No roots: unconfined (a bare trainer for tests and tools).
+    """
+    path = Path(directory).resolve()
+    if not roots or any(path == r or path.is_relative_to(r) for r in roots):
+        return path
+    raise CheckpointPathError(f"checkpoint directory {directory!r} (resolves to {path}) is outside the directories "
+                              f"this trainer may use: {', '.join(map(str, roots))} (the config's save/load and "
+                              f"--checkpoint-root)")

@@ -9,7 +9,6 @@ happen inside the funcs.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -60,7 +59,6 @@ def add_group_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default="127.0.0.1:0", help="gRPC bind address of rank 0 (default: 127.0.0.1:0)")
     p.add_argument("--port-file", default=None, help="write rank 0's bound port here once serving")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port of rank 0 (0 = any free)")
-    p.add_argument("--auth-token", default=os.environ.get("RLFABRIC_AUTH_TOKEN"), help="bearer token for calls")
     p.add_argument("--master-port", type=int, default=None, help="torch.distributed port (default: a free one)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="update micro-batch rows (without --config)")
     p.add_argument("--forward-micro-batch-size", type=int, default=None, help="log-prob micro-batch rows")
@@ -71,6 +69,16 @@ def add_group_arguments(p: argparse.ArgumentParser) -> None:
                    help="register rank 0 in Redis as service 'trainer' with its role (what the coordinator discovers)")
     p.add_argument("--instance-id", default=None, help="registry instance id (default: trainer-ROLE-PID)")
     p.add_argument("--lease-s", type=float, default=10.0, help="registry lease in seconds (heartbeat every lease/3)")
+    p.add_argument("--checkpoint-root", action="append", default=[], metavar="DIR",
+                   help="SaveCheckpoint/LoadCheckpoint may use directories under DIR only (repeatable; the "
+                        "config's save and load directories and --load always count)")
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="interface the torch.distributed store of `trainer serve` binds (default 127.0.0.1: "
+                        "its ranks all run on this host)")
+    p.add_argument("--master-listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # trainer serve -> rank 0
+    from services.common.security import add_security_args
+
+    add_security_args(p)
 
 
 def _convert(args: argparse.Namespace) -> int:

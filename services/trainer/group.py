@@ -62,9 +62,7 @@ class Liveness:
         addr = [None]
         if rank == 0:
             host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-            server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            server.bind(("127.0.0.1" if host in ("127.0.0.1", "localhost") else "", 0))
-            server.listen(world)
+            server = _listen_on(host, world)
             addr = [(host, server.getsockname()[1])]
         dist.broadcast_object_list(addr, src=0)
         if rank == 0:
@@ -100,6 +98,15 @@ class Liveness:
         self._stop.set()
         if self._client is not None:
             self._client.close()
+
+
+def _listen_on(host: str, backlog: int) -> socket.socket:
+    """A listening socket on `host`'s interface only (the other ranks reach rank 0 there, nobody else needs to)."""
+    try:
+        return socket.create_server((host, 0), backlog=backlog)
+    except OSError as e:  # MASTER_ADDR names no local interface (a service address in front of this pod)
+        logger.warning("cannot bind MASTER_ADDR %s (%s): the liveness socket listens on every interface", host, e)
+        return socket.create_server(("", 0), backlog=backlog)
 
 
 def _outcome(fn: Callable[[], Any]) -> tuple[Any, str | None]:

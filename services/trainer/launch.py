@@ -29,14 +29,18 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
     if getattr(args, "log_json", False):
         argv.append("--log-json")
     argv += ["trainer", "rank"]
+    from services.common.security import SecretFile
+
     for key, value in vars(args).items():
         if key in ("func", "command", "trainer_command", "log_level", "log_json", "world_size", "grace_s",
-                   "auth_token"):
+                   "master_addr"):
             continue
-        if value is None or value is False:
+        if value is None or value is False or value == []:
             continue
         flag = "--" + key.replace("_", "-")
-        if isinstance(value, list):
+        if isinstance(value, SecretFile):  # the file's path, never the secret (ps shows command lines)
+            argv += [value.flag, value.path]
+        elif isinstance(value, list):
             for v in value:
                 argv += [flag, str(v)]
         elif value is True:
@@ -48,8 +52,15 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
 
 def serve_group(args: argparse.Namespace) -> int:
     """Spawn every rank and supervise them; returns the group's exit code."""
-    from services.common.net import free_port
+    import socket
 
+    from services.common.security import server_security
+
+    try:
+        server_security(args)  # refuse bad security flags here, once, rather than in every rank
+    except ValueError as e:
+        print(f"rlfabric trainer serve: {e}", file=sys.stderr)
+        return 2
     tp, pp = args.tp, args.pp
     if args.config and not (tp and pp):
         from services.common.config import load_config  # no torch: cheap
@@ -59,16 +70,20 @@ def serve_group(args: argparse.Namespace) -> int:
         tp, pp = tp or mt.tensor_model_parallel_size, pp or mt.pipeline_model_parallel_size
     tp, pp = tp or 1, pp or 1
     world = args.world_size or tp * pp
-    master_port = args.master_port or free_port()
+    # The torch.distributed store listens on this socket, bound to --master-addr only (a store torch makes
+    # itself listens on every interface); rank 0 inherits it. Binding here also closes the free-port race.
+    store_socket = socket.create_server((args.master_addr, args.master_port or 0), backlog=128)
+    master_port = store_socket.getsockname()[1]
     argv = rank_argv(argparse.Namespace(**{**vars(args), "tp": tp, "pp": pp}))
     procs: list[subprocess.Popen] = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
+                   MASTER_ADDR=args.master_addr, MASTER_PORT=str(master_port))
         env.setdefault("OMP_NUM_THREADS", "1")
-        if args.auth_token:
-            env["RLFABRIC_AUTH_TOKEN"] = args.auth_token  # not on the command line, where ps shows it
-        procs.append(subprocess.Popen(argv, env=env))
+        fds = [store_socket.fileno()] if rank == 0 else []
+        procs.append(subprocess.Popen([*argv, "--master-listen-fd", str(fds[0])] if fds else argv, env=env,
+                                      pass_fds=fds))
+    store_socket.close()
     stopping = False
 
     def stop(signum, _frame):
@@ -108,14 +123,17 @@ def run_rank(args: argparse.Namespace) -> int:
     """One rank: join the group, build the worker; rank 0 serves gRPC, the others follow the bus."""
     import torch
 
+    from services.common.security import server_security
     from services.trainer import parallel
     from services.trainer.group import CommandBus, GroupExecutor, Liveness
     from services.trainer.server import create_trainer_server, worker_handlers
     from services.trainer.worker import TrainerWorker
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    server_security(args)  # this process's token and TLS: its server's and its weight pushes'
     opts, kl_coef, tp, pp = _worker_options(args)
-    parallel.init_distributed()
+    roots = checkpoint_roots(args, opts)
+    parallel.init_distributed(store=_bound_store(args))
     parallel.init_model_parallel(tp, pp, seed=opts.update.seed)
     worker = TrainerWorker(opts)
     liveness = Liveness()
@@ -128,10 +146,16 @@ def run_rank(args: argparse.Namespace) -> int:
             liveness.close()
             parallel.shutdown()
         return 0
+    from contextlib import nullcontext
+
+    from services.common.redis_store import Registry, connect
+    from services.common.server import serve_until_signal
+
+    registry = Registry(connect(args.redis_url)) if args.redis_url else None
     executor = GroupExecutor(bus, liveness)
     server, _ = create_trainer_server(
         executor, worker, address=args.address, kl_coef=kl_coef, metrics_port=args.metrics_port,
-        auth_token=args.auth_token,
+        checkpoint_roots=roots, push_targets=registry and (lambda: {m.endpoint for m in registry.members("rollout")}),
     )
     server.start()
     if args.port_file:
@@ -139,14 +163,9 @@ def run_rank(args: argparse.Namespace) -> int:
         tmp.write_text(str(server.port))
         os.replace(tmp, args.port_file)
     logger.info("trainer (%s, TP=%d PP=%d DP=%d) serving on %s", opts.role, tp, pp, worker.layout.dp, server.address)
-    from contextlib import nullcontext
-
-    from services.common.redis_store import Registry, connect
-    from services.common.server import serve_until_signal
-
     registration = nullcontext()
-    if args.redis_url:
-        registration = Registry(connect(args.redis_url)).register(
+    if registry is not None:
+        registration = registry.register(
             "trainer", args.instance_id or f"trainer-{opts.role}-{os.getpid()}", server.address, lease_s=args.lease_s,
             metadata={"role": opts.role, "tp": tp, "pp": pp, "dp": worker.layout.dp})
     try:
@@ -158,6 +177,32 @@ def run_rank(args: argparse.Namespace) -> int:
         if executor.broken is None:
             parallel.shutdown()
     return 0 if executor.broken is None else 1
+
+
+def _bound_store(args: argparse.Namespace):
+    """Rank 0's TCPStore on the listening socket `trainer serve` handed down (None: torch makes its own)."""
+    fd = getattr(args, "master_listen_fd", None)
+    if fd is None or int(os.environ.get("RANK", "0")) != 0:
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         int(os.environ.get("WORLD_SIZE", "1")), True, timeout=datetime.timedelta(seconds=600),
+                         wait_for_workers=False, master_listen_fd=fd)
+
+
+def checkpoint_roots(args: argparse.Namespace, opts) -> list[Path]:
+    """Where SaveCheckpoint/LoadCheckpoint may read and write: --checkpoint-root, the config's save and load."""
+    found = [*args.checkpoint_root, opts.load]
+    if args.config:
+        from services.common.config import load_config
+
+        cfg = load_config(args.config, overrides=args.override)
+        mt = cfg.actor_config if args.role == "actor" else cfg.ref_config
+        found += [getattr(mt, "save", None), getattr(mt, "load", None)]
+    return [Path(p).resolve() for p in dict.fromkeys(found) if p]
 
 
 def _worker_options(args: argparse.Namespace):

@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import logging
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,8 +53,13 @@ def init_distributed(
     master_port: int | None = None,
     backend: str | None = None,
     timeout_s: float = 600.0,
+    store: Any = None,
 ) -> None:
-    """Initialise the default process group (arguments override torchrun's RANK/WORLD_SIZE/MASTER_*)."""
+    """Initialise the default process group (arguments override torchrun's RANK/WORLD_SIZE/MASTER_*).
+
+    `store`: rank 0's TCPStore, made on a socket bound to one interface (services/trainer/launch.py); a store
+    that `init_process_group` creates itself listens on every interface.
+    """
     if dist.is_initialized():
         return
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
@@ -70,7 +76,7 @@ def init_distributed(
     megatron_compat.apply_cpu_patches()
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
+        **({"store": store} if store is not None else {"init_method": f"tcp://{master_addr}:{master_port}"}),
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),

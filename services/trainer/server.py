@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -38,7 +39,11 @@ SERVICE_NAME = "rlfabric.v1.Trainer"
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     """Serves one trainer group; `executor.run(op, ...)` runs an op on every rank."""
 
-    def __init__(self, executor: GroupExecutor, worker, *, kl_coef: float = 0.0) -> None:
+    def __init__(self, executor: GroupExecutor, worker, *, kl_coef: float = 0.0,
+                 checkpoint_roots: list[Path] | None = None,
+                 push_targets: Callable[[], set[str]] | None = None) -> None:
+        self.checkpoint_roots = list(checkpoint_roots or [])
+        self.push_targets = push_targets  # the registered rollout endpoints; None: any target
         self.executor = executor
         self.worker = worker  # rank 0's worker: read-only state (versions, layout)
         self.kl_coef = kl_coef
@@ -132,6 +137,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         with self._errors(context, "SaveCheckpoint"):
             if not request.dir:
                 raise ValueError("dir is required (megatron_training.save)")
+            self._confine(context, request.dir)
             t0 = time.monotonic()
             path = self._run(context, "save", root=request.dir, iteration=int(request.iteration),
                              consumed_samples=int(request.consumed_samples))
@@ -144,6 +150,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         with self._errors(context, "LoadCheckpoint"):
             if not request.dir:
                 raise ValueError("dir is required (megatron_training.load)")
+            self._confine(context, request.dir)
             t0 = time.monotonic()
             res = self._run(context, "load", root=request.dir, iteration=int(request.iteration) or None,
                             finetune=request.finetune, no_load_optim=request.no_load_optim,
@@ -164,6 +171,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 raise ValueError("targets is empty: give the rollout endpoints (host:port) to push to")
             if len(set(targets)) != len(targets):
                 raise ValueError(f"targets has duplicates: {echo(targets)}")
+            self._check_targets(context, targets)
             transport = request.transport or trainer_pb2.WEIGHT_TRANSPORT_GRPC_STREAM
             if transport not in TRANSPORTS:
                 raise ValueError(f"transport {transport} is unknown; available: "
@@ -194,6 +202,25 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             abort(context, grpc.StatusCode.UNAVAILABLE, "PushWeights: " + "; ".join(
                 f"target {echo(t)} did not apply version {request.version}: {o['code']}: {o['message']}"
                 for t, o in failed.items()) + f"; the trainer keeps version {self.worker.weights_version}")
+
+    def _confine(self, context, directory: str) -> None:
+        from services.trainer.checkpoint import CheckpointPathError, confine
+
+        try:
+            confine(directory, self.checkpoint_roots)
+        except CheckpointPathError as e:
+            abort(context, grpc.StatusCode.PERMISSION_DENIED, str(e))
+
+    def _check_targets(self, context, targets: list[str]) -> None:
+        """Weights go to registered rollout replicas only, not to any host:port a caller names."""
+        if self.push_targets is None:
+            return
+        allowed = self.push_targets()
+        stray = [t for t in targets if t not in allowed]
+        if stray:
+            abort(context, grpc.StatusCode.PERMISSION_DENIED,
+                  f"PushWeights: target(s) {echo(stray)} are not rollout replicas registered in Redis "
+                  f"(registered: {echo(sorted(allowed))})")
 
     def Offload(self, request, context) -> trainer_pb2.OffloadResponse:
         return self._move(context, "offload", request)
@@ -226,10 +253,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
 
 def _outbound_token() -> str | None:
-    # The deployment's shared bearer token (launch.py passes it to every rank in this variable).
-    import os
+    # This process's service token (`--auth-token-file`, services/common/security.py).
+    from services.common.client import default_token
 
-    return os.environ.get("RLFABRIC_AUTH_TOKEN") or None
+    return default_token()
 
 
 def worker_handlers(worker) -> dict:
@@ -282,12 +309,15 @@ def worker_handlers(worker) -> dict:
 
 def create_trainer_server(
     executor: GroupExecutor, worker, *, address: str = "127.0.0.1:0", kl_coef: float = 0.0,
-    metrics_port: int | None = 0, auth_token: str | None = None,
+    metrics_port: int | None = 0, checkpoint_roots: list[Path] | None = None,
+    push_targets: Callable[[], set[str]] | None = None,
 ) -> tuple[ServiceServer, TrainerServicer]:
-    servicer = TrainerServicer(executor, worker, kl_coef=kl_coef)
+    """The trainer's server; token and TLS are this process's (services/common/security.py)."""
+    servicer = TrainerServicer(executor, worker, kl_coef=kl_coef, checkpoint_roots=checkpoint_roots,
+                               push_targets=push_targets)
     server = create_server(
         [ServiceSpec(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer, SERVICE_NAME)],
-        address, component="trainer", metrics_port=metrics_port, auth_token=auth_token,
+        address, component="trainer", metrics_port=metrics_port,
     )
     servicer.server = server
     return server, servicer

@@ -1,0 +1,240 @@
+"""Service-to-service security, the one home: flags, secret files, server TLS/token, client credentials.
+
+Every `serve` command gets the same flags from `add_security_args` (clients such as `rlfabric train` get the
+client subset): `--auth-token-file`, `--tls-cert`, `--tls-key`, `--tls-ca`, `--redis-url-file`. Secrets travel
+in files only, never on a command line (where `ps` shows them) nor in environment variables: a launcher such as
+`rlfabric up` writes them 0600 into the run directory and hands children the paths.
+
+A secret file's value is a `SecretFile` (a str that remembers its flag and path), so a launcher that re-creates
+a command line from parsed flags (`trainer serve` -> `trainer rank`) passes the path on, not the secret.
+
+What each service requires the token on is `GUARDED_METHODS`; docs/security.md says why the rest stay open.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+# Per service, the RPCs that need `authorization: Bearer TOKEN` whenever the server has a token. Everything that
+# changes state (weights, versions, checkpoints, runs, the verifier table, engine residency) is here; what stays
+# open only reads (Info, GetRun, StreamMetrics, ListVerifiers) or computes on the caller's input without keeping
+# anything (Rollout.Generate, Reward.Score). Health and reflection are always open (probes use them).
+GUARDED_METHODS: dict[str, frozenset[str]] = {
+    "rlfabric.v1.Trainer": frozenset({"ComputeLogProbs", "Update", "SaveCheckpoint", "LoadCheckpoint",
+                                      "PushWeights", "Offload", "Onload"}),
+    "rlfabric.v1.Rollout": frozenset({"UpdateWeights", "Sleep", "Wake"}),
+    "rlfabric.v1.Coordinator": frozenset({"StartRun", "StopRun"}),
+    "rlfabric.v1.Reward": frozenset({"RegisterVerifier", "UnregisterVerifier"}),
+}
+
+
+def guarded(service: str) -> frozenset[str]:
+    """Full method names ("/rlfabric.v1.X/Method") the token guards on `service`."""
+    return frozenset(f"/{service}/{m}" for m in GUARDED_METHODS[service])
+
+
+class SecretFileError(ValueError):
+    """A secret file is missing, empty, or readable by every user."""
+
+
+class SecretFile(str):
+    """A secret read from a file; `.flag` and `.path` say where it came from (for passing the path on)."""
+
+    flag: str
+    path: str
+
+    def __new__(cls, value: str, flag: str, path: str) -> SecretFile:
+        obj = super().__new__(cls, value)
+        obj.flag = flag
+        obj.path = path
+        return obj
+
+    def __repr__(self) -> str:  # never print the secret itself in logs or tracebacks
+        return f"SecretFile({self.flag} {self.path})"
+
+
+def read_secret_file(path: str | os.PathLike, flag: str) -> SecretFile:
+    """The stripped first line of `path`; SecretFileError naming `flag` and the file when unusable."""
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+        text = p.read_text(encoding="utf-8").strip().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SecretFileError(f"{flag} {p}: cannot read it: {e}") from e
+    if mode & stat.S_IROTH:
+        raise SecretFileError(f"{flag} {p}: the file is readable by every user (mode {stat.S_IMODE(mode):o}); "
+                              f"chmod o-r it (0600 or 0640)")
+    if not text or not text[0].strip():
+        raise SecretFileError(f"{flag} {p}: the file is empty")
+    return SecretFile(text[0].strip(), flag, str(p))
+
+
+def write_secret_file(path: Path, value: str) -> Path:
+    """Writes `value` to `path` created 0600 (never world-readable, not even for an instant)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(value + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
+def _secret_type(flag: str):
+    def parse(value: str) -> SecretFile:
+        try:
+            return read_secret_file(value, flag)
+        except SecretFileError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+    return parse
+
+
+def add_security_args(parser: argparse.ArgumentParser, *, server: bool = True, token: bool = True,
+                      redis: bool = True) -> None:
+    """The security flags: token and Redis URL from files, TLS material.
+
+    `server=False` gives a client's subset (no certificate of its own); `token=False` / `redis=False` leave
+    out flags a command has no use for.
+    """
+    g = parser.add_argument_group("security")
+    if token:
+        what = ("required on the mutating RPCs this service serves and sent on every call it makes to other "
+                "services" if server else "sent as 'authorization: Bearer TOKEN' on every call")
+        g.add_argument("--auth-token-file", dest="auth_token", type=_secret_type("--auth-token-file"), default=None,
+                       metavar="PATH", help=f"file holding the shared service token, {what} (not world-readable)")
+    if server:
+        g.add_argument("--tls-cert", default=None, metavar="PEM",
+                       help="serve TLS with this certificate chain (needs --tls-key)")
+        g.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    g.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="CA bundle that signs the services' certificates: calls to other services use TLS "
+                        "verified against it")
+    if redis:
+        g.add_argument("--redis-url-file", dest="redis_url", type=_secret_type("--redis-url-file"),
+                       default=argparse.SUPPRESS, metavar="PATH",
+                       help="file holding the Redis URL (instead of --redis-url, for a URL with a password)")
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """What a server needs: its token (None: nothing guarded) and its TLS material (None: plaintext)."""
+
+    token: str | None
+    tls: object | None  # services.common.server.TlsConfig
+
+
+def server_security(args: argparse.Namespace) -> ServerSecurity:
+    """ServerSecurity of the flags; ValueError naming a flag given without its partner or a missing file.
+
+    Makes them this process's defaults: of every server it creates (server.configure) and of its calls to
+    other services (client.configure).
+    """
+    from services.common.server import TlsConfig
+
+    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
+    if bool(cert) != bool(key):
+        raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", getattr(args, "tls_ca", None))):
+        if path and not Path(path).is_file():
+            raise ValueError(f"{flag} {path}: no such file")
+    from services.common import server
+
+    configure_client(args)
+    tls = TlsConfig(cert, key) if cert else None
+    token = getattr(args, "auth_token", None) or None
+    server.configure(token=token, tls=tls)
+    return ServerSecurity(token, tls)
+
+
+def configure_client(args: argparse.Namespace) -> None:
+    """Makes the flags' token and CA the defaults of `make_channel` in this process."""
+    from services.common import client
+
+    ca = getattr(args, "tls_ca", None)
+    if ca and not Path(ca).is_file():
+        raise ValueError(f"--tls-ca {ca}: no such file")
+    client.configure(token=getattr(args, "auth_token", None) or None, tls_ca=ca or None)
+
+
+def child_args(*, token_file: Path | None, tls: tuple[Path, Path, Path] | None = None,
+               redis_url_file: Path | None = None, server: bool = True) -> list[str]:
+    """The command-line flags that hand a child the same security (paths only, never a secret)."""
+    out: list[str] = []
+    if token_file is not None:
+        out += ["--auth-token-file", str(token_file)]
+    if tls is not None:
+        cert, key, ca = tls
+        if server:
+            out += ["--tls-cert", str(cert), "--tls-key", str(key)]
+        out += ["--tls-ca", str(ca)]
+    if redis_url_file is not None:
+        out += ["--redis-url-file", str(redis_url_file)]
+    return out
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password replaced by ***, for logs and messages."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def generate_tls(out_dir: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
+                 days: int = 30) -> tuple[Path, Path, Path]:
+    """A private CA and one server certificate for `hosts`, written to `out_dir`: (cert, key, ca) paths.
+
+    For one run on one host (`rlfabric up --tls`): every service serves the same certificate, and the CA's
+    key is never written (nothing else is ever signed with it). Keys are files created 0600.
+    """
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "rlfabric run CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=days))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            names.append(x509.DNSName(h))
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    key_pem = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    key_path = write_secret_file(out_dir / "tls.key", key_pem.strip())
+    cert_path = out_dir / "tls.crt"
+    cert_path.write_bytes(cert.public_bytes(pem))
+    ca_path = out_dir / "ca.crt"
+    ca_path.write_bytes(ca.public_bytes(pem))
+    return cert_path, key_path, ca_path
