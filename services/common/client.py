@@ -122,10 +122,12 @@ _defaults = _Defaults()
 INHERIT: Any = object()
 
 
-def configure(*, token: str | None, tls_ca: str | None) -> None:
-    """Sets the token and CA that `make_channel` uses when its caller passes neither."""
+def configure(*, token: str | None, tls_ca: str | None) -> tuple[str | None, str | None]:
+    """Sets the token and CA that `make_channel` uses when its caller passes neither; returns the previous."""
     global _defaults
+    previous = (_defaults.token, _defaults.tls_ca)
     _defaults = _Defaults(token, tls_ca)
+    return previous
 
 
 def default_token() -> str | None:

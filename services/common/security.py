@@ -93,10 +93,10 @@ def _secret_type(flag: str):
 
 
 def add_security_args(parser: argparse.ArgumentParser, *, server: bool = True, token: bool = True,
-                      redis: bool = True) -> None:
+                      tls: bool = True, redis: bool = True) -> None:
     """The security flags: token and Redis URL from files, TLS material.
 
-    `server=False` gives a client's subset (no certificate of its own); `token=False` / `redis=False` leave
+    `server=False` gives a client's subset (no certificate of its own); `token`, `tls`, `redis` False leave
     out flags a command has no use for.
     """
     g = parser.add_argument_group("security")
@@ -105,13 +105,14 @@ def add_security_args(parser: argparse.ArgumentParser, *, server: bool = True, t
                 "services" if server else "sent as 'authorization: Bearer TOKEN' on every call")
         g.add_argument("--auth-token-file", dest="auth_token", type=_secret_type("--auth-token-file"), default=None,
                        metavar="PATH", help=f"file holding the shared service token, {what} (not world-readable)")
-    if server:
+    if server and tls:
         g.add_argument("--tls-cert", default=None, metavar="PEM",
                        help="serve TLS with this certificate chain (needs --tls-key)")
         g.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
-    g.add_argument("--tls-ca", default=None, metavar="PEM",
-                   help="CA bundle that signs the services' certificates: calls to other services use TLS "
-                        "verified against it")
+    if tls:
+        g.add_argument("--tls-ca", default=None, metavar="PEM",
+                       help="CA bundle that signs the services' certificates: calls to other services use TLS "
+                            "verified against it")
     if redis:
         g.add_argument("--redis-url-file", dest="redis_url", type=_secret_type("--redis-url-file"),
                        default=argparse.SUPPRESS, metavar="PATH",

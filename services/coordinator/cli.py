@@ -15,7 +15,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     co_sub = co.add_subparsers(dest="coordinator_command", metavar="COMMAND", required=True)
     serve = co_sub.add_parser("serve", help="serve the Coordinator gRPC API")
     serve.add_argument("--address", default="127.0.0.1:0", help="host:port to bind (default 127.0.0.1:0, a free port)")
-    serve.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), required="REDIS_URL" not in os.environ,
+    serve.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                        help="Redis holding membership and the run journal (default: $REDIS_URL)")
     serve.add_argument("--configs-dir", type=Path, default=REPO_CONFIGS,
                        help="where `defaults: model:` includes resolve (default: the repo's configs/)")
@@ -24,6 +24,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--instance-id", default=f"coordinator-{os.getpid()}", help="registry id")
     serve.add_argument("--discovery-timeout", type=float, default=300.0,
                        help="seconds a run waits for its services to register (default 300)")
+    from services.common.security import add_security_args
+
+    add_security_args(serve)  # the token guards StartRun/StopRun and goes with every call to the services
     serve.set_defaults(func=_serve)
 
     tr = subparsers.add_parser("train", help="start a GRPO run on a coordinator and stream its metrics")
@@ -33,21 +36,31 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     tr.add_argument("--coordinator", required=True, help="coordinator address host:port")
     tr.add_argument("--run-id", default="", help="run id (default: generated)")
     tr.add_argument("--resume", action="store_true", help="continue the run from its journal and last checkpoint")
+    add_security_args(tr, server=False, redis=False)
     tr.set_defaults(func=_train)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from rlfabric.v1 import coordinator_pb2_grpc
     from services.common.redis_store import Registry, connect
+    from services.common.security import server_security
     from services.common.server import ServiceSpec, create_server, serve_until_signal
     from services.coordinator.app import build_driver
     from services.coordinator.server import SERVICE_NAME, CoordinatorServicer
 
+    if not args.redis_url:
+        print("rlfabric coordinator serve: give --redis-url or --redis-url-file", file=sys.stderr)
+        return 2
+    try:
+        server_security(args)  # create_server below and the run's calls use this token and TLS
+    except ValueError as e:
+        print(f"rlfabric coordinator serve: {e}", file=sys.stderr)
+        return 2
     client = connect(args.redis_url)
 
     def factory(config_yaml: str, overrides: list[str], run_id: str):
         return build_driver(config_yaml, overrides, run_id, redis_client=client, configs_dir=args.configs_dir,
-                            runs_dir=args.runs_dir, discovery_timeout_s=args.discovery_timeout)
+                            runs_dir=args.runs_dir, token=args.auth_token, discovery_timeout_s=args.discovery_timeout)
 
     servicer = CoordinatorServicer(client, factory)
     server = create_server([ServiceSpec(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
@@ -62,8 +75,14 @@ def _train(args: argparse.Namespace) -> int:
     import grpc
 
     from rlfabric.v1 import coordinator_pb2
+    from services.common.security import configure_client
     from services.coordinator.follow import FINISHED_OK, start_and_follow
 
+    try:
+        configure_client(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         text = args.config.read_text()
     except OSError as e:

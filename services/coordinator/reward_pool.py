@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
-from services.common.client import auth_metadata, channel_options
+from services.common.client import auth_metadata, channel_options, raw_channel
 from services.common.redis_store import Registry
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def _stream_channel(endpoint: str, keepalive_s: float) -> grpc.Channel:
     options = [option for option in channel_options() if option[0] not in drop]
     options += [("grpc.enable_retries", 0), ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
                 ("grpc.keepalive_timeout_ms", 5_000), ("grpc.http2.max_pings_without_data", 0)]
-    return grpc.insecure_channel(endpoint, options=options)
+    return raw_channel(endpoint, options)  # TLS when this process has a CA (services/common/security.py)
 
 
 class _Link:

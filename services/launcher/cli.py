@@ -60,7 +60,29 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                    help="print every metric of each iteration (default: a short line; all of them are in "
                         "RUN_DIR/runs/RUN_ID/metrics.jsonl)")
     add_verifier_arguments(p)
+    from services.common.security import add_security_args
+
+    add_security_args(p)  # default: a fresh token, a Redis password; TLS with --tls or these PEMs
+    p.add_argument("--tls", action="store_true",
+                   help="serve every service over TLS with a certificate from a CA made for this run "
+                        "(RUN_DIR/secrets; or give --tls-cert/--tls-key/--tls-ca)")
     p.set_defaults(func=_up)
+
+
+def _tls_choice(args: argparse.Namespace):
+    """None, "generate" (--tls) or the (cert, key, ca) of the flags; ValueError naming what is missing."""
+    given = (args.tls_cert, args.tls_key, args.tls_ca)
+    if args.tls and any(given):
+        raise ValueError("--tls makes its own certificates: give it or --tls-cert/--tls-key/--tls-ca, not both")
+    if args.tls:
+        return "generate"
+    if any(given) and not all(given):
+        raise ValueError("--tls-cert, --tls-key and --tls-ca go together (every service serves the certificate "
+                         "and trusts the CA)")
+    for flag, path in zip(("--tls-cert", "--tls-key", "--tls-ca"), given, strict=True):
+        if path and not Path(path).is_file():
+            raise ValueError(f"{flag} {path}: no such file")
+    return given if all(given) else None
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -74,6 +96,7 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     try:
         verifiers = verifiers_from_args(args)
+        tls = _tls_choice(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -81,7 +104,8 @@ def _up(args: argparse.Namespace) -> int:
     from services.launcher.stack import LocalStack, ServiceStartError
 
     run_dir = args.run_dir or Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
-    stack = LocalStack(run_dir, redis_url=args.redis_url, startup_timeout_s=args.startup_timeout, verifiers=verifiers)
+    stack = LocalStack(run_dir, redis_url=args.redis_url, startup_timeout_s=args.startup_timeout, verifiers=verifiers,
+                       auth_token=args.auth_token, tls=tls)
     grpo = GrpoStack(stack, args.config, args.override, cfg, reward_workers=args.reward_workers,
                      reward_processes=args.reward_processes, full_metrics=args.full_metrics)
     try:

@@ -68,6 +68,7 @@ class LocalStack:
         self.tls: tuple[Path, Path, Path] | None = None
         self.token_file: Path | None = None
         self.redis_url_file: Path | None = None
+        self._client_before: tuple[str | None, str | None] | None = None
         self.redis: RedisServer | None = None
         self.processes: list[ServiceProcess] = []
         self.expected: list[Expected] = []
@@ -91,7 +92,7 @@ class LocalStack:
             self.tls = generate_tls(self.secrets_dir)
         elif self.tls_request is not None:
             self.tls = tuple(Path(p).resolve() for p in self.tls_request)  # type: ignore[assignment]
-        client.configure(token=self.auth_token, tls_ca=str(self.tls[2]) if self.tls else None)
+        self._client_before = client.configure(token=self.auth_token, tls_ca=str(self.tls[2]) if self.tls else None)
 
     def start_redis(self) -> str:
         """The Redis URL: the given one, else a private server's (append-only file in run_dir/redis, a password).
@@ -200,3 +201,6 @@ class LocalStack:
             p.stop()
         if self.redis is not None:
             self.redis.stop()
+        if self._client_before is not None:  # this process's calls go back to what they were before the stack
+            client.configure(token=self._client_before[0], tls_ca=self._client_before[1])
+            self._client_before = None

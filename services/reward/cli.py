@@ -1,11 +1,11 @@
 """`rlfabric reward ...`: serve a worker, score a JSONL offline, manage remote verifiers.
 
-    rlfabric reward serve --redis-url redis://127.0.0.1:6379 --processes 2 --auth-token $TOKEN
+    rlfabric reward serve --redis-url redis://127.0.0.1:6379 --processes 2 --auth-token-file TOKEN_FILE
     rlfabric reward score --verifier math_equiv IN.jsonl --out OUT.jsonl
     rlfabric reward score --verifier my_rule --redis-url redis://127.0.0.1:6379 IN.jsonl --out OUT.jsonl
-    rlfabric reward register --worker HOST:PORT --token $TOKEN --name my_rule --endpoint HOST:PORT
+    rlfabric reward register --worker HOST:PORT --auth-token-file TOKEN_FILE --name my_rule --endpoint HOST:PORT
     rlfabric reward list --worker HOST:PORT
-    rlfabric reward unregister --worker HOST:PORT --token $TOKEN --name my_rule
+    rlfabric reward unregister --worker HOST:PORT --auth-token-file TOKEN_FILE --name my_rule
 Heavy imports happen inside the commands, so `rlfabric --help` stays fast.
 """
 
@@ -43,16 +43,20 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     score.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                        help="Redis holding the registered remote verifiers (default: $REDIS_URL)")
     add_verifier_allow(score)
+    from services.common.security import add_security_args
+
+    add_security_args(score, server=False, token=False, tls=False)  # --redis-url-file: a URL with a password
     score.add_argument("--quiet", action="store_true", help="no progress line")
     score.set_defaults(func=run_score)
+
+    from services.common.security import add_security_args
 
     for name, help_text in (("register", "register a remote verifier (needs the token)"),
                             ("unregister", "remove a registered verifier (needs the token)"),
                             ("list", "list the verifiers a worker knows")):
         command = commands.add_parser(name, help=help_text)
         command.add_argument("--worker", required=True, help="HOST:PORT of any reward worker")
-        command.add_argument("--token", default=os.environ.get("RLFABRIC_AUTH_TOKEN"),
-                             help="auth token (default: $RLFABRIC_AUTH_TOKEN)")
+        add_security_args(command, server=False, token=name != "list", redis=False)
         if name != "list":
             command.add_argument("--name", required=True, help="verifier name used in verifier_function")
         if name == "register":
@@ -70,8 +74,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--processes", type=int, default=1, help="verifier pool processes (default: 1)")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                         help="Redis for membership and the verifier registry (default: $REDIS_URL)")
-    parser.add_argument("--auth-token", default=os.environ.get("RLFABRIC_AUTH_TOKEN"),
-                        help="token required by RegisterVerifier/UnregisterVerifier (default: $RLFABRIC_AUTH_TOKEN)")
     parser.add_argument("--worker-id", default="", help="instance id in the registry (default: host-pid-random)")
     parser.add_argument("--deadline-s", type=float, default=10.0,
                         help="per-sample deadline when a request sets none (default: 10)")
@@ -80,6 +82,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-s", type=float, default=10.0, help="registry lease (heartbeat every lease/3)")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: any free port)")
     add_verifier_allow(parser)
+    from services.common.security import add_security_args
+
+    add_security_args(parser)  # the token guards RegisterVerifier/UnregisterVerifier
 
 
 def add_verifier_allow(parser: argparse.ArgumentParser) -> None:
@@ -92,9 +97,15 @@ def add_verifier_allow(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from services.common.security import server_security
     from services.common.server import serve_until_signal
     from services.reward.worker import RewardWorker, RewardWorkerOptions
 
+    try:
+        server_security(args)
+    except ValueError as e:
+        print(f"rlfabric reward serve: {e}", file=sys.stderr)
+        return 2
     options = RewardWorkerOptions(
         address=args.address, processes=args.processes, redis_url=args.redis_url, auth_token=args.auth_token,
         worker_id=args.worker_id, deadline_s=args.deadline_s, verifier_allow=args.verifier_allow,
@@ -138,8 +149,10 @@ def run_registry_command(args: argparse.Namespace) -> int:
 
     from rlfabric.v1 import reward_pb2, reward_pb2_grpc
     from services.common.client import DEFAULT_DEADLINE_S, make_channel
+    from services.common.security import configure_client
 
-    stub = reward_pb2_grpc.RewardStub(make_channel(args.worker, token=args.token))
+    configure_client(args)
+    stub = reward_pb2_grpc.RewardStub(make_channel(args.worker))
     try:
         if args.reward_command == "register":
             reply = stub.RegisterVerifier(reward_pb2.RegisterVerifierRequest(

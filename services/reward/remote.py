@@ -69,7 +69,8 @@ class RemoteVerifier:
 
     def __init__(self, entry: RemoteVerifierEntry, *, failure_threshold: int = 5, cooldown_s: float = 5.0) -> None:
         self.entry = entry
-        self._channel = make_channel(entry.endpoint)
+        # A user's server, not one of ours: it must never see the service token (nor need our CA).
+        self._channel = make_channel(entry.endpoint, token=None, tls_ca=None)
         self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
         self._executor = ThreadPoolExecutor(max_workers=entry.max_concurrency,
                                             thread_name_prefix=f"remote-{entry.name}")

@@ -118,7 +118,8 @@ def test_tls_with_token_call_credentials(tmp_path) -> None:
     cert, key = _self_signed(tmp_path)
     srv = create_server(
         [ServiceSpec(reward_pb2_grpc.add_RewardServicer_to_server, EchoReward(), "rlfabric.v1.Reward")],
-        "localhost:0", component="tls", metrics_port=None, auth_token=TOKEN, tls=TlsConfig(cert, key),
+        "localhost:0", component="tls", metrics_port=None, auth_token=TOKEN, auth_methods=None,
+        tls=TlsConfig(cert, key),
     ).start()
     try:
         target = f"localhost:{srv.port}"

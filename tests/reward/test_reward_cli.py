@@ -53,9 +53,14 @@ def test_score_jsonl_names_the_bad_line(tmp_path, repo_root):
     assert "Traceback" not in result.stderr and not (tmp_path / "out.jsonl").exists()
 
 
-def test_register_list_unregister_commands(reward_worker, repo_root):
+def test_register_list_unregister_commands(reward_worker, repo_root, tmp_path):
     def reward(*args, token="s3cret"):
-        env_token = ["--token", token] if token else []
+        env_token = []
+        if token:
+            token_file = tmp_path / f"token-{token}"
+            token_file.write_text(token)
+            token_file.chmod(0o600)
+            env_token = ["--auth-token-file", str(token_file)]
         return subprocess.run([sys.executable, "-m", "services.cli", "reward", *args[:1], "--worker",
                                reward_worker.server.address, *env_token, *args[1:]], cwd=repo_root,
                               capture_output=True, text=True, timeout=120)

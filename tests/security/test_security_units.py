@@ -1,0 +1,186 @@
+"""Security building blocks, each against the real thing: secret files and flags, a password-protected
+redis-server, the registry's handling of entries anyone with Redis access could write, checkpoint confinement,
+the guarded-method table of every server, and the torch.distributed store's bind."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from services.common.security import (
+    GUARDED_METHODS,
+    SecretFile,
+    SecretFileError,
+    add_security_args,
+    read_secret_file,
+    redact_url,
+    write_secret_file,
+)
+
+
+def _parser(**kwargs) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    p.add_argument("--redis-url", default=None)
+    add_security_args(p, **kwargs)
+    return p
+
+
+def test_token_file_is_read_and_never_printed(tmp_path: Path) -> None:
+    token = write_secret_file(tmp_path / "token", "0123abcd")
+    assert token.stat().st_mode & 0o777 == 0o600
+    args = _parser().parse_args(["--auth-token-file", str(token)])
+    assert args.auth_token == "0123abcd" and isinstance(args.auth_token, SecretFile)
+    assert "0123abcd" not in repr(args) and str(token) in repr(args)
+
+
+def test_world_readable_or_empty_secret_files_are_refused(tmp_path: Path) -> None:
+    open_file = tmp_path / "open"
+    open_file.write_text("x")
+    open_file.chmod(0o644)
+    with pytest.raises(SecretFileError, match=r"--auth-token-file .*open: the file is readable by every user"):
+        read_secret_file(open_file, "--auth-token-file")
+    empty = write_secret_file(tmp_path / "empty", "")
+    with pytest.raises(SecretFileError, match="empty"):
+        read_secret_file(empty, "--redis-url-file")
+    with pytest.raises(SystemExit):  # argparse names the flag and exits 2
+        _parser().parse_args(["--auth-token-file", str(tmp_path / "missing")])
+
+
+def test_redis_url_file_overrides_the_flag_and_rank_argv_passes_paths(tmp_path: Path) -> None:
+    url_file = write_secret_file(tmp_path / "url", "redis://:pw@127.0.0.1:1/0")
+    token = write_secret_file(tmp_path / "token", "s3cret-token")
+    args = _parser().parse_args(["--redis-url-file", str(url_file), "--auth-token-file", str(token)])
+    assert args.redis_url == "redis://:pw@127.0.0.1:1/0"
+    from services.trainer.cli import add_group_arguments
+    from services.trainer.launch import rank_argv
+
+    p = argparse.ArgumentParser()
+    add_group_arguments(p)
+    argv = rank_argv(p.parse_args(["--redis-url-file", str(url_file), "--auth-token-file", str(token)]))
+    joined = " ".join(argv)
+    assert "pw@" not in joined and "s3cret-token" not in joined
+    assert f"--redis-url-file {url_file}" in joined and f"--auth-token-file {token}" in joined
+
+
+def test_redact_url() -> None:
+    assert redact_url("redis://:pw@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
+    assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_private_redis_requires_its_password_and_hides_it(tmp_path: Path) -> None:
+    import psutil
+
+    from services.common.redis_store import start_private_redis
+
+    with start_private_redis(str(tmp_path / "r"), password="pw0123456789") as server:
+        assert ":pw0123456789@" in server.url
+        port = int(server.url.rsplit(":", 1)[1].split("/")[0])
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=port, socket_timeout=5).set("rlfabric:members:reward:x", "{}")
+        assert redis.Redis.from_url(server.url).ping()
+        assert "pw0123456789" not in " ".join(psutil.Process(server.process.pid).cmdline())
+        conf = next((tmp_path / "r").glob("*.conf"))
+        assert conf.stat().st_mode & 0o077 == 0
+
+
+def test_a_malformed_registry_entry_is_skipped_not_fatal(redis_url: str) -> None:
+    from services.common.redis_store import Registry, connect
+
+    client = connect(redis_url)
+    registry = Registry(client, prefix="sec-test")
+    with registry.register("reward", "good", "127.0.0.1:5000"):
+        bad = {"junk": "not json{", "list": json.dumps([1, 2]), "noport": json.dumps({"endpoint": "host"}),
+               "meta": json.dumps({"endpoint": "h:1", "metadata": [1]}),
+               "url": json.dumps({"endpoint": "http://evil/x:1"})}
+        for name, value in bad.items():
+            client.set(f"sec-test:members:reward:{name}", value, px=60_000)
+        try:
+            members = registry.members("reward")
+        finally:
+            client.delete(*[f"sec-test:members:reward:{n}" for n in bad])
+    assert [(m.instance_id, m.endpoint) for m in members] == [("good", "127.0.0.1:5000")]
+
+
+def test_checkpoint_directories_are_confined(tmp_path: Path) -> None:
+    from services.trainer.checkpoint import CheckpointPathError, confine
+
+    root = tmp_path / "run" / "ckpt"
+    assert confine(str(root / "iter"), [root]) == (root / "iter").resolve()
+    for escape in (str(tmp_path / "elsewhere"), str(root / ".." / ".." / "x"), "/etc"):
+        with pytest.raises(CheckpointPathError, match="outside the directories"):
+            confine(escape, [root])
+    (tmp_path / "link").symlink_to("/tmp")
+    with pytest.raises(CheckpointPathError):
+        confine(str(tmp_path / "link" / "x"), [root])
+    assert confine("/anywhere", []) == Path("/anywhere")  # a bare trainer (no config, no root) is unconfined
+
+
+def test_every_mutating_rpc_is_guarded() -> None:
+    """The table against the protos: every rpc of our services is guarded or listed as read-only here."""
+    from rlfabric.v1 import coordinator_pb2, reward_pb2, rollout_pb2, trainer_pb2
+
+    open_rpcs = {"rlfabric.v1.Trainer": {"Info"}, "rlfabric.v1.Rollout": {"Info", "Generate"},
+                 "rlfabric.v1.Coordinator": {"GetRun", "StreamMetrics"},
+                 "rlfabric.v1.Reward": {"Score", "ListVerifiers"}}
+    for module in (coordinator_pb2, reward_pb2, rollout_pb2, trainer_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            methods = {m.name for m in service.methods}
+            assert methods == GUARDED_METHODS[service.full_name] | open_rpcs[service.full_name], service.full_name
+            assert not GUARDED_METHODS[service.full_name] & open_rpcs[service.full_name]
+
+
+def test_create_server_uses_the_process_token_on_the_guarded_methods() -> None:
+    from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from services.common import server as server_module
+    from services.common.client import make_channel
+    from services.common.server import ServiceSpec, create_server
+
+    class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
+        def GetRun(self, request, context):  # noqa: N802 (the generated servicer names it)
+            return coordinator_pb2.RunStatus(run_id=request.run_id)
+
+        def StopRun(self, request, context):  # noqa: N802
+            return coordinator_pb2.RunStatus(run_id="stopped")
+
+    server_module.configure(token="tok", tls=None)
+    try:
+        srv = create_server([ServiceSpec(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, Coordinator(),
+                                         "rlfabric.v1.Coordinator")], component="t", metrics_port=None).start()
+    finally:
+        server_module.configure(token=None, tls=None)
+    try:
+        with make_channel(srv.address, token=None) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            assert stub.GetRun(coordinator_pb2.GetRunRequest(run_id="r"), timeout=5).run_id == "r"
+            with pytest.raises(grpc.RpcError) as e:
+                stub.StopRun(coordinator_pb2.StopRunRequest(run_id="r"), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with make_channel(srv.address, token="tok") as channel:
+            stopped = coordinator_pb2_grpc.CoordinatorStub(channel).StopRun(coordinator_pb2.StopRunRequest(), timeout=5)
+            assert stopped.run_id == "stopped"
+    finally:
+        srv.stop(0)
+
+
+def test_bound_store_listens_on_the_master_addr_only(tmp_path: Path) -> None:
+    """`trainer serve`'s store socket (what rank 0's TCPStore serves on) is bound to --master-addr only."""
+    code = (
+        "import os, socket, psutil, datetime, argparse\n"
+        "from services.trainer.launch import _bound_store\n"
+        "s = socket.create_server(('127.0.0.1', 0))\n"
+        "os.environ.update(RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(s.getsockname()[1]))\n"
+        "store = _bound_store(argparse.Namespace(master_listen_fd=s.fileno()))\n"
+        "store.set('k', 'v'); assert store.get('k') == b'v'\n"
+        "print(sorted({c.laddr.ip for c in psutil.Process().net_connections('tcp') if c.status == 'LISTEN'}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['127.0.0.1']"
