@@ -5,8 +5,10 @@ client subset): `--auth-token-file`, `--tls-cert`, `--tls-key`, `--tls-ca`, `--r
 in files only, never on a command line (where `ps` shows them) nor in environment variables: a launcher such as
 `rlfabric up` writes them 0600 into the run directory and hands children the paths.
 
-A secret file's value is a `SecretFile` (a str that remembers its flag and path), so a launcher that re-creates
-a command line from parsed flags (`trainer serve` -> `trainer rank`) passes the path on, not the secret.
+The flags hold paths; `resolve_secrets` (called by `server_security` and `configure_client`, which every command
+calls first) reads them into `args.auth_token` and `args.redis_url` as `SecretFile`s (strs that remember their
+flag and path and never print themselves), so a launcher that re-creates a command line from parsed flags
+(`trainer serve` -> `trainer rank`) passes the paths on, not the secrets, and manifests validate without them.
 
 What each service requires the token on is `GUARDED_METHODS`; docs/security.md says why the rest stay open.
 """
@@ -83,15 +85,6 @@ def write_secret_file(path: Path, value: str) -> Path:
     return path
 
 
-def _secret_type(flag: str):
-    def parse(value: str) -> SecretFile:
-        try:
-            return read_secret_file(value, flag)
-        except SecretFileError as e:
-            raise argparse.ArgumentTypeError(str(e)) from e
-    return parse
-
-
 def add_security_args(parser: argparse.ArgumentParser, *, server: bool = True, token: bool = True,
                       tls: bool = True, redis: bool = True) -> None:
     """The security flags: token and Redis URL from files, TLS material.
@@ -103,8 +96,7 @@ def add_security_args(parser: argparse.ArgumentParser, *, server: bool = True, t
     if token:
         what = ("required on the mutating RPCs this service serves and sent on every call it makes to other "
                 "services" if server else "sent as 'authorization: Bearer TOKEN' on every call")
-        g.add_argument("--auth-token-file", dest="auth_token", type=_secret_type("--auth-token-file"), default=None,
-                       metavar="PATH", help=f"file holding the shared service token, {what} (not world-readable)")
+        g.add_argument("--auth-token-file", default=None, metavar="PATH", help=f"file holding the shared service token, {what} (not world-readable)")
     if server and tls:
         g.add_argument("--tls-cert", default=None, metavar="PEM",
                        help="serve TLS with this certificate chain (needs --tls-key)")
@@ -114,9 +106,26 @@ def add_security_args(parser: argparse.ArgumentParser, *, server: bool = True, t
                        help="CA bundle that signs the services' certificates: calls to other services use TLS "
                             "verified against it")
     if redis:
-        g.add_argument("--redis-url-file", dest="redis_url", type=_secret_type("--redis-url-file"),
-                       default=argparse.SUPPRESS, metavar="PATH",
+        g.add_argument("--redis-url-file", default=None, metavar="PATH",
                        help="file holding the Redis URL (instead of --redis-url, for a URL with a password)")
+
+
+def resolve_secrets(args: argparse.Namespace) -> argparse.Namespace:
+    """Reads the secret files of the flags into `args.auth_token` and `args.redis_url` (idempotent).
+
+    SecretFileError (a ValueError) names the flag and the file when one cannot be used.
+    """
+    if hasattr(args, "auth_token_file") and not isinstance(getattr(args, "auth_token", None), SecretFile):
+        args.auth_token = read_secret_file(args.auth_token_file, "--auth-token-file") if args.auth_token_file else None
+    if getattr(args, "redis_url_file", None) and not isinstance(getattr(args, "redis_url", None), SecretFile):
+        if getattr(args, "redis_url", None) and args.redis_url != _ENV_REDIS_URL:
+            raise ValueError("give --redis-url or --redis-url-file, not both")
+        args.redis_url = read_secret_file(args.redis_url_file, "--redis-url-file")
+    return args
+
+
+# A command's --redis-url default ($REDIS_URL, when set) yields to --redis-url-file.
+_ENV_REDIS_URL = os.environ.get("REDIS_URL")
 
 
 @dataclass(frozen=True)
@@ -135,6 +144,7 @@ def server_security(args: argparse.Namespace) -> ServerSecurity:
     """
     from services.common.server import TlsConfig
 
+    resolve_secrets(args)
     cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
     if bool(cert) != bool(key):
         raise ValueError("--tls-cert and --tls-key go together: give both or neither")
@@ -154,6 +164,7 @@ def configure_client(args: argparse.Namespace) -> None:
     """Makes the flags' token and CA the defaults of `make_channel` in this process."""
     from services.common import client
 
+    resolve_secrets(args)
     ca = getattr(args, "tls_ca", None)
     if ca and not Path(ca).is_file():
         raise ValueError(f"--tls-ca {ca}: no such file")

@@ -48,13 +48,13 @@ def _serve(args: argparse.Namespace) -> int:
     from services.coordinator.app import build_driver
     from services.coordinator.server import SERVICE_NAME, CoordinatorServicer
 
-    if not args.redis_url:
-        print("rlfabric coordinator serve: give --redis-url or --redis-url-file", file=sys.stderr)
-        return 2
     try:
         server_security(args)  # create_server below and the run's calls use this token and TLS
     except ValueError as e:
         print(f"rlfabric coordinator serve: {e}", file=sys.stderr)
+        return 2
+    if not args.redis_url:
+        print("rlfabric coordinator serve: give --redis-url or --redis-url-file", file=sys.stderr)
         return 2
     client = connect(args.redis_url)
 

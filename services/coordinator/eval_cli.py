@@ -80,9 +80,11 @@ def _settings(args: argparse.Namespace) -> Any:
 
 def _eval(args: argparse.Namespace) -> int:
     from services.common.errors import DataError
+    from services.common.security import configure_client
     from services.launcher.cli import verifiers_from_args
 
     try:
+        configure_client(args)  # reads --auth-token-file / --redis-url-file; calls to the services use them
         settings = _settings(args)
         verifiers = verifiers_from_args(args)
         if not args.model and not args.redis_url:
@@ -91,12 +93,10 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = args.out or Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")
-    from services.common.security import configure_client
     from services.coordinator.errors import IterationError
     from services.coordinator.eval_services import EvalServices
     from services.launcher.stack import ServiceStartError
 
-    configure_client(args)
     services = EvalServices(out / "services", redis_url=args.redis_url, verifiers=verifiers,
                             startup_timeout_s=args.startup_timeout, auth_token=args.auth_token)
     try:

@@ -87,6 +87,7 @@ def _tls_choice(args: argparse.Namespace):
 
 def _up(args: argparse.Namespace) -> int:
     from services.common.config import ConfigError, check_model_files, load_config
+    from services.common.security import resolve_secrets
 
     try:
         cfg = load_config(args.config, args.override)
@@ -97,6 +98,7 @@ def _up(args: argparse.Namespace) -> int:
     try:
         verifiers = verifiers_from_args(args)
         tls = _tls_choice(args)
+        resolve_secrets(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

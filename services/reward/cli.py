@@ -130,9 +130,11 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_score(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from services.common.security import resolve_secrets
     from services.reward.offline import open_verifier, print_progress, score_jsonl
 
     try:
+        resolve_secrets(args)
         with open_verifier(args.verifier, plugins=dict(args.verifier_plugin), processes=args.processes,
                            redis_url=args.redis_url, verifier_allow=args.verifier_allow) as submit:
             summary = score_jsonl(Path(args.input), Path(args.out), submit, deadline_s=args.deadline_s,
@@ -151,7 +153,11 @@ def run_registry_command(args: argparse.Namespace) -> int:
     from services.common.client import DEFAULT_DEADLINE_S, make_channel
     from services.common.security import configure_client
 
-    configure_client(args)
+    try:
+        configure_client(args)
+    except ValueError as e:
+        print(f"rlfabric reward {args.reward_command}: {e}", file=sys.stderr)
+        return 2
     stub = reward_pb2_grpc.RewardStub(make_channel(args.worker))
     try:
         if args.reward_command == "register":

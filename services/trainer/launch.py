@@ -32,15 +32,15 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
     from services.common.security import SecretFile
 
     for key, value in vars(args).items():
+        if isinstance(value, SecretFile):  # read from a file whose path (another key) is passed on instead
+            continue
         if key in ("func", "command", "trainer_command", "log_level", "log_json", "world_size", "grace_s",
                    "master_addr"):
             continue
         if value is None or value is False or value == []:
             continue
         flag = "--" + key.replace("_", "-")
-        if isinstance(value, SecretFile):  # the file's path, never the secret (ps shows command lines)
-            argv += [value.flag, value.path]
-        elif isinstance(value, list):
+        if isinstance(value, list):
             for v in value:
                 argv += [flag, str(v)]
         elif value is True:

@@ -21,6 +21,7 @@ from services.common.security import (
     add_security_args,
     read_secret_file,
     redact_url,
+    resolve_secrets,
     write_secret_file,
 )
 
@@ -35,7 +36,7 @@ def _parser(**kwargs) -> argparse.ArgumentParser:
 def test_token_file_is_read_and_never_printed(tmp_path: Path) -> None:
     token = write_secret_file(tmp_path / "token", "0123abcd")
     assert token.stat().st_mode & 0o777 == 0o600
-    args = _parser().parse_args(["--auth-token-file", str(token)])
+    args = resolve_secrets(_parser().parse_args(["--auth-token-file", str(token)]))
     assert args.auth_token == "0123abcd" and isinstance(args.auth_token, SecretFile)
     assert "0123abcd" not in repr(args) and str(token) in repr(args)
 
@@ -49,21 +50,23 @@ def test_world_readable_or_empty_secret_files_are_refused(tmp_path: Path) -> Non
     empty = write_secret_file(tmp_path / "empty", "")
     with pytest.raises(SecretFileError, match="empty"):
         read_secret_file(empty, "--redis-url-file")
-    with pytest.raises(SystemExit):  # argparse names the flag and exits 2
-        _parser().parse_args(["--auth-token-file", str(tmp_path / "missing")])
+    with pytest.raises(SecretFileError, match="--auth-token-file .*missing: cannot read it"):
+        resolve_secrets(_parser().parse_args(["--auth-token-file", str(tmp_path / "missing")]))
 
 
 def test_redis_url_file_overrides_the_flag_and_rank_argv_passes_paths(tmp_path: Path) -> None:
     url_file = write_secret_file(tmp_path / "url", "redis://:pw@127.0.0.1:1/0")
     token = write_secret_file(tmp_path / "token", "s3cret-token")
-    args = _parser().parse_args(["--redis-url-file", str(url_file), "--auth-token-file", str(token)])
+    args = resolve_secrets(_parser().parse_args(["--redis-url-file", str(url_file), "--auth-token-file", str(token)]))
     assert args.redis_url == "redis://:pw@127.0.0.1:1/0"
+    with pytest.raises(ValueError, match="not both"):
+        resolve_secrets(_parser().parse_args(["--redis-url-file", str(url_file), "--redis-url", "redis://x:1"]))
     from services.trainer.cli import add_group_arguments
     from services.trainer.launch import rank_argv
 
     p = argparse.ArgumentParser()
     add_group_arguments(p)
-    argv = rank_argv(p.parse_args(["--redis-url-file", str(url_file), "--auth-token-file", str(token)]))
+    argv = rank_argv(resolve_secrets(p.parse_args(["--redis-url-file", str(url_file), "--auth-token-file", str(token)])))
     joined = " ".join(argv)
     assert "pw@" not in joined and "s3cret-token" not in joined
     assert f"--redis-url-file {url_file}" in joined and f"--auth-token-file {token}" in joined

@@ -1,0 +1,179 @@
+"""Security of a default `rlfabric up` (issue 12): probed from outside while the run trains, as an attacker on the
+same host would. Unauthenticated mutating calls to the coordinator, trainer and rollout are refused
+UNAUTHENTICATED and the run still completes; even with the token, a checkpoint outside the run's directories
+and a weight push to an unregistered host:port are refused; Redis wants its password; no secret is on any
+command line; the trainer's sockets are bound to loopback. With `--tls`, the whole run works over TLS.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+import redis
+
+from rlfabric.v1 import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
+from services.common.client import make_channel
+
+DENIED = grpc.StatusCode.UNAUTHENTICATED
+
+
+def start_up(repo_root: Path, tiny_model_dir: Path, arith_prefix: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "services.cli", "up", "configs/grpo_tiny_cpu.yaml",
+            "-o", f"megatron_training.tokenizer_name_or_path={tiny_model_dir}",
+            "-o", f"megatron_training.data_path={arith_prefix}",
+            "-o", f"actor_config.load={tiny_model_dir}", "-o", f"actor_config.save={run_dir / 'ckpt'}",
+            "--run-dir", str(run_dir), *extra]
+    return subprocess.Popen(args, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_line(proc: subprocess.Popen, prefix: str, seen: list[str], timeout_s: float = 600) -> str:
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if line.startswith(prefix):
+            return line.strip()
+    raise AssertionError(f"`up` never printed {prefix!r}:\n{''.join(seen)}")
+
+
+def finish(proc: subprocess.Popen, seen: list[str], timeout_s: float = 900) -> str:
+    out, _ = proc.communicate(timeout=timeout_s)
+    return "".join(seen) + out
+
+
+def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code()
+
+
+def probe_unauthenticated(coordinator: str, trainer: str, rollout: str, run_id: str) -> None:
+    with make_channel(coordinator, token=None, tls_ca=None) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        assert code_of(lambda: stub.StopRun(coordinator_pb2.StopRunRequest(run_id=run_id), timeout=30)) == DENIED
+        assert stub.GetRun(coordinator_pb2.GetRunRequest(run_id=run_id), timeout=30).run_id == run_id  # read-only
+    with make_channel(trainer, token=None, tls_ca=None) as ch:
+        stub = trainer_pb2_grpc.TrainerStub(ch)
+        update = iter([trainer_pb2.UpdateRequest(step=10**6, temperature=1.0)])
+        assert code_of(lambda: stub.Update(update, timeout=30)) == DENIED
+        save = trainer_pb2.SaveCheckpointRequest(dir="/tmp/rlfabric-attack", iteration=1)
+        assert code_of(lambda: stub.SaveCheckpoint(save, timeout=30)) == DENIED
+        assert stub.Info(trainer_pb2.TrainerInfoRequest(), timeout=30).role == "actor"
+    with make_channel(rollout, token=None, tls_ca=None) as ch:
+        stub = rollout_pb2_grpc.RolloutStub(ch)
+        chunk = iter([rollout_pb2.WeightUpdateChunk(version=10**6)])
+        assert code_of(lambda: stub.UpdateWeights(chunk, timeout=30)) == DENIED
+        assert code_of(lambda: stub.Sleep(rollout_pb2.SleepRequest(), timeout=30)) == DENIED
+
+
+def probe_with_token(trainer: str, token: str, run_dir: Path, tmp_path: Path) -> None:
+    with make_channel(trainer, token=token, tls_ca=None) as ch:
+        stub = trainer_pb2_grpc.TrainerStub(ch)
+        outside = tmp_path / "outside"
+        with pytest.raises(grpc.RpcError) as e:
+            stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(dir=str(outside), iteration=1), timeout=60)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and str(outside) in e.value.details()
+        assert not outside.exists()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.LoadCheckpoint(trainer_pb2.LoadCheckpointRequest(dir="/etc"), timeout=60)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "/etc" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.PushWeights(trainer_pb2.PushWeightsRequest(version=10**6, targets=["203.0.113.7:9"]),
+                                  timeout=60))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "203.0.113.7:9" in e.value.details()
+
+
+def check_processes(proc: subprocess.Popen, secrets: list[str]) -> None:
+    children = descendants(proc)
+    assert children
+    for child in children:
+        try:
+            cmdline = " ".join(child.cmdline())
+            listening = [c.laddr for c in child.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            continue
+        assert not any(s in cmdline for s in secrets), f"a secret on the command line of {cmdline[:200]}"
+        if " trainer " in cmdline:
+            assert all(a.ip in ("127.0.0.1", "::1") for a in listening), (cmdline[:120], listening)
+
+
+def test_default_up_refuses_unauthenticated_calls_and_completes(repo_root: Path, tiny_model_dir: Path,
+                                                                arith_prefix: Path, tmp_path: Path) -> None:
+    from services.common.redis_store import Registry, connect
+
+    run_dir = tmp_path / "up"
+    proc = start_up(repo_root, tiny_model_dir, arith_prefix, run_dir, "-o", "megatron_training.train_iters=2",
+                    "-o", "megatron_training.save_interval=2")
+    seen: list[str] = []
+    try:
+        coordinator = wait_for_line(proc, "services up; coordinator at ", seen).rsplit(" ", 1)[1]
+        run_id = wait_for_line(proc, "run ", seen).split()[1]
+        secrets_dir = run_dir / "secrets"
+        assert secrets_dir.stat().st_mode & 0o077 == 0
+        token = (secrets_dir / "token").read_text().strip()
+        url = (secrets_dir / "redis-url").read_text().strip()
+        registry = Registry(connect(url))
+        (trainer,) = [m.endpoint for m in registry.members("trainer") if m.metadata.get("role") == "actor"]
+        (rollout,) = [m.endpoint for m in registry.members("rollout")]
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        with pytest.raises(redis.exceptions.AuthenticationError):  # no password: no registry writes
+            redis.Redis(host="127.0.0.1", port=port, socket_timeout=5).set("rlfabric:members:reward:fake", "{}")
+        probe_unauthenticated(coordinator, trainer, rollout, run_id)
+        probe_with_token(trainer, token, run_dir, tmp_path)
+        check_processes(proc, [token, url.split("@")[0].split(":")[-1]])
+        out = finish(proc, seen)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert f"run {run_id}: FINISHED at iteration 2" in out or "FINISHED" in out, out
+    assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def test_up_with_tls_runs_over_tls(repo_root: Path, tiny_model_dir: Path, arith_prefix: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "up-tls"
+    proc = start_up(repo_root, tiny_model_dir, arith_prefix, run_dir, "--tls",
+                    "-o", "megatron_training.train_iters=1")
+    seen: list[str] = []
+    try:
+        coordinator = wait_for_line(proc, "services up; coordinator at ", seen).rsplit(" ", 1)[1]
+        ca = run_dir / "secrets" / "ca.crt"
+        with make_channel(coordinator, token=None, tls_ca=None) as ch:  # plaintext never gets an answer
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            assert code_of(lambda: stub.GetRun(coordinator_pb2.GetRunRequest(run_id="x"), timeout=5)) in (
+                grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        with make_channel(coordinator, token=None, tls_ca=str(ca)) as ch:  # TLS, verified against the run's CA
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            assert code_of(lambda: stub.GetRun(coordinator_pb2.GetRunRequest(run_id="x"), timeout=30)) == (
+                grpc.StatusCode.NOT_FOUND)
+        out = finish(proc, seen)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert "FINISHED at iteration 1" in out, out
