@@ -16,10 +16,13 @@ What each service requires the token on is `GUARDED_METHODS`; docs/security.md s
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 # Per service, the RPCs that need `authorization: Bearer TOKEN` whenever the server has a token. Everything that
 # changes state (weights, versions, checkpoints, runs, the verifier table, engine residency) is here; what stays
@@ -40,7 +43,7 @@ def guarded(service: str) -> frozenset[str]:
 
 
 class SecretFileError(ValueError):
-    """A secret file is missing, empty, or readable by every user."""
+    """A secret file is missing, unreadable or empty."""
 
 
 class SecretFile(str):
@@ -67,9 +70,9 @@ def read_secret_file(path: str | os.PathLike, flag: str) -> SecretFile:
         text = p.read_text(encoding="utf-8").strip().splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise SecretFileError(f"{flag} {p}: cannot read it: {e}") from e
-    if mode & stat.S_IROTH:
-        raise SecretFileError(f"{flag} {p}: the file is readable by every user (mode {stat.S_IMODE(mode):o}); "
-                              f"chmod o-r it (0600 or 0640)")
+    if mode & stat.S_IROTH:  # a warning, not a refusal: some runtimes mount secrets 0444 inside a container
+        logger.warning("%s %s: the file is readable by every user (mode %o); chmod o-r it (0600 or 0640)",
+                       flag, p, stat.S_IMODE(mode))
     if not text or not text[0].strip():
         raise SecretFileError(f"{flag} {p}: the file is empty")
     return SecretFile(text[0].strip(), flag, str(p))

@@ -128,8 +128,19 @@ def test_redis_uses_the_kubernetes_settings_with_a_password():
     assert script.rstrip().endswith("exec redis-server /tmp/redis.conf")
     assert redis["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD:?")
     assert redis["volumes"][1] == "redis-data:/data" and "redis-data" in load("compose.yaml")["volumes"]
-    url = interpolate(load("compose.yaml")["x-redis-url"], SAMPLE)
-    assert url == f"redis://:{SAMPLE['REDIS_PASSWORD']}@redis:6379/0"
+    # The services get the token and the Redis URL (password inside) as secret files, never as arguments
+    # or environment variables.
+    doc = load("compose.yaml")
+    assert doc["secrets"] == {"rlfabric-token": {"environment": "RLFABRIC_AUTH_TOKEN"},
+                              "rlfabric-redis-url": {"environment": "RLFABRIC_REDIS_URL"}}
+    for name in COMPONENT:
+        service = doc["services"][name]
+        argv = service_argv(name, service, SAMPLE)
+        assert set(service["secrets"]) == set(doc["secrets"]), name
+        assert arg(argv, "--auth-token-file") == "/run/secrets/rlfabric-token", name
+        assert arg(argv, "--redis-url-file") == "/run/secrets/rlfabric-redis-url", name
+        assert not any(a.startswith(("--redis-url=", "--auth-token=")) or a == "--redis-url" for a in argv), name
+        assert not set(service["environment"]) & {"REDIS_URL", "RLFABRIC_AUTH_TOKEN", "REDIS_PASSWORD"}, name
 
 
 @pytest.mark.parametrize("platform", ["cuda", "ascend"])

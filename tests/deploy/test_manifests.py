@@ -37,7 +37,9 @@ DEVICE = {"cpu": None, "cuda": "nvidia.com/gpu", "ascend": "huawei.com/ascend-19
 IMAGE = {"cpu": "rlfabric-cpu", "cuda": "rlfabric-cuda", "ascend": "rlfabric-ascend"}
 GANG = {"cpu": False, "cuda": True, "ascend": True}
 LWS_ENV = {"LWS_LEADER_ADDRESS": "trainer-actor-0.trainer-actor", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}
-SECRETS = {"rlfabric-redis": "password", "rlfabric-auth": "token"}  # created by deploy/k8s/secrets.sh
+# Secret -> keys, created by deploy/k8s/secrets.sh.
+SECRETS = {"rlfabric-redis": {"password", "url"}, "rlfabric-auth": {"token"}}
+SECRETS_DIR = "/etc/rlfabric/secrets"  # the token and the Redis URL as files (docs/security.md)
 OPTIONAL_SECRETS = {"rlfabric-tls"}
 
 
@@ -293,11 +295,20 @@ def test_redis_is_persistent_with_aof_and_a_password(overlay):
     assert password["valueFrom"]["secretKeyRef"] == {"name": "rlfabric-redis", "key": "password"}
     script = c["command"][-1]
     assert "requirepass" in script and "$REDIS_PASSWORD" in script and "exec redis-server" in script
-    # ... and every rlfabric container reaches it with that password.
-    for where, _, _, rc in rlfabric_containers(docs):
-        env = {e["name"]: e for e in rc["env"]}
-        assert env["REDIS_URL"]["value"] == "redis://:$(REDIS_PASSWORD)@redis:6379/0", where
-        assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == password["valueFrom"]["secretKeyRef"], where
+    # ... and every rlfabric container reaches it with the URL (password inside) from a file of that Secret,
+    # and takes the service token from a file: no secret in an argument or in the environment.
+    for where, _, template, rc in rlfabric_containers(docs):
+        args = rc.get("args", [])
+        assert arg_value(args, "--redis-url-file") == f"{SECRETS_DIR}/redis-url", where
+        assert arg_value(args, "--auth-token-file") == f"{SECRETS_DIR}/token", where
+        assert not any(a.startswith(("--redis-url=", "--auth-token=")) for a in args), where
+        assert not {e["name"] for e in rc.get("env", [])} & {"REDIS_URL", "REDIS_PASSWORD", "RLFABRIC_AUTH_TOKEN"}, where
+        mount = next(m for m in rc["volumeMounts"] if m["mountPath"] == SECRETS_DIR)
+        volume = next(v for v in template["spec"]["volumes"] if v["name"] == mount["name"])
+        files = {i["path"]: (src["secret"]["name"], i["key"]) for src in volume["projected"]["sources"]
+                 for i in src["secret"]["items"]}
+        assert files == {"token": ("rlfabric-auth", "token"), "redis-url": ("rlfabric-redis", "url")}, where
+        assert volume["projected"]["defaultMode"] & 0o007 == 0, where  # never world-readable
 
 
 def test_redis_start_script_runs_redis_with_aof_and_password(render, tmp_path):
@@ -419,22 +430,27 @@ def test_references_resolve(overlay):
     name, docs = overlay
     configmaps = by_kind(docs, "ConfigMap")
     text = (K8S / "secrets.sh").read_text()
-    for secret, key in SECRETS.items():
-        assert f"{secret}:{key}" in text, f"secrets.sh does not create {secret}/{key}"
+    for secret, keys in SECRETS.items():
+        for key in keys:
+            assert f"{secret}:{key}" in text, f"secrets.sh does not create {secret}/{key}"
     for where, _, template, c in containers(docs):
         for e in c.get("env", []):
             ref = e.get("valueFrom", {})
             if "configMapKeyRef" in ref:
                 assert ref["configMapKeyRef"]["key"] in configmaps[ref["configMapKeyRef"]["name"]]["data"], where
             if "secretKeyRef" in ref:
-                assert SECRETS[ref["secretKeyRef"]["name"]] == ref["secretKeyRef"]["key"], where
+                assert ref["secretKeyRef"]["key"] in SECRETS[ref["secretKeyRef"]["name"]], where
         for v in template["spec"].get("volumes", []):
-            sources = [s["configMap"] for s in v.get("projected", {}).get("sources", [])] + (
+            sources = [s["configMap"] for s in v.get("projected", {}).get("sources", []) if "configMap" in s] + (
                 [v["configMap"]] if "configMap" in v else [])
             for cm in sources:
                 assert cm["name"] in configmaps, f"{where}: ConfigMap {cm['name']} is not rendered"
             if "secret" in v:
                 assert v["secret"]["secretName"] in OPTIONAL_SECRETS and v["secret"]["optional"] is True, where
+            for src in v.get("projected", {}).get("sources", []):
+                if "secret" in src:
+                    keys = {i["key"] for i in src["secret"]["items"]}
+                    assert keys <= SECRETS[src["secret"]["name"]], f"{where}: {src['secret']}"
             if "persistentVolumeClaim" in v:
                 assert v["persistentVolumeClaim"]["claimName"] in by_kind(docs, "PersistentVolumeClaim"), where
     assert re.search(r"NAMESPACE=\$\{NAMESPACE:-rlfabric\}", text)

@@ -35,6 +35,11 @@ def test_lws_trainer_command_forms_a_two_pod_group(render, redis_url, tiny_model
     ports = {fixed: str(free_port()) for fixed in FIXED_PORTS}
     bin_dir = Path(sys.executable).parent
     procs: list[subprocess.Popen] = []
+    from services.common.security import write_secret_file
+
+    secrets = tmp_path / "secrets"  # the pod's projected Secret volume
+    write_secret_file(secrets / "token", "0123abcd")
+    write_secret_file(secrets / "redis-url", redis_url)
     try:
         for index, key in enumerate(("leaderTemplate", "workerTemplate")):
             container = lws["spec"]["leaderWorkerTemplate"][key]["spec"]["containers"][0]
@@ -43,7 +48,8 @@ def test_lws_trainer_command_forms_a_two_pod_group(render, redis_url, tiny_model
                    "REDIS_URL": redis_url, "RUN_CONFIG": "grpo_tiny_cpu.yaml"}
             argv = []
             for a in container["args"]:
-                a = substitute(a, env).replace(CONFIGS_MOUNT, str(REPO / "configs"))
+                a = substitute(a, env).replace(CONFIGS_MOUNT, str(REPO / "configs")).replace(
+                    "/etc/rlfabric/secrets", str(secrets))
                 for fixed, free in ports.items():
                     a = a.replace(f":{fixed}", f":{free}").replace(f"={fixed}", f"={free}")
                 argv.append(a)

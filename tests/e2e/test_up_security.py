@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from rlfabric.v1 import (
+    common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
     rollout_pb2,
@@ -84,7 +85,7 @@ def probe_unauthenticated(coordinator: str, trainer: str, rollout: str, run_id: 
         assert stub.Info(trainer_pb2.TrainerInfoRequest(), timeout=30).role == "actor"
     with make_channel(rollout, token=None, tls_ca=None) as ch:
         stub = rollout_pb2_grpc.RolloutStub(ch)
-        chunk = iter([rollout_pb2.WeightUpdateChunk(version=10**6)])
+        chunk = iter([rollout_pb2.WeightUpdateChunk(commit=common_pb2.WeightCommit(version=10**6))])
         assert code_of(lambda: stub.UpdateWeights(chunk, timeout=30)) == DENIED
         assert code_of(lambda: stub.Sleep(rollout_pb2.SleepRequest(), timeout=30)) == DENIED
 
