@@ -8,6 +8,7 @@ continues a stopped or crashed one with `StartRun(resume=true)`.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
@@ -35,6 +36,9 @@ _PHASES = {
 }
 
 
+_RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+
+
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     """`driver_factory(config_yaml, overrides, run_id) -> RunDriver` builds a driver (config errors raise ValueError)."""
 
@@ -55,6 +59,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def StartRun(self, request, context):
         run_id = request.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        if not _RUN_ID.fullmatch(run_id):  # it names a directory under --runs-dir: no '/', no '..'
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"run_id {run_id[:80]!r} must be 1-128 letters, digits, '.', '_' or '-', not starting "
+                          "with '.'")
         with self._lock:
             if self._active and self._active[2].is_alive():
                 if self._active[0] == run_id:

@@ -7,6 +7,7 @@ command line; the trainer's sockets are bound to loopback. With `--tls`, the who
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ from rlfabric.v1 import (
 from services.common.client import make_channel
 
 DENIED = grpc.StatusCode.UNAUTHENTICATED
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 
 def start_up(repo_root: Path, tiny_model_dir: Path, arith_prefix: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
@@ -56,6 +58,17 @@ def wait_for_line(proc: subprocess.Popen, prefix: str, seen: list[str], timeout_
 def finish(proc: subprocess.Popen, seen: list[str], timeout_s: float = 900) -> str:
     out, _ = proc.communicate(timeout=timeout_s)
     return "".join(seen) + out
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C, as a user would: `up` stops the run and every child (SIGKILL would leave them behind)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -118,7 +131,7 @@ def check_processes(proc: subprocess.Popen, secrets: list[str]) -> None:
             continue
         assert not any(s in cmdline for s in secrets), f"a secret on the command line of {cmdline[:200]}"
         if " trainer " in cmdline:
-            assert all(a.ip in ("127.0.0.1", "::1") for a in listening), (cmdline[:120], listening)
+            assert all(a.ip in LOOPBACK for a in listening), (cmdline[:120], listening)
 
 
 def test_default_up_refuses_unauthenticated_calls_and_completes(repo_root: Path, tiny_model_dir: Path,
@@ -147,9 +160,7 @@ def test_default_up_refuses_unauthenticated_calls_and_completes(repo_root: Path,
         check_processes(proc, [token, url.split("@")[0].split(":")[-1]])
         out = finish(proc, seen)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     assert proc.returncode == 0, out
     assert f"run {run_id}: FINISHED at iteration 2" in out or "FINISHED" in out, out
     assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
@@ -173,8 +184,6 @@ def test_up_with_tls_runs_over_tls(repo_root: Path, tiny_model_dir: Path, arith_
                 grpc.StatusCode.NOT_FOUND)
         out = finish(proc, seen)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     assert proc.returncode == 0, out
     assert "FINISHED at iteration 1" in out, out

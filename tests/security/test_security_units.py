@@ -187,3 +187,36 @@ def test_bound_store_listens_on_the_master_addr_only(tmp_path: Path) -> None:
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['127.0.0.1']"
+
+
+def test_start_run_refuses_a_run_id_that_escapes_the_runs_dir(redis_url: str) -> None:
+    """The run id names a directory under --runs-dir: '..' or '/' in it would put the run's files elsewhere."""
+    from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from services.common.client import make_channel
+    from services.common.redis_store import connect
+    from services.common.server import ServiceSpec, create_server
+    from services.coordinator.server import CoordinatorServicer
+
+    built: list[str] = []
+
+    def factory(config_yaml: str, overrides: list[str], run_id: str):
+        built.append(run_id)
+        raise ValueError("no run in this test")
+
+    servicer = CoordinatorServicer(connect(redis_url), factory)
+    srv = create_server([ServiceSpec(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer,
+                                     "rlfabric.v1.Coordinator")], component="c", metrics_port=None, auth_token=None)
+    srv.start()
+    try:
+        with make_channel(srv.address, token=None) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            for bad in ("../../etc", "a/b", ".hidden", "x" * 200):
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.StartRun(coordinator_pb2.StartRunRequest(run_id=bad), timeout=10)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "run_id" in e.value.details()
+            with pytest.raises(grpc.RpcError) as e:  # a good id reaches the driver factory
+                stub.StartRun(coordinator_pb2.StartRunRequest(run_id="sec-ok-1.a_b"), timeout=10)
+            assert e.value.details() == "no run in this test"
+    finally:
+        srv.stop(0)
+    assert built == ["sec-ok-1.a_b"]
