@@ -484,3 +484,24 @@ def test_make_up_target_k8s_applies_the_rendered_overlay(repo_root):
     assert "kc kustomize --load-restrictor LoadRestrictionsNone deploy/k8s/overlays/cuda" in out
     assert "kc apply -f" in out
     assert "deploy/k8s/overlays/cpu" in dry("TARGET=k8s")
+
+
+def test_tls_component_serves_every_service_over_tls(render, tmp_path, rlfabric_parser):
+    """With deploy/k8s/components/tls every rlfabric container serves TLS and trusts the CA from the mounted
+    rlfabric-tls Secret, and the probes no longer speak plaintext gRPC to it."""
+    docs = render(with_component(tmp_path, "tls"))
+    tls = "/etc/rlfabric/tls"
+    seen = 0
+    for where, _, template, c in rlfabric_containers(docs):
+        args = c.get("args", [])
+        assert arg_value(args, "--tls-cert") == f"{tls}/tls.crt", where
+        assert arg_value(args, "--tls-key") == f"{tls}/tls.key", where
+        assert arg_value(args, "--tls-ca") == f"{tls}/ca.crt", where
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == tls)
+        volume = next(v for v in template["spec"]["volumes"] if v["name"] == mount["name"])
+        assert volume["secret"]["secretName"] == "rlfabric-tls", where
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if probe in c:
+                assert "grpc" not in c[probe] and c[probe]["tcpSocket"] == {"port": "grpc"}, (where, probe)
+        seen += 1
+    assert seen >= 7  # coordinator, rollout, reward, two trainer groups x leader/worker

@@ -162,7 +162,7 @@ def test_default_up_refuses_unauthenticated_calls_and_completes(repo_root: Path,
     finally:
         stop(proc)
     assert proc.returncode == 0, out
-    assert f"run {run_id}: FINISHED at iteration 2" in out or "FINISHED" in out, out
+    assert f"run {run_id}: RUN_PHASE_DONE at iteration 2" in out, out
     assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
 
 
@@ -186,4 +186,4 @@ def test_up_with_tls_runs_over_tls(repo_root: Path, tiny_model_dir: Path, arith_
     finally:
         stop(proc)
     assert proc.returncode == 0, out
-    assert "FINISHED at iteration 1" in out, out
+    assert "RUN_PHASE_DONE at iteration 1" in out, out
