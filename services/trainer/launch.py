@@ -188,9 +188,12 @@ def _bound_store(args: argparse.Namespace):
 
     import torch.distributed as dist
 
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                         int(os.environ.get("WORLD_SIZE", "1")), True, timeout=datetime.timedelta(seconds=600),
-                         wait_for_workers=False, master_listen_fd=fd)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ.get("WORLD_SIZE", "1")), True, timeout=datetime.timedelta(seconds=600),
+                          wait_for_workers=False, master_listen_fd=fd)
+    # The other ranks join through `init_method=tcp://`, whose store init_process_group prefixes so; a store
+    # passed in is used as is, so rank 0 must use the same prefix or the ranks never meet.
+    return dist.PrefixStore("default_pg", store)
 
 
 def checkpoint_roots(args: argparse.Namespace, opts) -> list[Path]:

@@ -172,6 +172,36 @@ def test_create_server_uses_the_process_token_on_the_guarded_methods() -> None:
         srv.stop(0)
 
 
+def test_a_two_rank_group_meets_on_the_bound_store(tmp_path: Path) -> None:
+    """Rank 0 on the store `trainer serve` bound and handed down, rank 1 through `init_method=tcp://` (as the
+    ranks of `trainer serve` do): they form one group (a store without torch's key prefix never met)."""
+    code = (
+        "import os, sys, socket, subprocess, argparse\n"
+        "if sys.argv[1] == 'parent':\n"
+        "    s = socket.create_server(('127.0.0.1', 0))\n"
+        "    procs = []\n"
+        "    for r in range(2):\n"
+        "        env = dict(os.environ, RANK=str(r), WORLD_SIZE='2', MASTER_ADDR='127.0.0.1',\n"
+        "                   MASTER_PORT=str(s.getsockname()[1]))\n"
+        "        fds = [s.fileno()] if r == 0 else []\n"
+        "        procs.append(subprocess.Popen([sys.executable, '-c', CODE, str(fds[0]) if fds else '-'], env=env,\n"
+        "                                      pass_fds=fds))\n"
+        "    s.close()\n"
+        "    sys.exit(max(p.wait(timeout=100) for p in procs))\n"
+        "import torch.distributed as dist\n"
+        "from services.trainer import parallel\n"
+        "from services.trainer.launch import _bound_store\n"
+        "fd = None if sys.argv[1] == '-' else int(sys.argv[1])\n"
+        "parallel.init_distributed(backend='gloo', timeout_s=60, store=_bound_store(argparse.Namespace(master_listen_fd=fd)))\n"
+        "dist.barrier()\n"
+        "print('met', dist.get_rank(), flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", f"CODE = {code!r}\n" + code, "parent"], capture_output=True, text=True,
+                         timeout=150, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(out.stdout.split("\n")[:2]) == ["met 0", "met 1"]
+
+
 def test_bound_store_listens_on_the_master_addr_only(tmp_path: Path) -> None:
     """`trainer serve`'s store socket (what rank 0's TCPStore serves on) is bound to --master-addr only."""
     code = (
