@@ -136,16 +136,30 @@ class VerifierScore(_message.Message):
     def __init__(self, verifier: _Optional[str] = ..., version: _Optional[str] = ..., score: _Optional[float] = ..., error: _Optional[str] = ..., latency_s: _Optional[float] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
-    __slots__ = ("version", "index", "tensors", "checksum")
+    __slots__ = ("version", "index", "tensors", "checksum", "shm")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     version: int
     index: int
     tensors: _containers.RepeatedCompositeFieldContainer[NamedTensor]
     checksum: int
-    def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., checksum: _Optional[int] = ...) -> None: ...
+    shm: SharedMemoryRef
+    def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., checksum: _Optional[int] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
+
+class SharedMemoryRef(_message.Message):
+    __slots__ = ("path", "segment_id", "size", "offsets")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    segment_id: str
+    size: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, path: _Optional[str] = ..., segment_id: _Optional[str] = ..., size: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WeightCommit(_message.Message):
     __slots__ = ("version", "num_buckets", "checksum")

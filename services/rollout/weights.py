@@ -1,35 +1,44 @@
 """Weight updates for a rollout replica: stage buckets, verify them, hand over one complete update.
 
 `WeightStager` receives the buckets of one UpdateWeights stream. Each bucket is checked on arrival (its
-CRC-32, its version against the one served, names known to the engine, shapes as the engine expects them,
+checksum, its version against the one served, names known to the engine, shapes as the engine expects them,
 finite values); the commit then checks that every bucket arrived and that the combined checksum matches.
 Only a fully verified `StagedUpdate` ever reaches the engine, so a bad stream leaves the served weights
 untouched. No gRPC and no vLLM here: errors carry the status-code name the servicer should answer with.
 
+Staged tensors are views, not copies: over the message bytes (gRPC transport) or over the shared-memory
+segment the bucket names (shm transport, services/common/transports/shm.py), so the engine's
+`load_weights` at the commit is the one copy into the parameters; only a dtype other than the engine's is
+cast on arrival. The checksum and the finiteness check share one pass over each tensor, piece by piece
+while the piece is in cache (a float sum: NaN and inf survive it; a non-finite sum sends to the exact check).
+
 Names are the HF checkpoint names the engine's `load_weights` accepts (`model.layers.0.self_attn.q_proj
 .weight`, ...), with full (unsharded) shapes; the engine fuses and shards them itself.
 `read_checkpoint_specs` reads them from the model folder: they are what Rollout.Info lists.
-
-The finiteness check sums each tensor once (a vectorised pass, a few ms per 64 MiB; NaN and inf survive a
-sum) and only on a non-finite sum looks for the first bad element, so it costs little beside the copy
-into the engine's dtype that staging makes anyway.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlfabric.v1 import common_pb2
-from services.common.checksum import bucket_checksum, combine_checksums
+from services.common.checksum import bucket_checksum, chain, combine_checksums, fold, word_sum
 from services.common.status import echo
-from services.common.tensors import TensorDecodeError, to_torch
+from services.common.tensors import TensorDecodeError, dtype_name, itemsize
+from services.common.transports.shm import SegmentCache, SegmentOpenError
+
+# The mapping of the latest shared-memory segment this process read (services/common/transports/shm.py).
+SEGMENTS = SegmentCache()
+_PIECE = 1 << 20  # checksum + finiteness granularity: one piece stays in cache between the two
 
 
 class WeightUpdateError(Exception):
@@ -42,6 +51,12 @@ class WeightDataLossError(WeightUpdateError):
     """Bytes were corrupted or a bucket is missing."""
 
     code = "DATA_LOSS"
+
+
+class WeightSegmentError(WeightUpdateError):
+    """A shared-memory bucket whose segment this replica cannot map (another host, or /dev/shm not shared)."""
+
+    code = "FAILED_PRECONDITION"
 
 
 class WeightsVersionBehindError(WeightUpdateError):
@@ -76,8 +91,10 @@ class StagedUpdate:
 class WeightStager:
     """Collects the buckets of one update stream and verifies them (see module docstring)."""
 
-    def __init__(self, expected: Mapping[str, ParamSpec], held_version: int = 0) -> None:
+    def __init__(self, expected: Mapping[str, ParamSpec], held_version: int = 0,
+                 segments: SegmentCache | None = None) -> None:
         self._expected = expected
+        self._segments = segments or SEGMENTS
         self._held_version = held_version
         self._buckets: dict[int, tuple[int, list[tuple[str, torch.Tensor]]]] = {}
         self._names: dict[str, int] = {}
@@ -96,7 +113,10 @@ class WeightStager:
                 f"bucket {bucket.index} is for version {bucket.version}, but this stream carries version "
                 f"{self._version}: send one version per UpdateWeights call"
             )
-        actual = bucket_checksum(bucket.tensors)
+        views = self._views(bucket)
+        # One pass per tensor yields both the checksum and finiteness; a checksum mismatch wins over a bad value.
+        checks = [_checksum_and_finite(t) for _, t in views]
+        actual = chain(c for c, _ in checks)
         if actual != bucket.checksum:
             raise WeightDataLossError(
                 f"bucket {bucket.index} of version {bucket.version}: checksum {actual:#010x} != sent "
@@ -107,40 +127,64 @@ class WeightStager:
                 return  # a retried bucket with identical bytes: idempotent
             raise WeightUpdateError(f"bucket {bucket.index} was sent twice with different contents")
         staged = []
-        for named in bucket.tensors:
-            staged.append((named.name, self._decode(bucket.index, named)))
+        for (name, tensor), (_, finite) in zip(views, checks, strict=True):
+            where = f"bucket {bucket.index}: parameter {name!r}"
+            if not finite:
+                _require_finite(tensor, where)
+            spec = self._expected[name]
+            if tensor.dtype != spec.dtype:  # the only copy before the engine's own: a cast
+                tensor = tensor.to(spec.dtype)
+                _require_finite(tensor, where)
+            staged.append((name, tensor))
         for name, tensor in staged:
             self._names[name] = bucket.index
             self._num_bytes += tensor.numel() * tensor.element_size()
         self._buckets[bucket.index] = (actual, staged)
 
-    def _decode(self, index: int, named: common_pb2.NamedTensor) -> torch.Tensor:
-        spec = self._expected.get(named.name)
-        if spec is None:
+    def _views(self, bucket: common_pb2.WeightBucket) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's tensors as torch views over the message bytes or the shared-memory segment (no copy)."""
+        segment = None
+        if bucket.HasField("shm"):
+            if len(bucket.shm.offsets) != len(bucket.tensors):
+                raise WeightUpdateError(f"bucket {bucket.index}: {len(bucket.shm.offsets)} shm offsets for "
+                                        f"{len(bucket.tensors)} tensors")
+            try:
+                segment = self._segments.array(bucket.shm)
+            except SegmentOpenError as e:
+                raise WeightSegmentError(f"bucket {bucket.index}: {e}") from e
+        views = []
+        for i, named in enumerate(bucket.tensors):
+            self._check_named(bucket.index, named)
+            try:
+                if segment is None:
+                    tensor = _from_bytes(named.tensor)
+                else:
+                    tensor = _from_segment(segment, int(bucket.shm.offsets[i]), named.tensor)
+            except TensorDecodeError as e:
+                raise WeightUpdateError(f"bucket {bucket.index}: parameter {named.name!r}: {e}") from e
+            spec = self._expected[named.name]
+            if tuple(tensor.shape) != spec.shape:
+                raise WeightUpdateError(
+                    f"bucket {bucket.index}: parameter {named.name!r} has shape {echo(tuple(tensor.shape))}, "
+                    f"the engine expects {spec.shape} (full, unsharded HF layout)"
+                )
+            if not tensor.is_floating_point():
+                raise WeightUpdateError(f"bucket {bucket.index}: parameter {named.name!r} has non-float dtype "
+                                        f"{tensor.dtype}")
+            views.append((named.name, tensor))
+        return views
+
+    def _check_named(self, index: int, named: common_pb2.NamedTensor) -> None:
+        if named.name not in self._expected:
             close = [n for n in self._expected if n.rsplit(".", 2)[-2:] == named.name.rsplit(".", 2)[-2:]][:3]
             raise WeightUpdateError(
                 f"bucket {index}: unknown parameter {echo(named.name)}; the engine accepts HF checkpoint names "
                 "(Rollout.Info lists them)" + (f" such as {close}" if close else "")
             )
-        if named.name in self._names:
+        if self._names.get(named.name, index) != index:  # the same bucket again is a retry (add_bucket)
             raise WeightUpdateError(
                 f"bucket {index}: parameter {named.name!r} already arrived in bucket {self._names[named.name]}"
             )
-        try:
-            tensor = to_torch(named.tensor)
-        except TensorDecodeError as e:
-            raise WeightUpdateError(f"bucket {index}: parameter {named.name!r}: {e}") from e
-        if tuple(tensor.shape) != spec.shape:
-            raise WeightUpdateError(
-                f"bucket {index}: parameter {named.name!r} has shape {echo(tuple(tensor.shape))}, the engine "
-                f"expects {spec.shape} (full, unsharded HF layout)"
-            )
-        if not tensor.is_floating_point():
-            raise WeightUpdateError(f"bucket {index}: parameter {named.name!r} has non-float dtype {tensor.dtype}")
-        # One copy into the engine's dtype now, so the apply is a plain copy into the parameters.
-        staged = tensor.to(spec.dtype, copy=True)
-        _require_finite(staged, f"bucket {index}: parameter {named.name!r}")
-        return staged
 
     def commit(self, commit: common_pb2.WeightCommit) -> StagedUpdate:
         """Checks completeness and the combined checksum; returns the update to apply."""
@@ -169,6 +213,62 @@ def make_bucket(version: int, index: int, tensors: Mapping[str, torch.Tensor]) -
 
     named = [common_pb2.NamedTensor(name=n, tensor=to_proto(t)) for n, t in tensors.items()]
     return common_pb2.WeightBucket(version=version, index=index, tensors=named, checksum=bucket_checksum(named))
+
+
+def _torch_dtype(t: common_pb2.Tensor) -> torch.dtype:
+    try:
+        return getattr(torch, dtype_name(t.dtype))
+    except ValueError as e:
+        raise TensorDecodeError(str(e)) from e
+
+
+def _numel(t: common_pb2.Tensor) -> int:
+    if any(d < 0 for d in t.shape):
+        raise TensorDecodeError(f"shape {list(t.shape)} has a negative dimension")
+    return math.prod(t.shape)
+
+
+def _from_bytes(t: common_pb2.Tensor) -> torch.Tensor:
+    """A view over the message bytes (read once: each access of a bytes field copies it)."""
+    dtype, numel = _torch_dtype(t), _numel(t)
+    data = t.data
+    if len(data) != numel * itemsize(t.dtype):
+        raise TensorDecodeError(f"{len(data)} bytes for shape {list(t.shape)} of {dtype} "
+                                f"({numel * itemsize(t.dtype)} expected)")
+    if numel == 0:
+        return torch.empty(tuple(t.shape), dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # bytes are immutable: nothing writes to these views
+        return torch.frombuffer(data, dtype=dtype).reshape(tuple(t.shape))
+
+
+def _from_segment(segment: np.ndarray, offset: int, t: common_pb2.Tensor) -> torch.Tensor:
+    dtype, numel = _torch_dtype(t), _numel(t)
+    nbytes = numel * itemsize(t.dtype)
+    if t.data:
+        raise TensorDecodeError("a shared-memory bucket carries the bytes in the segment, not in `data`")
+    if offset % 64 or offset + nbytes > segment.nbytes:
+        raise TensorDecodeError(f"offset {offset} (+{nbytes} bytes) is unaligned or beyond the segment's "
+                                f"{segment.nbytes} bytes")
+    raw = torch.from_numpy(segment[offset:offset + nbytes])
+    return raw.view(dtype).reshape(tuple(t.shape)) if numel else torch.empty(tuple(t.shape), dtype=dtype)
+
+
+def _checksum_and_finite(tensor: torch.Tensor) -> tuple[int, bool]:
+    """The tensor's checksum (services/common/checksum.py) and whether every value may be finite, in one
+    pass: each 1 MiB piece is summed as u64 words and as floats while it is in cache. A float sum that is not
+    finite (NaN, inf, or finite values whose sum overflowed) sends the caller to the exact check."""
+    flat = tensor.reshape(-1)
+    raw = flat.view(torch.uint8).numpy()
+    size = flat.element_size()
+    step = _PIECE // size
+    acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    total, finite = 0, True
+    for a in range(0, flat.numel(), step):
+        total += word_sum(raw[a * size:(a + step) * size])
+        if finite:
+            finite = math.isfinite(float(flat[a:a + step].sum(dtype=acc)))
+    return fold(total, raw.nbytes), finite
 
 
 def _require_finite(tensor: torch.Tensor, where: str) -> None:

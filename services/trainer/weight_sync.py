@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from rlfabric.v1 import trainer_pb2
 from services.common import weight_layout
 from services.common.reshard_plan import ReshardPlan
 from services.common.transports import TRANSPORTS, TargetFailure, WeightAck
@@ -179,8 +180,9 @@ def push_weights(worker, *, plan: ReshardPlan, version: int, targets: list[str],
     if rank == 0:
         total = plan.num_elements() * torch.empty((), dtype=dtype).element_size()
         try:
+            extra = {"num_tensors": len(plan.tensors)} if transport == trainer_pb2.WEIGHT_TRANSPORT_SHM else {}
             sender = TRANSPORTS[transport](targets, bucket_bytes=bucket_bytes, timeout_s=deadline_s, token=token,
-                                           on_progress=_sink(push_id), total_bytes=total)
+                                           on_progress=_sink(push_id), total_bytes=total, **extra)
             outcomes = {t: _outcome_dict(o) for t, o in sender.send(version, tensors).items()}
         except Exception as e:  # noqa: BLE001 - re-raised once every rank has been told the push failed
             error = e

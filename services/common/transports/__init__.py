@@ -9,7 +9,11 @@ from __future__ import annotations
 from rlfabric.v1 import trainer_pb2
 from services.common.transports.base import TargetFailure, WeightAck, WeightTransport
 from services.common.transports.grpc_stream import GrpcStreamTransport
+from services.common.transports.shm import ShmTransport
 
-TRANSPORTS: dict[int, type[WeightTransport]] = {trainer_pb2.WEIGHT_TRANSPORT_GRPC_STREAM: GrpcStreamTransport}
+TRANSPORTS: dict[int, type[WeightTransport]] = {
+    trainer_pb2.WEIGHT_TRANSPORT_GRPC_STREAM: GrpcStreamTransport,
+    trainer_pb2.WEIGHT_TRANSPORT_SHM: ShmTransport,
+}
 
-__all__ = ["TRANSPORTS", "GrpcStreamTransport", "TargetFailure", "WeightAck", "WeightTransport"]
+__all__ = ["TRANSPORTS", "GrpcStreamTransport", "ShmTransport", "TargetFailure", "WeightAck", "WeightTransport"]

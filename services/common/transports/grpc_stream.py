@@ -1,17 +1,16 @@
 """The default weight transport: `Rollout.UpdateWeights` client streams of checksummed buckets, one per target.
 
-Tensors are packed, in the order given, into `WeightBucket`s of about `bucket_bytes` (default 64 MiB; a
-larger tensor travels alone), each with its CRC-32 (services/common/checksum.py), then one `WeightCommit`
-carrying the combined checksum. Every target gets its own concurrent stream; a bucket is packed once and
+Tensors are packed, in the order given, into `WeightBucket`s of about `bucket_bytes` (default 16 MiB; a
+larger tensor travels alone), each with its checksum (services/common/checksum.py, computed once from the
+source bytes), then one `WeightCommit` carrying the combined checksum. Every target gets its own concurrent stream; a bucket is packed once and
 shared by all streams, and at most `max_queued_buckets` wait per target, so the sender holds a few buckets,
 never the whole model. A target's acknowledgement must name the version and the combined checksum that were
 sent. A target that fails (refuses a bucket, drops the connection) or misses the deadline is reported as a
 `TargetFailure` and its stream is cancelled; the receiver applies nothing without a verified commit, and
 the other targets go on.
 
-Limits: one tensor must fit in one gRPC message (services/common/server.py MAX_MESSAGE_BYTES). Shared-memory
-(same host) and torch.distributed collective transports do not exist yet; they would implement the same
-`WeightTransport.send` and get their own `WeightTransport` enum value in trainer.proto.
+Limits: one tensor must fit in one gRPC message (services/common/server.py MAX_MESSAGE_BYTES). Same-host
+replicas get the shared-memory transport (shm.py), which reuses these streams for references only.
 """
 
 from __future__ import annotations
@@ -26,15 +25,15 @@ import grpc
 import torch
 
 from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from services.common.checksum import bucket_checksum, combine_checksums
+from services.common.checksum import chain, combine_checksums, data_checksum
 from services.common.client import DEFAULT_DEADLINE_S, make_channel
 from services.common.server import MAX_MESSAGE_BYTES
-from services.common.tensors import to_proto
+from services.common.tensors import dtype_code
 from services.common.transports.base import TargetFailure, WeightAck, WeightTransport
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_BUCKET_BYTES = 16 << 20
 # Room for names, shapes and framing next to the tensor bytes in one message.
 _MAX_TENSOR_BYTES = MAX_MESSAGE_BYTES - (1 << 20)
 
@@ -48,18 +47,21 @@ def _no_progress(_target: str, _sent: int, _total: int, _done: bool, _checksum: 
     pass
 
 
-def _append(bucket: common_pb2.WeightBucket, name: str, tensor: torch.Tensor) -> None:
-    """Adds `tensor` in the wire format of services/common/tensors.py, writing the fields in place.
+def _append(bucket: common_pb2.WeightBucket, name: str, tensor: torch.Tensor) -> int:
+    """Adds `tensor` in the wire format of services/common/tensors.py; returns its checksum.
 
-    Setting the fields of a message already inside the bucket copies the bytes once; building a Tensor and
-    appending it (to_proto + append) copies them three times, which measured 3x slower on these machines.
+    The checksum is computed here, on the source bytes, once: reading the field back from the message would
+    copy the bytes again. Setting the fields of a message already inside the bucket copies the bytes once;
+    building a Tensor and appending it (to_proto + append) copies them three times (3x slower here).
     """
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    raw = flat.view(torch.uint8).numpy()
     named = bucket.tensors.add()
     named.name = name
-    named.tensor.dtype = to_proto(flat[:0]).dtype  # the dtype code from the one dtype table
+    named.tensor.dtype = dtype_code(flat.dtype)
     named.tensor.shape.extend(tensor.shape)
-    named.tensor.data = flat.view(torch.uint8).numpy().tobytes()
+    named.tensor.data = raw.tobytes()
+    return data_checksum(raw)
 
 
 class _TargetStream:
@@ -172,27 +174,24 @@ class GrpcStreamTransport(WeightTransport):
     def buckets(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[
             tuple[rollout_pb2.WeightUpdateChunk, int]]:
         """Checksummed bucket chunks of about `bucket_bytes` and their payload sizes, in index order."""
-        chunk, size, index = None, 0, 0
+        chunk, size, index, sums = None, 0, 0, []
         for name, tensor in named_tensors:
             nbytes = tensor.numel() * tensor.element_size()
             if nbytes > _MAX_TENSOR_BYTES:
                 raise ValueError(f"tensor {name!r} has {nbytes} bytes, more than one gRPC message carries "
                                  f"({_MAX_TENSOR_BYTES}); use another transport for this model")
             if chunk is not None and size + nbytes > self.bucket_bytes:
-                yield self._seal(chunk), size
-                chunk, size, index = None, 0, index + 1
+                chunk.bucket.checksum = chain(sums)
+                yield chunk, size
+                chunk, size, index, sums = None, 0, index + 1, []
             if chunk is None:
                 chunk = rollout_pb2.WeightUpdateChunk()
                 chunk.bucket.version, chunk.bucket.index = version, index
-            _append(chunk.bucket, name, tensor)
+            sums.append(_append(chunk.bucket, name, tensor))
             size += nbytes
         if chunk is not None:
-            yield self._seal(chunk), size
-
-    @staticmethod
-    def _seal(chunk: rollout_pb2.WeightUpdateChunk) -> rollout_pb2.WeightUpdateChunk:
-        chunk.bucket.checksum = bucket_checksum(chunk.bucket.tensors)
-        return chunk
+            chunk.bucket.checksum = chain(sums)
+            yield chunk, size
 
     def send(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, WeightAck | TargetFailure]:
         deadline = time.monotonic() + self.timeout_s
