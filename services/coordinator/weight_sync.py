@@ -3,11 +3,19 @@
 The resharding plan itself is `services/coordinator/resharding.py` (a pure function); this module asks the
 services for their layouts, caches the plans, and has the actor push each new weights version to every
 replica, which must acknowledge it.
+
+The transport is chosen per replica: `WEIGHT_TRANSPORT_SHM` when the replica's address and the actor's name
+the same host (`same_host`), gRPC otherwise. A replica that fails an shm push (it cannot map the segment:
+another container, /dev/shm not shared) gets the same version again over gRPC at once, and gRPC from then on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import ipaddress
+import logging
+import socket
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +23,36 @@ import grpc
 
 from rlfabric.v1 import rollout_pb2, trainer_pb2
 from services.coordinator.errors import IterationError
+
+logger = logging.getLogger(__name__)
+GRPC = trainer_pb2.WEIGHT_TRANSPORT_GRPC_STREAM
+SHM = trainer_pb2.WEIGHT_TRANSPORT_SHM
+
+
+def _host(address: str) -> str:
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host.strip("[]")
+
+
+@functools.lru_cache(maxsize=256)
+def _machine_ids(host: str) -> frozenset[str]:
+    """The addresses `host` resolves to, with every address of this machine (loopback included) as "local"."""
+    try:
+        ips = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return frozenset({host})
+    try:
+        own = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        own = set()
+    return frozenset("local" if ip in own or ipaddress.ip_address(ip.split("%")[0]).is_loopback else ip
+                     for ip in ips)
+
+
+def same_host(a: str, b: str) -> bool:
+    """Whether two "host:port" endpoints are on one machine (equal names, or resolving to a shared address)."""
+    ha, hb = _host(a), _host(b)
+    return ha == hb or bool(_machine_ids(ha) & _machine_ids(hb))
 
 
 @dataclass
@@ -37,8 +75,12 @@ class WeightSync:
         version: the last version every replica acknowledged (None before the first push, or after a failed one).
     """
 
-    def __init__(self, actor: Any, replicas: Sequence[Replica], hf_config: dict[str, Any], deadline_s: float) -> None:
+    def __init__(self, actor: Any, replicas: Sequence[Replica], hf_config: dict[str, Any], deadline_s: float,
+                 actor_address: str | None = None) -> None:
         self.actor = actor
+        # Without the actor's address nothing is known to be on its host: gRPC for every replica.
+        self.transports = {r.address: SHM if actor_address and same_host(actor_address, r.address) else GRPC
+                           for r in replicas}
         self.replicas = list(replicas)
         self.hf_config = hf_config
         self.deadline_s = deadline_s
@@ -72,11 +114,36 @@ class WeightSync:
         self.version = version
 
     def _push(self, targets: list[str], version: int, plan: trainer_pb2.ReshardPlan) -> None:
-        acked: dict[str, int] = {}
-        request = trainer_pb2.PushWeightsRequest(version=version, targets=targets, plan=plan)
-        for progress in self.actor.PushWeights(request, timeout=self.deadline_s):
-            if progress.done:
-                acked[progress.target] = progress.checksum
-        missing = sorted(set(targets) - set(acked))
+        acked: set[str] = set()
+        errors: list[str] = []
+        for transport in (SHM, GRPC):
+            group = [t for t in targets if self.transports.get(t, GRPC) == transport]
+            if group:
+                acked |= self._push_once(group, version, plan, transport, errors)
+        fallback = [t for t in targets if t not in acked and self.transports.get(t, GRPC) == SHM]
+        if fallback:
+            logger.warning("weight sync: replicas %s did not apply version %d over shared memory (%s); using gRPC "
+                           "for them from now on", fallback, version, "; ".join(errors))
+            for t in fallback:
+                self.transports[t] = GRPC
+            acked |= self._push_once(fallback, version, plan, GRPC, errors)
+        missing = sorted(set(targets) - acked)
         if missing:
-            raise IterationError(f"weight sync: replicas {missing} did not acknowledge version {version}")
+            raise IterationError(f"weight sync: replicas {missing} did not acknowledge version {version}"
+                                 + (f": {'; '.join(errors)}" if errors else ""))
+
+    def _push_once(self, targets: Iterable[str], version: int, plan: trainer_pb2.ReshardPlan, transport: int,
+                   errors: list[str]) -> set[str]:
+        """One PushWeights; returns the targets that acknowledged. A target's failure (UNAVAILABLE, after the
+        others' acknowledgements) is recorded in `errors`; any other error of the call is raised."""
+        acked: set[str] = set()
+        request = trainer_pb2.PushWeightsRequest(version=version, targets=list(targets), plan=plan, transport=transport)
+        try:
+            for progress in self.actor.PushWeights(request, timeout=self.deadline_s):
+                if progress.done:
+                    acked.add(progress.target)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            errors.append(e.details() or "")
+        return acked

@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from weight_sync_helpers import PROMPTS, hf_greedy_all, rollout_greedy, rollout_version
+from weight_sync_helpers import PROMPTS, assert_engine_holds, hf_greedy_all, rollout_greedy, rollout_version
 
 from rlfabric.v1 import rollout_pb2, trainer_pb2
 from services.common.checksum import combine_checksums
@@ -53,18 +53,22 @@ def _converted_weights(trainer_stub, work, tiny_model_dir):
     return convert_mcore_to_hf(ckpt, work / "hf", hf_assets=tiny_model_dir)
 
 
-def test_push_after_update_delivers_the_trainers_weights_bitwise(trainer, rollout_stub, tiny_model_dir):
+@pytest.mark.parametrize("transport", [trainer_pb2.WEIGHT_TRANSPORT_GRPC_STREAM, trainer_pb2.WEIGHT_TRANSPORT_SHM],
+                         ids=["grpc", "shm"])
+def test_push_after_update_delivers_the_trainers_weights_bitwise(trainer, rollout_stub, rollout_engine,
+                                                                 tiny_model_dir, transport):
     import transformers
 
     from services.trainer.convert import load_hf_state
 
     stub = trainer["stub"]
-    assert _update(stub, 0) == 1
+    held = stub.Info(trainer_pb2.TrainerInfoRequest(), timeout=30).weights_version
+    assert _update(stub, held) == held + 1
     plan = _explicit_plan(stub, rollout_stub, tiny_model_dir)
     address = trainer["rollout_address"]
     version = _next_version(stub, address)
     progress = list(stub.PushWeights(trainer_pb2.PushWeightsRequest(
-        version=version, targets=[address], bucket_bytes=BUCKET_BYTES, plan=plan), timeout=120))
+        version=version, targets=[address], bucket_bytes=BUCKET_BYTES, plan=plan, transport=transport), timeout=120))
     done = [p for p in progress if p.done]
     assert len(done) == 1 and done[0].target == address
     assert done[0].bytes_sent == done[0].bytes_total > 0
@@ -81,6 +85,7 @@ def test_push_after_update_delivers_the_trainers_weights_bitwise(trainer, rollou
     assert done[0].checksum == combine_checksums([c.bucket.checksum for c, _ in buckets])
     original = load_hf_state(tiny_model_dir)
     assert not torch.equal(state["model.layers.0.mlp.up_proj.weight"], original["model.layers.0.mlp.up_proj.weight"])
+    assert_engine_holds(rollout_engine, state)  # every vLLM parameter, bit for bit
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     assert rollout_greedy(rollout_stub, PROMPTS, version=version) == hf_greedy_all(model, PROMPTS)
@@ -148,3 +153,31 @@ def test_refused_pushes(trainer, rollout_stub, tiny_model_dir):
             list(stub.PushWeights(req, timeout=60))
         assert e.value.code() == code and words in e.value.details(), e.value.details()
         assert len(e.value.details()) < 1000
+
+
+def test_coordinator_picks_shm_on_the_same_host_and_falls_back_to_grpc(trainer, rollout_stub, rollout_engine,
+                                                                       tiny_model_dir, monkeypatch):
+    from services.common.transports.shm import SegmentOpenError
+    from services.coordinator.weight_sync import GRPC, SHM, Replica, WeightSync
+    from services.rollout import weights
+
+    if (trainer["tp"], trainer["pp"]) != (1, 1):
+        pytest.skip("the choice of transport does not depend on the trainer layout")
+    stub, address = trainer["stub"], trainer["rollout_address"]
+    hf_config = json.loads((tiny_model_dir / "config.json").read_text())
+    sync = WeightSync(stub, [Replica(address, rollout_stub)], hf_config, 120, actor_address=trainer["address"])
+    assert sync.transports == {address: SHM}  # both on 127.0.0.1
+    assert WeightSync(stub, [Replica(address, rollout_stub)], hf_config, 120).transports == {address: GRPC}
+    version = _next_version(stub, address)
+    sync.push(version)
+    assert sync.version == version == rollout_engine.weights_version
+
+    class Unmappable:
+        def array(self, ref):
+            raise SegmentOpenError(f"cannot open shared-memory segment {ref.path}: no such file (test)")
+
+    monkeypatch.setattr(weights, "SEGMENTS", Unmappable())
+    sync.push(version + 1)  # the shm push fails, the same version goes over gRPC
+    assert sync.version == version + 1 == rollout_engine.weights_version
+    assert sync.transports == {address: GRPC}
+    assert stub.Info(trainer_pb2.TrainerInfoRequest(), timeout=30).weights_version == version + 1

@@ -12,8 +12,8 @@ if str(_TESTS / "rollout") not in sys.path:
 
 from rollout_helpers import generate, group_request, hf_greedy, tokens  # noqa: E402
 
-__all__ = ["PROMPTS", "hf_greedy_all", "restore_checkpoint_weights", "rollout_greedy", "rollout_version",
-           "serve_rollout"]
+__all__ = ["PROMPTS", "assert_engine_holds", "hf_greedy_all", "restore_checkpoint_weights", "rollout_greedy",
+           "rollout_version", "serve_rollout"]
 
 PROMPTS = [[5, 99, 1200, 7, 3000, 42], [17, 18, 19, 20], [4000, 3, 3, 812, 90, 91, 92, 2048]]
 
@@ -55,3 +55,28 @@ def serve_rollout(engine):
     server, _ = create_rollout_server(engine, SamplingOptions(max_tokens=16, temperature=1.0), metrics_port=None)
     server.start()
     return server
+
+
+def _parameter_copies(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_engine_holds(engine, hf_state: dict) -> None:
+    """Bitwise: every vLLM parameter equals the HF tensors it is built from (qkv / gate_up fused on dim 0)."""
+    import functools
+
+    import torch
+
+    params = engine._call(functools.partial(engine._engine.apply_model, _parameter_copies))
+    params = params[0] if isinstance(params, list) else params
+    fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    checked = 0
+    for name, value in params.items():
+        parts = next(([name.replace(k, p) for p in v] for k, v in fused.items() if f".{k}." in name), [name])
+        if not all(p in hf_state for p in parts):
+            assert name == "lm_head.weight", f"vLLM parameter {name} has no HF source"
+            continue  # tied to the embedding
+        expected = torch.cat([hf_state[p] for p in parts]) if len(parts) > 1 else hf_state[parts[0]]
+        assert value.dtype == expected.dtype and torch.equal(value, expected), f"{name} differs"
+        checked += 1
+    assert checked >= len(params) - 1

@@ -1,0 +1,21 @@
+"""How the coordinator tells that a replica shares the actor's host (the shm transport's condition)."""
+
+from __future__ import annotations
+
+import socket
+
+from services.coordinator.weight_sync import same_host
+
+
+def test_loopback_names_and_this_machines_own_name_are_one_host():
+    assert same_host("127.0.0.1:5000", "127.0.0.1:6000")
+    assert same_host("localhost:5000", "127.0.0.1:6000")
+    assert same_host("[::1]:5000", "127.0.0.1:6000")
+    assert same_host(f"{socket.gethostname()}:5000", "127.0.0.1:6000")
+
+
+def test_other_hosts_are_not_the_same_host():
+    assert not same_host("127.0.0.1:5000", "192.0.2.10:6000")  # TEST-NET-1: never this machine
+    assert not same_host("192.0.2.10:5000", "192.0.2.11:6000")
+    assert same_host("192.0.2.10:5000", "192.0.2.10:6000")
+    assert not same_host("no-such-host.invalid:1", "127.0.0.1:2")
