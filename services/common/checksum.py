@@ -2,7 +2,7 @@
 
 A tensor's checksum folds the wrapping 64-bit sum of its bytes read as little-endian u64 words (the last,
 partial word zero-padded) together with its byte length, through CRC-32. The word sum is one vectorised
-pass at memory speed (about 14 GB/s on the 2-core machines, against 3 GB/s for zlib's CRC-32 over the same
+pass at memory speed (30-47 GB/s on the 2-core machines, against 3 GB/s for zlib's CRC-32 over the same
 bytes), so a sender that packs and a receiver that verifies each read the bytes once for it, and the
 copy a transport makes anyway dominates. It detects every single-bit error and any change of one word; it
 does not detect two aligned 8-byte words swapped inside one tensor (transports move whole buffers, never
@@ -14,11 +14,12 @@ verifies an update without re-reading the bytes.
 from __future__ import annotations
 
 import struct
+import warnings
 import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import numpy as np
+import torch
 
 from rlfabric.v1 import common_pb2
 
@@ -26,10 +27,18 @@ _MASK64 = (1 << 64) - 1
 
 
 def word_sum(data: Any) -> int:
-    """Wrapping sum of the bytes of `data` (any buffer) as little-endian u64 words, the tail zero-padded."""
+    """Wrapping sum of the bytes of `data` (any buffer) as little-endian u64 words, the tail zero-padded.
+
+    torch's int64 sum wraps like u64 arithmetic and is the fastest reduction here (30-47 GB/s single-threaded,
+    numpy's 30): the checksum costs a fraction of the copy it rides along with.
+    """
     raw = memoryview(data).cast("B")
     head = len(raw) - len(raw) % 8
-    total = int(np.frombuffer(raw[:head], dtype="<u8").sum(dtype=np.uint64)) if head else 0
+    total = 0
+    if head:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only buffers: the sum only reads
+            total = int(torch.frombuffer(raw[:head], dtype=torch.int64).sum())
     if head < len(raw):
         total += int.from_bytes(bytes(raw[head:]), "little")
     return total & _MASK64

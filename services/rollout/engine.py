@@ -146,9 +146,10 @@ class RolloutEngine:
         if request_ids and not self._closed:
             self._call(functools.partial(self._abort, list(request_ids), None), wait=False)
 
-    def update_weights(self, update: StagedUpdate) -> float:
-        """Applies a verified update between two steps; returns the apply time in seconds."""
-        return self._call(functools.partial(self._apply_weights, update))
+    def update_weights(self, update: StagedUpdate, *, first: bool = True, last: bool = True) -> float:
+        """Applies a verified update between two steps; returns the apply time in seconds. A streamed update
+        (shm) comes in pieces, `first` to `last`: between them the engine refuses to generate."""
+        return self._call(functools.partial(self._apply_weights, update, first, last))
 
     def sleep(self, level: int = 1) -> float:
         """Releases memory (see module docstring); idempotent. Returns seconds taken."""
@@ -310,25 +311,31 @@ class RolloutEngine:
         except Exception:
             logger.exception("sample callback failed for %s", result.request_id)
 
-    def _apply_weights(self, update: StagedUpdate) -> float:
-        if self._sleeping and self.sleep_mode_native:
-            # vLLM's sleep mode has moved or discarded the device weights; writing them now would be lost.
-            raise EngineUnavailableError("the replica is asleep; call Wake before UpdateWeights")
-        if update.version < self._version:
-            raise WeightsVersionBehindError(update.version, self._version)
+    def _apply_weights(self, update: StagedUpdate, first: bool = True, last: bool = True) -> float:
         started = time.monotonic()
-        if self._active:
-            self._abort(list(self._active),
-                        f"weights changed from version {self._version} to {update.version} during generation; "
-                        "regenerate at the new version")
+        if first:
+            if self._sleeping and self.sleep_mode_native:
+                # vLLM's sleep mode has moved or discarded the device weights; writing them now would be lost.
+                raise EngineUnavailableError("the replica is asleep; call Wake before UpdateWeights")
+            if update.version < self._version:
+                raise WeightsVersionBehindError(update.version, self._version)
+            if self._active:
+                self._abort(list(self._active),
+                            f"weights changed from version {self._version} to {update.version} during generation; "
+                            "regenerate at the new version")
         try:
-            self._engine.apply_model(functools.partial(worker_ops.load_weights, update.tensors))
+            if update.tensors:
+                self._engine.apply_model(functools.partial(worker_ops.load_weights, update.tensors))
         except Exception as e:
             # Some tensors may have been written: refuse to serve until a complete update lands.
             self._weights_error = (f"the weight update to version {update.version} failed midway ({e}); "
                                    "the weights are inconsistent until a complete UpdateWeights succeeds")
             logger.exception("weight update to version %d failed", update.version)
             raise
+        if not last:
+            self._weights_error = (f"the weight update to version {update.version} did not complete; the weights "
+                                   "are inconsistent until a complete UpdateWeights succeeds")
+            return time.monotonic() - started
         # Cached prefixes were computed with the old weights.
         self._engine.reset_prefix_cache()
         self._version = update.version
@@ -337,7 +344,7 @@ class RolloutEngine:
         metrics.WEIGHTS_VERSION.set(update.version)
         metrics.WEIGHT_UPDATE_SECONDS.observe(seconds)
         logger.info("weights version %d applied: %d tensors, %d bytes in %.3f s", update.version,
-                    len(update.tensors), update.num_bytes, seconds)
+                    update.num_tensors or len(update.tensors), update.num_bytes, seconds)
         return seconds
 
     def _sleep(self, level: int) -> float:

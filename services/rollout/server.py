@@ -280,36 +280,52 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def UpdateWeights(self, request_iterator, context):
         stager = WeightStager(self.engine.expected_weights, held_version=self.engine.weights_version)
         staged = None
+        streamed = False  # shm buckets are applied as they arrive, under the update lock for the whole stream
         try:
-            for chunk in request_iterator:
-                kind = chunk.WhichOneof("kind")
-                if kind == "bucket":
-                    if chunk.bucket.version == 0:
-                        raise WeightUpdateError("bucket.version must be >= 1 (0 means 'as loaded from disk')")
-                    stager.add_bucket(chunk.bucket)
-                elif kind == "commit":
-                    staged = stager.commit(chunk.commit)
-                    break
+            try:
+                for chunk in request_iterator:
+                    kind = chunk.WhichOneof("kind")
+                    if kind == "bucket":
+                        if chunk.bucket.version == 0:
+                            raise WeightUpdateError("bucket.version must be >= 1 (0 means 'as loaded from disk')")
+                        stager.add_bucket(chunk.bucket)
+                        if chunk.bucket.HasField("shm"):
+                            if not streamed:
+                                self._update_lock.acquire()
+                            self._apply(context, stager.take(chunk.bucket.index), first=not streamed, last=False)
+                            streamed = True
+                    elif kind == "commit":
+                        staged = stager.commit(chunk.commit)
+                        break
+                    else:
+                        raise WeightUpdateError("a WeightUpdateChunk must carry a bucket or a commit")
+                if staged is None:
+                    raise WeightUpdateError("the stream ended without a WeightCommit: nothing was applied")
+                if streamed:
+                    self._apply(context, staged, first=False, last=True)
                 else:
-                    raise WeightUpdateError("a WeightUpdateChunk must carry a bucket or a commit")
-            if staged is None:
-                raise WeightUpdateError("the stream ended without a WeightCommit: nothing was applied")
-            with self._update_lock:
-                try:
-                    self.engine.update_weights(staged)
-                except EngineUnavailableError as e:
-                    abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
-                except WeightUpdateError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - reported to the caller; the engine refuses to serve
-                    abort(context, grpc.StatusCode.INTERNAL, f"applying version {staged.version} failed: {e}")
+                    with self._update_lock:
+                        self._apply(context, staged, first=True, last=True)
+            finally:
+                if streamed:
+                    self._update_lock.release()
         except WeightUpdateError as e:
             abort(context, getattr(grpc.StatusCode, e.code), str(e))
         duration = time.monotonic() - stager.started_at
         metrics.WEIGHT_SYNC_SECONDS.observe(duration)
         return rollout_pb2.WeightUpdateAck(version=staged.version, checksum=staged.checksum,
-                                           num_tensors=len(staged.tensors), num_bytes=staged.num_bytes,
+                                           num_tensors=staged.num_tensors, num_bytes=staged.num_bytes,
                                            duration_s=duration)
+
+    def _apply(self, context, update, *, first: bool, last: bool) -> None:
+        try:
+            self.engine.update_weights(update, first=first, last=last)
+        except EngineUnavailableError as e:
+            abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except WeightUpdateError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported to the caller; the engine refuses to serve
+            abort(context, grpc.StatusCode.INTERNAL, f"applying version {update.version} failed: {e}")
 
     def Sleep(self, request, context):
         level = request.level or 1

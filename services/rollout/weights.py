@@ -9,8 +9,8 @@ untouched. No gRPC and no vLLM here: errors carry the status-code name the servi
 Staged tensors are views, not copies: over the message bytes (gRPC transport) or over the shared-memory
 segment the bucket names (shm transport, services/common/transports/shm.py), so the engine's
 `load_weights` at the commit is the one copy into the parameters; only a dtype other than the engine's is
-cast on arrival. The checksum and the finiteness check share one pass over each tensor, piece by piece
-while the piece is in cache (a float sum: NaN and inf survive it; a non-finite sum sends to the exact check).
+cast on arrival. The checksum and the finiteness check are one vectorised sum each (a float sum: NaN and inf
+survive it; a non-finite sum sends to the exact check), each several times faster than the copy.
 
 Names are the HF checkpoint names the engine's `load_weights` accepts (`model.layers.0.self_attn.q_proj
 .weight`, ...), with full (unsharded) shapes; the engine fuses and shards them itself.
@@ -38,7 +38,6 @@ from services.common.transports.shm import SegmentCache, SegmentOpenError
 
 # The mapping of the latest shared-memory segment this process read (services/common/transports/shm.py).
 SEGMENTS = SegmentCache()
-_PIECE = 1 << 20  # checksum + finiteness granularity: one piece stays in cache between the two
 
 
 class WeightUpdateError(Exception):
@@ -86,6 +85,7 @@ class StagedUpdate:
     checksum: int
     num_bytes: int
     started_at: float = field(default_factory=time.monotonic)
+    num_tensors: int = 0  # all tensors of the update, including those a streamed apply took before the commit
 
 
 class WeightStager:
@@ -204,7 +204,16 @@ class WeightStager:
                 f"version {commit.version}: combined checksum {combined:#010x} != commit's {commit.checksum:#010x}"
             )
         tensors = [item for i in range(commit.num_buckets) for item in self._buckets[i][1]]
-        return StagedUpdate(commit.version, tensors, combined, self._num_bytes, self.started_at)
+        return StagedUpdate(commit.version, tensors, combined, self._num_bytes, self.started_at, len(self._names))
+
+    def take(self, index: int) -> StagedUpdate:
+        """The verified tensors of bucket `index`, handed over for a streamed apply (the bucket keeps only its
+        checksum, for the commit's check)."""
+        checksum, tensors = self._buckets[index]
+        self._buckets[index] = (checksum, [])
+        num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        assert self._version is not None
+        return StagedUpdate(self._version, tensors, checksum, num_bytes, self.started_at, len(tensors))
 
 
 def make_bucket(version: int, index: int, tensors: Mapping[str, torch.Tensor]) -> common_pb2.WeightBucket:
@@ -255,20 +264,13 @@ def _from_segment(segment: np.ndarray, offset: int, t: common_pb2.Tensor) -> tor
 
 
 def _checksum_and_finite(tensor: torch.Tensor) -> tuple[int, bool]:
-    """The tensor's checksum (services/common/checksum.py) and whether every value may be finite, in one
-    pass: each 1 MiB piece is summed as u64 words and as floats while it is in cache. A float sum that is not
-    finite (NaN, inf, or finite values whose sum overflowed) sends the caller to the exact check."""
+    """The tensor's checksum (services/common/checksum.py) and whether every value may be finite: one
+    vectorised int64 sum and one float sum, each several times faster than the copy the update makes. A float
+    sum that is not finite (NaN, inf, or finite values whose sum overflowed) sends the caller to the exact check."""
     flat = tensor.reshape(-1)
     raw = flat.view(torch.uint8).numpy()
-    size = flat.element_size()
-    step = _PIECE // size
     acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
-    total, finite = 0, True
-    for a in range(0, flat.numel(), step):
-        total += word_sum(raw[a * size:(a + step) * size])
-        if finite:
-            finite = math.isfinite(float(flat[a:a + step].sum(dtype=acc)))
-    return fold(total, raw.nbytes), finite
+    return fold(word_sum(raw), raw.nbytes), math.isfinite(float(flat.sum(dtype=acc)))
 
 
 def _require_finite(tensor: torch.Tensor, where: str) -> None:

@@ -54,7 +54,7 @@ def test_push_is_bitwise_reuses_its_segment_and_leaves_no_name(replica, tiny_mod
     assert len(segment_ids) == 1  # the second push rewrote the mapped segment instead of faulting in a new one
 
 
-def test_a_failed_push_applies_nothing_and_drops_the_segment(replica, tiny_model_dir):
+def test_a_failed_push_leaves_the_replica_refusing_to_serve_until_a_complete_one(replica, tiny_model_dir):
     engine, address = replica
     before = engine.weights_version
     good = _perturbed(tiny_model_dir, 7)
@@ -72,11 +72,14 @@ def test_a_failed_push_applies_nothing_and_drops_the_segment(replica, tiny_model
     out = ShmTransport([address], bucket_bytes=BUCKET, tamper=corrupt).send(before + 2, iter(bad.items()))
     assert isinstance(out[address], TargetFailure) and out[address].code == "DATA_LOSS", out
     assert engine.weights_version == before + 1
-    assert_engine_holds(engine, good)  # untouched by the failed push
+    # Bucket 0 was applied before bucket 1 failed its check (shm applies bucket by bucket): no half-new
+    # weights are ever served, the replica refuses until a complete update lands.
+    assert "inconsistent" in engine.unavailable_reason()
     assert _ours() == [] and shm._CURRENT == []  # dropped: the next push writes a fresh segment
     transport = ShmTransport([address], bucket_bytes=BUCKET)
     assert isinstance(transport.send(before + 3, iter(bad.items()))[address], WeightAck)
     assert transport.segment.id != first
+    assert engine.unavailable_reason() is None and engine.weights_version == before + 3
     assert_engine_holds(engine, bad)
 
 

@@ -1,0 +1,33 @@
+"""The one-copy bucket encoding (services/common/transports/wire.py) is protobuf's wire format."""
+
+from __future__ import annotations
+
+import torch
+
+from rlfabric.v1 import rollout_pb2
+from services.common.checksum import bucket_checksum
+from services.common.transports.grpc_stream import GrpcStreamTransport
+from services.common.transports.wire import PackedChunk, serialize
+
+
+def test_packed_chunks_parse_as_the_full_messages():
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(300, 7, generator=gen), "b.weight": torch.randn(5, generator=gen).to(torch.bfloat16),
+               "c": torch.zeros(0, 3), "big": torch.randn(70_000, generator=gen)}  # lengths over 1, 2 and 3 varint bytes
+    chunks = list(GrpcStreamTransport(["x:1"], bucket_bytes=1 << 10).buckets(300, iter(tensors.items())))
+    assert len(chunks) == 3  # "a" alone, "b" + "c", "big" alone
+    names = []
+    for chunk, _ in chunks:
+        assert isinstance(chunk, PackedChunk)
+        parsed = rollout_pb2.WeightUpdateChunk.FromString(serialize(chunk))
+        assert parsed == chunk.materialize()
+        assert parsed.bucket.checksum == bucket_checksum(parsed.bucket.tensors)
+        for named in parsed.bucket.tensors:
+            names.append(named.name)
+            source = tensors[named.name]
+            assert list(named.tensor.shape) == list(source.shape)
+            assert named.tensor.data == source.reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert names == list(tensors)
+    commit = rollout_pb2.WeightUpdateChunk()
+    commit.commit.version = 300
+    assert serialize(commit) == commit.SerializeToString()
