@@ -5,7 +5,9 @@ in a temporary folder, serves it from ONE vLLM rollout engine in this process (t
 bare byte-sink gRPC service on the same gRPC options), and starts ONE sender process that loads the HF tensors
 and times, in this order within each repeat, with the 1-minute load average read before each:
   memcpy      - `copy_` of every HF tensor into preallocated tensors of the same shapes (warm pages): the
-                same-host ceiling of moving these bytes once;
+                same-host ceiling of moving these bytes once (the ratio's reference);
+  memcpy into /dev/shm - the same copy into a warm shared-memory segment: tmpfs pages are 4 KiB (no
+                transparent huge pages for shmem here), so this medium's own ceiling is lower;
   shm         - ShmTransport.send to the replica: write into the segment + checksum, references on the wire,
                 the replica's verification, and vLLM `load_weights` into the engine's parameters;
   bare gRPC   - a client stream of the same number of bytes in `bucket` sized messages (one preallocated
@@ -44,6 +46,7 @@ def _sender(hf_dir: str, replica: str, sink: str, repeats: int, bucket: int) -> 
     from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
     from services.common.server import GRPC_OPTIONS
     from services.common.transports import GrpcStreamTransport, ShmTransport, WeightAck
+    from services.common.transports.shm import Segment
     from services.trainer.convert import load_hf_state
 
     torch.set_num_threads(1)
@@ -64,16 +67,28 @@ def _sender(hf_dir: str, replica: str, sink: str, repeats: int, bucket: int) -> 
     def push(kind) -> None:
         nonlocal version
         version += 1
-        out = kind([replica], bucket_bytes=bucket, timeout_s=600).send(version, iter(items))
+        # gRPC gets the bench's bucket (the bare stream's message size); shm its own default (64 MiB).
+        out = kind([replica], bucket_bytes=bucket if kind is GrpcStreamTransport else 0, timeout_s=600).send(
+            version, iter(items))
         assert isinstance(out[replica], WeightAck), out
+
+    segment = Segment(nbytes)
+
+    def memcpy_shm() -> None:
+        offset = 0
+        for _, src in items:
+            n = src.numel() * src.element_size()
+            torch.from_numpy(segment.array[offset:offset + n]).copy_(src.reshape(-1).view(torch.uint8))
+            offset += n
 
     def bare() -> None:
         got = stream(iter([payload] * messages), timeout=600)
         assert int(got) == messages * bucket, got
 
-    paths = {"memcpy": memcpy, "shm": lambda: push(ShmTransport), "bare gRPC stream": bare,
-             "grpc": lambda: push(GrpcStreamTransport)}
+    paths = {"memcpy": memcpy, "memcpy into /dev/shm": memcpy_shm, "shm": lambda: push(ShmTransport),
+             "bare gRPC stream": bare, "grpc": lambda: push(GrpcStreamTransport)}
     memcpy()
+    memcpy_shm()
     t0 = time.perf_counter()
     push(ShmTransport)
     cold = {"shm (cold, first push)": time.perf_counter() - t0}
@@ -89,6 +104,7 @@ def _sender(hf_dir: str, replica: str, sink: str, repeats: int, bucket: int) -> 
             run[name] = (time.perf_counter() - t0, load)
         runs.append(run)
     channel.close()
+    segment.close()
     return {"bytes": nbytes, "tensors": len(items), "cold": cold, "runs": runs}
 
 
@@ -148,6 +164,7 @@ def _report(result: dict, label: str) -> list[str]:
         lines.append(f"| {name} | {gb / s:.2f} | {s:.3f} | - |")
     lines.append("")
     for sync, ceiling, words in [("shm", "memcpy", "shm weight sync vs memcpy"),
+                                 ("shm", "memcpy into /dev/shm", "(context) shm weight sync vs memcpy into /dev/shm"),
                                  ("grpc", "bare gRPC stream", "grpc weight sync vs bare gRPC stream")]:
         ratios = [r[ceiling][0] / r[sync][0] for r in runs]
         lines.append(f"{words}: {statistics.median(ratios):.2f}x (median of {len(runs)}; best "

@@ -33,6 +33,7 @@ from services.common.seeds import sample_seed
 from services.common.server import ServiceServer, ServiceSpec, create_server
 from services.common.status import abort, echo
 from services.common.tensors import TensorDecodeError, dtype_code, to_numpy, to_proto
+from services.common.transports.wire import receiving_views
 from services.rollout import metrics
 from services.rollout.engine import EngineUnavailableError, RolloutEngine
 from services.rollout.options import InvalidSamplingValueError, SamplingOptions
@@ -288,7 +289,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                     if kind == "bucket":
                         if chunk.bucket.version == 0:
                             raise WeightUpdateError("bucket.version must be >= 1 (0 means 'as loaded from disk')")
-                        stager.add_bucket(chunk.bucket)
+                        stager.add_bucket(chunk.bucket, getattr(chunk, "data", None))
                         if chunk.bucket.HasField("shm"):
                             if not streamed:
                                 self._update_lock.acquire()
@@ -370,6 +371,8 @@ def create_rollout_server(
     """Builds (does not start) a server for `engine`; `server_kwargs` go to services.common.create_server."""
     servicer = RolloutServicer(engine, defaults, max_in_flight_samples=max_in_flight_samples,
                                max_samples_per_group=max_samples_per_group)
-    server = create_server([ServiceSpec(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, SERVICE_NAME)],
+    # UpdateWeights requests keep the tensor bytes as views of the received message (wire.py), not copies.
+    add = receiving_views(rollout_pb2_grpc.add_RolloutServicer_to_server, "UpdateWeights")
+    server = create_server([ServiceSpec(add, servicer, SERVICE_NAME)],
                            address, component="rollout", **server_kwargs)
     return server, servicer

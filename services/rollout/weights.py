@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,8 +102,10 @@ class WeightStager:
         self._num_bytes = 0
         self.started_at = time.monotonic()
 
-    def add_bucket(self, bucket: common_pb2.WeightBucket) -> None:
-        """Verifies and stages one bucket; raises WeightUpdateError / WeightDataLossError."""
+    def add_bucket(self, bucket: common_pb2.WeightBucket, data: Sequence[Any] | None = None) -> None:
+        """Verifies and stages one bucket; raises WeightUpdateError / WeightDataLossError.
+
+        `data`: the tensors' bytes when the receiver kept them out of the message (wire.ReceivedChunk)."""
         if self._version is None:
             if bucket.version < self._held_version:
                 raise WeightsVersionBehindError(bucket.version, self._held_version)
@@ -113,7 +115,7 @@ class WeightStager:
                 f"bucket {bucket.index} is for version {bucket.version}, but this stream carries version "
                 f"{self._version}: send one version per UpdateWeights call"
             )
-        views = self._views(bucket)
+        views = self._views(bucket, data)
         # One pass per tensor yields both the checksum and finiteness; a checksum mismatch wins over a bad value.
         checks = [_checksum_and_finite(t) for _, t in views]
         actual = chain(c for c, _ in checks)
@@ -141,7 +143,7 @@ class WeightStager:
             self._num_bytes += tensor.numel() * tensor.element_size()
         self._buckets[bucket.index] = (actual, staged)
 
-    def _views(self, bucket: common_pb2.WeightBucket) -> list[tuple[str, torch.Tensor]]:
+    def _views(self, bucket: common_pb2.WeightBucket, data: Sequence[Any] | None) -> list[tuple[str, torch.Tensor]]:
         """The bucket's tensors as torch views over the message bytes or the shared-memory segment (no copy)."""
         segment = None
         if bucket.HasField("shm"):
@@ -152,12 +154,14 @@ class WeightStager:
                 segment = self._segments.array(bucket.shm)
             except SegmentOpenError as e:
                 raise WeightSegmentError(f"bucket {bucket.index}: {e}") from e
+        if data is not None and len(data) != len(bucket.tensors):
+            raise WeightUpdateError(f"bucket {bucket.index}: {len(data)} data fields for {len(bucket.tensors)} tensors")
         views = []
         for i, named in enumerate(bucket.tensors):
             self._check_named(bucket.index, named)
             try:
                 if segment is None:
-                    tensor = _from_bytes(named.tensor)
+                    tensor = _from_bytes(named.tensor, None if data is None else data[i])
                 else:
                     tensor = _from_segment(segment, int(bucket.shm.offsets[i]), named.tensor)
             except TensorDecodeError as e:
@@ -237,10 +241,10 @@ def _numel(t: common_pb2.Tensor) -> int:
     return math.prod(t.shape)
 
 
-def _from_bytes(t: common_pb2.Tensor) -> torch.Tensor:
-    """A view over the message bytes (read once: each access of a bytes field copies it)."""
+def _from_bytes(t: common_pb2.Tensor, data: Any = None) -> torch.Tensor:
+    """A view over `data`, or over the message's bytes (read once: each access of a bytes field copies it)."""
     dtype, numel = _torch_dtype(t), _numel(t)
-    data = t.data
+    data = t.data if data is None else data
     if len(data) != numel * itemsize(t.dtype):
         raise TensorDecodeError(f"{len(data)} bytes for shape {list(t.shape)} of {dtype} "
                                 f"({numel * itemsize(t.dtype)} expected)")

@@ -31,3 +31,25 @@ def test_packed_chunks_parse_as_the_full_messages():
     commit = rollout_pb2.WeightUpdateChunk()
     commit.commit.version = 300
     assert serialize(commit) == commit.SerializeToString()
+
+
+def test_received_chunks_keep_the_bytes_as_views_and_the_rest_as_protobuf():
+    import pytest
+    from google.protobuf.message import DecodeError
+
+    from services.common.transports.wire import ReceivedChunk, decode_chunk
+
+    tensors = {"w": torch.arange(40_000, dtype=torch.float32).reshape(200, 200), "e": torch.zeros(0),
+               "h": torch.ones(3, dtype=torch.float16)}
+    (chunk, _), = list(GrpcStreamTransport(["x:1"]).buckets(9, iter(tensors.items())))
+    received = decode_chunk(serialize(chunk))
+    assert isinstance(received, ReceivedChunk) and received.WhichOneof("kind") == "bucket"
+    assert received.bucket.version == 9 and received.bucket.checksum == chunk.bucket.checksum
+    assert received.message == chunk.message  # every field but `data`, which the views hold
+    assert [bytes(d) for d in received.data] == [t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                                                 for t in tensors.values()]
+    commit = rollout_pb2.WeightUpdateChunk()
+    commit.commit.version, commit.commit.num_buckets = 9, 1
+    assert decode_chunk(commit.SerializeToString()) == commit
+    with pytest.raises(DecodeError):
+        decode_chunk(serialize(chunk)[:-5])  # truncated: protobuf's own error

@@ -7,12 +7,19 @@ wire format of the full message in one `b"".join`, so each byte is copied once b
 The encoding relies on protobuf's rules: fields may appear in any order and repeated message fields are
 concatenated, so a message serialized without field N followed by field N's bytes parses as one message
 (tests/weight_sync/test_wire.py checks the bytes against protobuf's own encoding).
+
+The receiver's side is the mirror image: `decode_chunk`, the UpdateWeights request deserializer
+(`receiving_views` installs it), parses a bucket's small fields with protobuf and keeps each tensor's bytes as
+a view of the received request, so the only copy on the replica is the engine's own `load_weights`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
+import grpc
 import numpy as np
 
 from rlfabric.v1 import common_pb2, rollout_pb2
@@ -81,3 +88,131 @@ class PackedChunk:
 def serialize(chunk: PackedChunk | rollout_pb2.WeightUpdateChunk) -> bytes:
     """The UpdateWeights request serializer: packed chunks encode themselves, messages serialize."""
     return chunk.encode() if isinstance(chunk, PackedChunk) else chunk.SerializeToString()
+
+
+# --- the receiver's side -------------------------------------------------------------------------------------
+
+
+class _MalformedError(ValueError):
+    pass
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise _MalformedError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(buf: memoryview, start: int, end: int):
+    """(field number, wire type, start of the field's key, payload start, payload end) of each field."""
+    pos = start
+    while pos < end:
+        key_at = pos
+        key, pos = _read_varint(buf, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            _, stop = _read_varint(buf, pos)
+            yield field, wire, key_at, pos, stop
+        elif wire == _LEN:
+            n, pos = _read_varint(buf, pos)
+            yield field, wire, key_at, pos, pos + n
+            stop = pos + n
+        elif wire in (1, 5):
+            stop = pos + (8 if wire == 1 else 4)
+            yield field, wire, key_at, pos, stop
+        else:
+            raise _MalformedError(f"wire type {wire}")
+        if stop > end:
+            raise _MalformedError("field beyond its message")
+        pos = stop
+
+
+@dataclasses.dataclass
+class ReceivedChunk:
+    """A received bucket chunk: `message` without the tensors' `data`, `data` the bytes as views of the
+    received request (no copy), in tensor order."""
+
+    message: rollout_pb2.WeightUpdateChunk
+    data: list[memoryview]
+
+    @property
+    def bucket(self) -> common_pb2.WeightBucket:
+        return self.message.bucket
+
+    def WhichOneof(self, name: str) -> str | None:  # noqa: N802 - the protobuf spelling
+        return self.message.WhichOneof(name)
+
+
+def _split_tensor(buf: memoryview, start: int, end: int) -> tuple[bytes, memoryview]:
+    """A Tensor's bytes without `data`, and `data` as a view."""
+    head, data = [], buf[0:0]
+    for field, wire, key_at, a, b in _fields(buf, start, end):
+        if field == 3 and wire == _LEN:
+            data = buf[a:b]
+        else:
+            head.append(buf[key_at:b])
+    return b"".join(head), data
+
+
+def _split_named(buf: memoryview, start: int, end: int) -> tuple[bytes, memoryview]:
+    head, data = [], buf[0:0]
+    for field, wire, key_at, a, b in _fields(buf, start, end):
+        if field == 2 and wire == _LEN:
+            tensor, data = _split_tensor(buf, a, b)
+            head += [_field(2, len(tensor)), tensor]
+        else:
+            head.append(buf[key_at:b])
+    return b"".join(head), data
+
+
+def decode_chunk(raw: bytes) -> ReceivedChunk | rollout_pb2.WeightUpdateChunk:
+    """The UpdateWeights request deserializer: bucket chunks keep their tensor bytes in `raw` (views); anything
+    else, or anything this walk does not understand, is left to protobuf."""
+    buf = memoryview(raw)
+    try:
+        top = list(_fields(buf, 0, len(buf)))
+        if len(top) != 1 or top[0][:2] != (1, _LEN):
+            return rollout_pb2.WeightUpdateChunk.FromString(raw)
+        head, data = [], []
+        for field, wire, key_at, a, b in _fields(buf, top[0][3], top[0][4]):
+            if field == 3 and wire == _LEN:
+                named, view = _split_named(buf, a, b)
+                head += [_field(3, len(named)), named]
+                data.append(view)
+            else:
+                head.append(buf[key_at:b])
+        message = rollout_pb2.WeightUpdateChunk(bucket=common_pb2.WeightBucket.FromString(b"".join(head)))
+    except _MalformedError:
+        return rollout_pb2.WeightUpdateChunk.FromString(raw)  # raises protobuf's own DecodeError
+    return ReceivedChunk(message, data)
+
+
+class _ViewsServer:
+    """Stands in for the server while generated code registers a service's handlers: `method` gets the
+    decode_chunk deserializer."""
+
+    def __init__(self, server: grpc.Server, method: str) -> None:
+        self._server, self._method = server, method
+
+    def add_generic_rpc_handlers(self, _handlers) -> None:
+        pass  # registered from the same table in add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        handlers = dict(handlers)
+        old = handlers[self._method]
+        handlers[self._method] = grpc.stream_unary_rpc_method_handler(
+            old.stream_unary, request_deserializer=decode_chunk, response_serializer=old.response_serializer)
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        self._server.add_registered_method_handlers(service, handlers)
+
+
+def receiving_views(add_fn: Callable[[Any, grpc.Server], None], method: str) -> Callable[[Any, grpc.Server], None]:
+    """A generated `add_XServicer_to_server` whose client-streaming `method` decodes with `decode_chunk`."""
+    return lambda servicer, server: add_fn(servicer, _ViewsServer(server, method))
