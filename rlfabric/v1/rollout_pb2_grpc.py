@@ -92,7 +92,11 @@ class RolloutServicer:
         dtypes or non-finite values (naming the tensor); FAILED_PRECONDITION for a version below the one
         held (versions only move forward) or while asleep in a sleep mode that moved the weights;
         INTERNAL when the engine failed while applying (the replica then refuses Generate until a
-        complete update lands). Retry-safe: re-sending the same version is applied again.
+        complete update lands). Buckets that carry a `SharedMemoryRef` (the shm transport) are applied as
+        they arrive instead, each after its own checks: a stream that fails after the first such bucket
+        leaves the replica refusing Generate until a complete update lands; FAILED_PRECONDITION when the
+        replica cannot map the segment (not the sender's host). Retry-safe: re-sending the same version is
+        applied again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

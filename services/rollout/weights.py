@@ -4,7 +4,10 @@
 checksum, its version against the one served, names known to the engine, shapes as the engine expects them,
 finite values); the commit then checks that every bucket arrived and that the combined checksum matches.
 Only a fully verified `StagedUpdate` ever reaches the engine, so a bad stream leaves the served weights
-untouched. No gRPC and no vLLM here: errors carry the status-code name the servicer should answer with.
+untouched; except that the servicer applies shared-memory buckets one by one as they pass their checks
+(`take`), so the replica's copy overlaps the trainer's writes, and a stream that fails midway leaves the engine
+refusing to generate until a complete update lands. No gRPC and no vLLM here: errors carry the status-code
+name the servicer should answer with.
 
 Staged tensors are views, not copies: over the message bytes (gRPC transport) or over the shared-memory
 segment the bucket names (shm transport, services/common/transports/shm.py), so the engine's
