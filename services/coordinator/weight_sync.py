@@ -81,6 +81,8 @@ class WeightSync:
         # Without the actor's address nothing is known to be on its host: gRPC for every replica.
         self.transports = {r.address: SHM if actor_address and same_host(actor_address, r.address) else GRPC
                            for r in replicas}
+        logger.info("weight sync transports: %s", {a: trainer_pb2.WeightTransport.Name(t)
+                                                    for a, t in self.transports.items()})
         self.replicas = list(replicas)
         self.hf_config = hf_config
         self.deadline_s = deadline_s
