@@ -1,12 +1,13 @@
 """Same-host weight transport: tensors written once into POSIX shared memory, references on the wire.
 
 The sender (trainer rank 0) writes each tensor once into a segment file under /dev/shm and computes its
-checksum once over the bytes that landed (services/common/checksum.py: a vectorised pass several times faster
-than the copy), and streams the same `Rollout.UpdateWeights` buckets and commit as the gRPC transport, except that each
-bucket carries a `SharedMemoryRef` (segment path, id, offsets) instead of the bytes. The replica maps the
-segment (`SegmentCache`), verifies each bucket as it arrives (while the trainer writes the next one), and
-at the commit copies straight from the mapping into the engine's parameters: no protobuf copy, no staging
-copy.
+checksum once over the bytes that landed (services/common/checksum.py: a vectorised pass several times
+faster than the copy), and streams the same `Rollout.UpdateWeights` buckets and commit as the gRPC
+transport, except that each bucket carries a `SharedMemoryRef` (segment path, id, offsets) instead of the
+bytes. The replica maps the segment (`SegmentCache`), verifies each bucket as it arrives and copies it
+straight from the mapping into the engine's parameters while the trainer writes the next one (no protobuf
+copy, no staging copy); the commit then checks completeness and the chained checksum. Buckets default to
+64 MiB (each is one engine call on the replica).
 
 Segment lifetime (no /dev/shm leak):
 - the segment's name exists only while a push runs: the sender unlinks it when the push ends, whatever the
@@ -94,10 +95,6 @@ class Segment:
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
-
-    @property
-    def linked(self) -> bool:
-        return self.path.exists()
 
     def unlink(self) -> None:
         try:
@@ -264,7 +261,3 @@ class SegmentCache:
             return np.frombuffer(mmap.mmap(fd, ref.size), dtype=np.uint8)
         finally:
             os.close(fd)
-
-    def drop(self) -> None:
-        with self._lock:
-            self._id, self._array = None, None
