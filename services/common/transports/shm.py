@@ -249,7 +249,7 @@ class SegmentCache:
         if path.parent != SHM_DIR or not path.name.startswith(SEGMENT_PREFIX):
             raise SegmentOpenError(f"segment path {ref.path!r} is not a {SHM_DIR}/{SEGMENT_PREFIX}* file")
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # a symlink planted under the name is refused
         except OSError as e:
             raise SegmentOpenError(f"cannot open shared-memory segment {ref.path}: {e.strerror}; the shm "
                                    "transport needs the trainer on this host, sharing /dev/shm") from e
