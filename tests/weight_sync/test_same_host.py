@@ -1,4 +1,5 @@
-"""How the coordinator tells that a replica shares the actor's host (the shm transport's condition)."""
+"""How the coordinator tells that a replica shares the actor's host (the shm transport's condition), and which
+transports exist."""
 
 from __future__ import annotations
 
@@ -19,3 +20,13 @@ def test_other_hosts_are_not_the_same_host():
     assert not same_host("192.0.2.10:5000", "192.0.2.11:6000")
     assert same_host("192.0.2.10:5000", "192.0.2.10:6000")
     assert not same_host("no-such-host.invalid:1", "127.0.0.1:2")
+
+
+def test_the_proto_lists_exactly_the_transports_that_exist():
+    from rlfabric.v1 import trainer_pb2
+    from services.common.transports import TRANSPORTS, GrpcStreamTransport, ShmTransport
+
+    listed = {v.number for v in trainer_pb2.WeightTransport.DESCRIPTOR.values} - {trainer_pb2.WEIGHT_TRANSPORT_UNSPECIFIED}
+    assert set(TRANSPORTS) == listed
+    assert TRANSPORTS[trainer_pb2.WEIGHT_TRANSPORT_SHM] is ShmTransport
+    assert TRANSPORTS[trainer_pb2.WEIGHT_TRANSPORT_GRPC_STREAM] is GrpcStreamTransport
