@@ -2,13 +2,17 @@
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup proto lint test soak bench lock clean help up demo
+.PHONY: setup proto lint test soak bench lock clean help up ps logs down scale-reward scale-rollout demo
 
 help:
 	@echo "make setup   create .venv with the pinned CPU stack (idempotent)"
 	@echo "make test    lint + the default test suite (what CI runs)"
 	@echo "make demo    GRPO that learns, on this machine in under 10 min: warm-up, every service, before/after, charts"
-	@echo "make up CONFIG=configs/x.yaml [ARGS='-o k=v ...']   rlfabric up: Redis + every service, then train"
+	@echo "make up [CONFIG=configs/x.yaml] [REWARD_WORKERS=N] [ROLLOUT_REPLICAS=N] [ARGS='-o k=v ...']"
+	@echo "              Redis + every service, detached (rlfabric system up); then: rlfabric train CONFIG"
+	@echo "make ps | logs [SERVICE=...] | down                    the running system (SYSTEM_DIR=runs/system)"
+	@echo "make scale-reward N=3 | scale-rollout N=2              add or drain reward workers / rollout replicas"
+	@echo "make up TARGET=k8s [OVERLAY=cpu|cuda|ascend]           apply deploy/k8s"
 	@echo "make proto   regenerate the gRPC stubs from protos/"
 	@echo "make soak    the slow suites"
 	@echo "make bench   run the benchmarks (results in bench/RESULTS.md)"
@@ -18,6 +22,11 @@ setup:
 
 CONFIG ?= configs/grpo_tiny_cpu.yaml
 ARGS ?=
+REWARD_WORKERS ?= 1
+ROLLOUT_REPLICAS ?= 1
+SYSTEM_DIR ?= runs/system
+SERVICE ?=
+RLF := .venv/bin/rlfabric
 
 up:
 ifeq ($(TARGET),k8s)
@@ -27,8 +36,26 @@ ifeq ($(TARGET),k8s)
 	  $(or $(KUBECTL),.venv/bin/kubectl) kustomize --load-restrictor LoadRestrictionsNone deploy/k8s/overlays/$(or $(OVERLAY),cpu) > "$$manifest" && \
 	  $(or $(KUBECTL),.venv/bin/kubectl) apply -f "$$manifest"
 else
-	.venv/bin/rlfabric up $(CONFIG) $(ARGS)
+	$(RLF) system up $(CONFIG) --reward-workers $(REWARD_WORKERS) --rollout-replicas $(ROLLOUT_REPLICAS) \
+	  --dir $(SYSTEM_DIR) $(ARGS)
 endif
+
+ps:
+	$(RLF) system ps --dir $(SYSTEM_DIR)
+
+logs:
+	$(RLF) system logs $(SERVICE) --dir $(SYSTEM_DIR)
+
+down:
+	$(RLF) system down --dir $(SYSTEM_DIR)
+
+scale-reward:
+	@test -n "$(N)" || { echo "usage: make scale-reward N=COUNT"; exit 2; }
+	$(RLF) system scale reward $(N) --dir $(SYSTEM_DIR)
+
+scale-rollout:
+	@test -n "$(N)" || { echo "usage: make scale-rollout N=COUNT"; exit 2; }
+	$(RLF) system scale rollout $(N) --dir $(SYSTEM_DIR)
 
 demo:
 	bash examples/grpo/grpo_demo_cpu.sh

@@ -22,6 +22,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "services.coordinator.cli",
     "services.coordinator.eval_cli",
     "services.launcher.cli",
+    "services.launcher.system_cli",
     "services.sft.cli",
     "services.report.cli",
 )

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from services.common.net import add_network_arguments, advertised_address, check_network_arguments
+
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
@@ -14,9 +16,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     co = subparsers.add_parser("coordinator", help="the coordinator service (sequences GRPO iterations)")
     co_sub = co.add_subparsers(dest="coordinator_command", metavar="COMMAND", required=True)
     serve = co_sub.add_parser("serve", help="serve the Coordinator gRPC API")
-    serve.add_argument("--address", default="127.0.0.1:0", help="host:port to bind (default 127.0.0.1:0, a free port)")
-    serve.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                       help="Redis holding membership and the run journal (default: $REDIS_URL)")
+    add_network_arguments(serve, default_address="127.0.0.1:0",
+                          redis_help="Redis holding membership and the run journal (default: $REDIS_URL)")
     serve.add_argument("--configs-dir", type=Path, default=REPO_CONFIGS,
                        help="where `defaults: model:` includes resolve (default: the repo's configs/)")
     serve.add_argument("--runs-dir", type=Path, default=Path("runs"), help="per-run metrics and copies (default ./runs)")
@@ -33,7 +34,11 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     tr.add_argument("config", type=Path, help="MindSpeed-RL GRPO YAML")
     tr.add_argument("-o", "--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="dotted override, repeatable")
-    tr.add_argument("--coordinator", required=True, help="coordinator address host:port")
+    tr.add_argument("--coordinator", default=None,
+                    help="coordinator address host:port (default: the one `rlfabric system up` started in --system-dir)")
+    tr.add_argument("--system-dir", type=Path, default=Path("runs/system"),
+                    help="where `rlfabric system up` (make up) keeps its state (default runs/system); without "
+                         "--coordinator, the address and the service token (--auth-token-file) come from there")
     tr.add_argument("--run-id", default="", help="run id (default: generated)")
     tr.add_argument("--resume", action="store_true", help="continue the run from its journal and last checkpoint")
     add_security_args(tr, server=False, redis=False)
@@ -56,6 +61,10 @@ def _serve(args: argparse.Namespace) -> int:
     if not args.redis_url:
         print("rlfabric coordinator serve: give --redis-url or --redis-url-file", file=sys.stderr)
         return 2
+    bad = check_network_arguments(args)
+    if bad:
+        print(f"rlfabric coordinator serve: {bad}", file=sys.stderr)
+        return 2
     client = connect(args.redis_url)
 
     def factory(config_yaml: str, overrides: list[str], run_id: str):
@@ -65,8 +74,9 @@ def _serve(args: argparse.Namespace) -> int:
     servicer = CoordinatorServicer(client, factory)
     server = create_server([ServiceSpec(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
                            args.address, component="coordinator", metrics_port=args.metrics_port).start()
-    with Registry(client).register("coordinator", args.instance_id, server.address):
-        print(f"coordinator serving on {server.address}", flush=True)
+    endpoint = advertised_address(args, server.port)
+    with Registry(client).register("coordinator", args.instance_id, endpoint):
+        print(f"coordinator serving on {endpoint} (bound {args.address})", flush=True)
         serve_until_signal(server)
     return 0
 
@@ -78,6 +88,14 @@ def _train(args: argparse.Namespace) -> int:
     from services.common.security import configure_client
     from services.coordinator.follow import FINISHED_OK, start_and_follow
 
+    if not args.coordinator:
+        from services.launcher.system import SystemStateError, system_client_args
+
+        try:
+            system_client_args(args)
+        except SystemStateError as e:
+            print(f"error: no --coordinator given and {e}", file=sys.stderr)
+            return 2
     try:
         configure_client(args)
     except ValueError as e:

@@ -4,7 +4,7 @@
 fine) and yields exactly one `ScoreResponse` per distinct sample id, in completion order:
 - workers are discovered in the Redis `Registry` (service "reward") and re-read every `refresh_s`, so a
   worker that joins mid-stream starts receiving samples;
-- each sample goes to the live worker with the fewest samples in flight, at most
+- each sample goes to the live worker with the fewest samples in flight (ties: the one sent fewest), at most
   `max_inflight_per_worker` each (back-pressure instead of unbounded queues on the workers);
 - a dead worker is noticed within seconds: its stream breaks at once when its process dies (the
   kernel resets the connection), and within `keepalive` seconds when its host or network goes silent.
@@ -14,6 +14,8 @@ fine) and yields exactly one `ScoreResponse` per distinct sample id, in completi
   still in flight on another worker (hedged) is not sent again. A sample unanswered after
   `sample_timeout_s` is also sent to another worker (hedged), and the silent worker gets no new samples
   until it answers again (a hung worker must not attract the work);
+- a worker that deregisters (scaled down) is drained: no new samples, its stream half-closed, and it ends
+  the stream once it has answered what it held;
 - answers are keyed by sample id: the first one counts, later duplicates are dropped, so a re-sent
   sample is never counted twice. A sample that no worker could answer after `max_attempts` sends gets a
   response whose scores carry the error (score 0), so the caller still gets one answer per sample and
@@ -48,6 +50,7 @@ class ClientPoolStats:
     hedged: int = 0  # also sent elsewhere because their worker did not answer in `sample_timeout_s`
     duplicates_dropped: int = 0
     workers_lost: int = 0
+    drained: int = 0  # deregistered workers that answered everything they held before their stream ended
     gave_up: int = 0
     per_worker: dict[str, int] = field(default_factory=dict)
 
@@ -93,6 +96,8 @@ class _Link:
         # Set when a sample sent here ran past the deadline; cleared by the next answer. A stalled worker
         # gets no new samples while another one can take them (else it would attract all the work).
         self.stalled = False
+        self.sent = 0  # samples sent on this stream
+        self.draining = False  # deregistered: no new samples, input half-closed (see _Session._drain_departed)
         threading.Thread(target=self._read, name=f"reward-link-{instance_id}", daemon=True).start()
 
     def _requests(self) -> Iterator[reward_pb2.ScoreRequestBatch]:
@@ -120,6 +125,7 @@ class _Link:
             self._events.put(("lost", self, f"{e.code().name}: {e.details()}"))
 
     def send(self, request: reward_pb2.ScoreRequest) -> None:
+        self.sent += 1
         self.inflight[request.sample_id] = time.monotonic()
         self._outbox.put(request)
 
@@ -259,10 +265,14 @@ class _Session:
         del self.links[link.instance_id]
         link.close()
         self.pool.lost[(link.instance_id, link.endpoint)] = time.monotonic()
-        self.pool.stats.workers_lost += 1
         # Once per sample id: not when answered, nor while another worker holds it (hedged).
         held_elsewhere = {sid for other in self.links.values() for sid in other.inflight}
         orphans = [sid for sid in link.inflight if sid not in self.done and sid not in held_elsewhere]
+        if link.draining and not orphans:
+            self.pool.stats.drained += 1
+            logger.info("reward worker %s drained", link.instance_id)
+            return None
+        self.pool.stats.workers_lost += 1
         logger.warning("reward worker %s at %s lost (%s); re-sending its %d unanswered samples", link.instance_id,
                        link.endpoint, why, len(orphans))
         for sample_id in reversed(orphans):
@@ -280,6 +290,7 @@ class _Session:
         except Exception as e:  # noqa: BLE001 (keep serving with the links we have)
             logger.warning("could not read reward workers from Redis: %s", e)
             return
+        self._drain_departed({member.instance_id for member in members})
         for member in members:
             key = (member.instance_id, member.endpoint)
             lost_at = self.pool.lost.get(key)
@@ -289,9 +300,21 @@ class _Session:
                                                    self.pool._token, self.pool._keepalive_s)
             logger.info("routing reward samples to worker %s at %s", member.instance_id, member.endpoint)
 
+    def _drain_departed(self, registered: set[str]) -> None:
+        """A worker that deregistered (`reward serve` on SIGTERM, `rlfabric system scale`) gets no new samples:
+        its stream is half-closed, it answers what it holds and ends the stream, and `_lose` then finds
+        nothing to re-send. What it fails to answer is re-sent as for any lost worker."""
+        for link in self.links.values():
+            if link.instance_id not in registered and not link.draining:
+                link.draining = True
+                link.finish_input()
+                logger.info("reward worker %s deregistered: draining its %d samples", link.instance_id,
+                            len(link.inflight))
+
     def _dispatch(self) -> None:
         while self.pending:
-            live = [link for link in self.links.values() if len(link.inflight) < self.pool._max_inflight]
+            live = [link for link in self.links.values()
+                    if len(link.inflight) < self.pool._max_inflight and not link.draining]
             responsive = [link for link in live if not link.stalled]
             live = responsive or live
             if not live:
@@ -302,7 +325,9 @@ class _Session:
             if self.attempts[sample_id] >= self.pool._max_attempts:
                 self._give_up(sample_id, f"no reward worker answered after {self.attempts[sample_id]} attempts")
                 continue
-            link = min(live, key=lambda candidate: len(candidate.inflight))
+            # Ties (idle workers while samples trickle in) go to the one sent least: else the first worker
+            # would take every sample and a worker added at run time would get none.
+            link = min(live, key=lambda candidate: (len(candidate.inflight), candidate.sent))
             self.attempts[sample_id] += 1
             link.send(self.requests[sample_id])
             self.pool.stats.sent += 1

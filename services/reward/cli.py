@@ -13,6 +13,8 @@ import argparse
 import os
 import sys
 
+from services.common.net import add_network_arguments, check_network_arguments
+
 
 def _plugin(value: str) -> tuple[str, str]:
     name, sep, spec = value.partition("=")
@@ -69,11 +71,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default="127.0.0.1:0", help="HOST:PORT to bind (port 0: any free port)")
-    parser.add_argument("--advertise-host", default=None, help="host other services use to reach this worker")
+    add_network_arguments(parser, default_address="127.0.0.1:0",
+                          redis_help="Redis for membership and the verifier registry (default: $REDIS_URL)")
     parser.add_argument("--processes", type=int, default=1, help="verifier pool processes (default: 1)")
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                        help="Redis for membership and the verifier registry (default: $REDIS_URL)")
     parser.add_argument("--worker-id", default="", help="instance id in the registry (default: host-pid-random)")
     parser.add_argument("--deadline-s", type=float, default=10.0,
                         help="per-sample deadline when a request sets none (default: 10)")
@@ -81,6 +81,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra local verifier, NAME=package.module:function or NAME=/path/file.py:function")
     parser.add_argument("--lease-s", type=float, default=10.0, help="registry lease (heartbeat every lease/3)")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: any free port)")
+    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
+                        help="on SIGTERM: deregister, finish the samples held, exit; streams still open after this "
+                             "long are cancelled and their samples re-sent elsewhere (default: 30)")
     add_verifier_allow(parser)
     from services.common.security import add_security_args
 
@@ -98,7 +101,6 @@ def add_verifier_allow(parser: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from services.common.security import server_security
-    from services.common.server import serve_until_signal
     from services.reward.worker import RewardWorker, RewardWorkerOptions
 
     try:
@@ -106,11 +108,15 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rlfabric reward serve: {e}", file=sys.stderr)
         return 2
+    bad = check_network_arguments(args)
+    if bad:
+        print(f"rlfabric reward serve: {bad}", file=sys.stderr)
+        return 2
     options = RewardWorkerOptions(
         address=args.address, processes=args.processes, redis_url=args.redis_url, auth_token=args.auth_token,
         worker_id=args.worker_id, deadline_s=args.deadline_s, verifier_allow=args.verifier_allow,
         plugins=dict(args.verifier_plugin), lease_s=args.lease_s, metrics_port=args.metrics_port,
-        advertise_host=args.advertise_host,
+        advertise_address=args.advertise_address, advertise_interface=args.advertise_interface,
     )
     try:
         worker = RewardWorker(options).start()
@@ -121,7 +127,7 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"reward worker {worker.worker_id} listening on {worker.endpoint} metrics :{worker.server.metrics_port}",
           flush=True)
     try:
-        serve_until_signal(worker.server)
+        worker.serve_until_signal(args.drain_timeout_s)
     finally:
         worker.stop()
     return 0

@@ -7,13 +7,18 @@ many as there are cores to spare (`rlfabric reward serve`); clients find them th
 
 import logging
 import os
+import signal
 import socket
+import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 
+from services.common.net import advertised_address
 from services.common.redis_store import Registration, Registry, connect
 from services.common.server import ServiceServer, ServiceSpec, create_server
 from services.reward.endpoints import DEFAULT_ALLOW, EndpointPolicy, member_hosts
+from services.reward.metrics import SCORES
 from services.reward.pool import VerifierPool
 from services.reward.remote import RemoteVerifiers
 from services.reward.scoring import MAX_DEADLINE_S
@@ -37,7 +42,8 @@ class RewardWorkerOptions:
     plugins: dict[str, str] = field(default_factory=dict)
     lease_s: float = 10.0
     metrics_port: int | None = 0
-    advertise_host: str | None = None
+    advertise_address: str | None = None  # HOST[:PORT] registered instead of the bound address
+    advertise_interface: str | None = None
     registry_poll_s: float = 1.0
     max_workers: int = 32
 
@@ -72,11 +78,11 @@ class RewardWorker:
         )
         self.registration: Registration | None = None
         self._redis = redis_client
+        self._stopped = False
 
     @property
     def endpoint(self) -> str:
-        host = self.options.advertise_host or self.server.host
-        return f"{host}:{self.server.port}"
+        return advertised_address(self.options, self.server.port)
 
     def start(self) -> "RewardWorker":
         self.server.start()
@@ -90,11 +96,37 @@ class RewardWorker:
         return self
 
     def stop(self, grace_s: float = 5.0) -> None:
+        """Drains: deregisters (the coordinator's pool then sends nothing new and half-closes its stream),
+        refuses new calls, lets open streams finish for up to `grace_s` (cancelled after: the pool re-sends
+        what they held), then ends the verifier pool. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self.registration is not None:
             self.registration.close()  # clients stop routing here first
         self.server.stop(grace_s)
         self.remote.close()
         self.pool.close()
+
+    def serve_until_signal(self, drain_s: float) -> None:
+        """Serves until SIGTERM/SIGINT, then `stop(drain_s)`: a worker removed at run time loses no sample."""
+        done = threading.Event()
+
+        def handle(signum: int, _frame: object) -> None:
+            logger.info("reward worker %s received signal %d: draining (up to %.0f s)", self.worker_id, signum,
+                        drain_s)
+            done.set()
+
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+        done.wait()
+        started = time.monotonic()
+        self.stop(drain_s)
+        # One parseable line: what this worker scored in its life (a removed worker's /metrics goes with it).
+        scored = sum(sample.value for metric in SCORES.collect() for sample in metric.samples
+                     if sample.name.endswith("_total"))
+        logger.warning("reward worker %s drained in %.1f s and deregistered; scored %d verifications",
+                       self.worker_id, time.monotonic() - started, scored)
 
     def __enter__(self) -> "RewardWorker":
         return self.start()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from services.common.net import add_network_arguments, advertised_address, check_network_arguments
+
 _DESCRIPTION = (
     "Serves the rlfabric.v1.Rollout gRPC API around one vLLM engine. Engine and sampling defaults come from "
     "the MindSpeed-RL YAML's generate_config (infer_tensor_parallel_size, max_num_seqs, max_model_len, "
@@ -27,7 +29,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a YAML key, e.g. --set generate_config.max_num_seqs=32; repeatable")
     p.add_argument("--model", help="HF model folder to load (default: the config's rollout tokenizer/model path)")
-    p.add_argument("--address", default="0.0.0.0:50052", help="gRPC listen address (default 0.0.0.0:50052)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 picks one (default 0)")
     p.add_argument("--dtype", help="engine dtype, overriding generate_config.dtype (e.g. float32 on CPU)")
     p.add_argument("--tensor-parallel-size", type=int, help="overrides generate_config.infer_tensor_parallel_size")
@@ -40,7 +41,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-kv-cache-gib", type=int, default=1, help="CPU only: KV-cache size in GiB (default 1)")
     p.add_argument("--num-threads", type=int, default=None, help="CPU only: torch threads for the engine")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
-    p.add_argument("--redis-url", default=None, help="register this replica in Redis as service 'rollout'")
+    add_network_arguments(p, default_address="0.0.0.0:50052",
+                          redis_help="register this replica in Redis as service 'rollout' (default: $REDIS_URL)")
     p.add_argument("--instance-id", default=None, help="registry instance id (default rollout-HOST-PORT)")
     from services.common.security import add_security_args
 
@@ -74,8 +76,6 @@ def build_options(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import socket
-
     from services.common.security import server_security
     from services.common.server import serve_until_signal
     from services.rollout.engine import RolloutEngine
@@ -86,6 +86,9 @@ def run_serve(args: argparse.Namespace) -> int:
         server_security(args)  # create_server below serves with this process's token and TLS
     except ValueError as e:
         raise SystemExit(f"rlfabric rollout serve: {e}") from e
+    bad = check_network_arguments(args)
+    if bad:
+        raise SystemExit(f"rlfabric rollout serve: {bad}")
     engine_options, sampling = build_options(args)
     try:
         sampling.validate(engine_options.max_model_len)
@@ -100,10 +103,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.redis_url:
         from services.common.redis_store import Registry, connect
 
-        host = socket.gethostname() if args.address.startswith("0.0.0.0") else server.host
-        endpoint = f"{host}:{server.port}"
+        endpoint = advertised_address(args, server.port)
         registration = Registry(connect(args.redis_url)).register(
-            "rollout", args.instance_id or f"rollout-{host}-{server.port}", endpoint,
+            "rollout", args.instance_id or f"rollout-{endpoint.replace(':', '-')}", endpoint,
             metadata={"model": engine_options.model, "metrics_port": server.metrics_port},
         )
     print(f"rollout serving on {server.address} (metrics :{server.metrics_port})", flush=True)

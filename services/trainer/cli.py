@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from services.common.net import add_network_arguments
+
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     conv = subparsers.add_parser("convert", help="convert weights between Hugging Face and Megatron-core layouts")
@@ -39,11 +41,24 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     tr_sub = tr.add_subparsers(dest="trainer_command", metavar="COMMAND", required=True)
     serve = tr_sub.add_parser("serve", help="start one process per rank; rank 0 serves the Trainer gRPC API")
     add_group_arguments(serve)
+    add_multi_host_arguments(serve)
     serve.set_defaults(func=_serve)
     rank = tr_sub.add_parser("rank", help="run one rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the "
                                           "environment, as `trainer serve` or torchrun set them)")
     add_group_arguments(rank)
     rank.set_defaults(func=_rank)
+
+
+def add_multi_host_arguments(p: argparse.ArgumentParser) -> None:
+    """`trainer serve` only: where its ranks sit in a group that spans hosts (with --master-addr and --master-port).
+    (`trainer rank` under torchrun or Kubernetes gets the same from RANK / WORLD_SIZE / MASTER_ADDR and the
+    backends' *_SOCKET_IFNAME.)"""
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="hosts the group spans; `trainer serve` on each starts world-size / nnodes ranks (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this host's index in the group (0 hosts rank 0)")
+    p.add_argument("--socket-ifname", default=None, metavar="IFNAME",
+                   help="network interface of the collectives (GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME of "
+                        "every rank; the seed's SOCKET_IFNAME); default: the backends' own choice")
 
 
 def add_group_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,8 +70,8 @@ def add_group_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", default=None, help="Megatron checkpoint dir to load (overrides the config)")
     p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: config or 1)")
     p.add_argument("--pp", type=int, default=None, help="pipeline parallel size (default: config or 1)")
-    p.add_argument("--world-size", type=int, default=None, help="processes to start (default: tp * pp)")
-    p.add_argument("--address", default="127.0.0.1:0", help="gRPC bind address of rank 0 (default: 127.0.0.1:0)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks in the group (default: tp * pp); with --nnodes, each host starts world-size / nnodes")
     p.add_argument("--port-file", default=None, help="write rank 0's bound port here once serving")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port of rank 0 (0 = any free)")
     p.add_argument("--master-port", type=int, default=None, help="torch.distributed port (default: a free one)")
@@ -65,16 +80,17 @@ def add_group_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None, help="learning rate (without --config)")
     p.add_argument("--kl-coef", type=float, default=None, help="KL coefficient (default: config init_kl_coef)")
     p.add_argument("--grace-s", type=float, default=5.0, help="seconds before survivors of a dead rank are stopped")
-    p.add_argument("--redis-url", default=None,
-                   help="register rank 0 in Redis as service 'trainer' with its role (what the coordinator discovers)")
+    add_network_arguments(p, default_address="127.0.0.1:0",
+                          redis_help="register rank 0 in Redis as service 'trainer' with its role (what the "
+                                     "coordinator discovers; default: $REDIS_URL)")
     p.add_argument("--instance-id", default=None, help="registry instance id (default: trainer-ROLE-PID)")
     p.add_argument("--lease-s", type=float, default=10.0, help="registry lease in seconds (heartbeat every lease/3)")
     p.add_argument("--checkpoint-root", action="append", default=[], metavar="DIR",
                    help="SaveCheckpoint/LoadCheckpoint may use directories under DIR only (repeatable; the "
                         "config's save and load directories and --load always count)")
     p.add_argument("--master-addr", default="127.0.0.1",
-                   help="interface the torch.distributed store of `trainer serve` binds (default 127.0.0.1: "
-                        "its ranks all run on this host)")
+                   help="torch.distributed rendezvous host: the address the store of `trainer serve` binds on node 0, "
+                        "and what the other nodes dial (default 127.0.0.1: its ranks all run on this host)")
     p.add_argument("--master-listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # trainer serve -> rank 0
     from services.common.security import add_security_args
 

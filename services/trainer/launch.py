@@ -35,7 +35,7 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
         if isinstance(value, SecretFile):  # read from a file whose path (another key) is passed on instead
             continue
         if key in ("func", "command", "trainer_command", "log_level", "log_json", "world_size", "grace_s",
-                   "master_addr"):
+                   "master_addr", "nnodes", "node_rank", "socket_ifname"):  # the last four reach ranks as env
             continue
         if value is None or value is False or value == []:
             continue
@@ -70,20 +70,30 @@ def serve_group(args: argparse.Namespace) -> int:
         tp, pp = tp or mt.tensor_model_parallel_size, pp or mt.pipeline_model_parallel_size
     tp, pp = tp or 1, pp or 1
     world = args.world_size or tp * pp
-    # The torch.distributed store listens on this socket, bound to --master-addr only (a store torch makes
-    # itself listens on every interface); rank 0 inherits it. Binding here also closes the free-port race.
-    store_socket = socket.create_server((args.master_addr, args.master_port or 0), backlog=128)
-    master_port = store_socket.getsockname()[1]
+    bad = _check_nodes(args, world)
+    if bad:
+        print(f"rlfabric trainer serve: {bad}", file=sys.stderr)
+        return 2
+    local = world // args.nnodes
+    # On node 0 the torch.distributed store listens on this socket, bound to --master-addr only (a store torch
+    # makes itself listens on every interface); rank 0 inherits it. Binding here also closes the free-port race.
+    store_socket = socket.create_server((args.master_addr, args.master_port or 0), backlog=128) \
+        if args.node_rank == 0 else None
+    master_port = store_socket.getsockname()[1] if store_socket else args.master_port
     argv = rank_argv(argparse.Namespace(**{**vars(args), "tp": tp, "pp": pp}))
     procs: list[subprocess.Popen] = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+    for local_rank in range(local):
+        rank = args.node_rank * local + local_rank
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
                    MASTER_ADDR=args.master_addr, MASTER_PORT=str(master_port))
+        if args.socket_ifname:
+            env.update(GLOO_SOCKET_IFNAME=args.socket_ifname, NCCL_SOCKET_IFNAME=args.socket_ifname)
         env.setdefault("OMP_NUM_THREADS", "1")
-        fds = [store_socket.fileno()] if rank == 0 else []
+        fds = [store_socket.fileno()] if rank == 0 and store_socket else []
         procs.append(subprocess.Popen([*argv, "--master-listen-fd", str(fds[0])] if fds else argv, env=env,
                                       pass_fds=fds))
-    store_socket.close()
+    if store_socket:
+        store_socket.close()
     stopping = False
 
     def stop(signum, _frame):
@@ -97,6 +107,19 @@ def serve_group(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     code = supervise(procs, grace_s=args.grace_s)
     return 0 if stopping else code
+
+
+def _check_nodes(args: argparse.Namespace, world: int) -> str | None:
+    """What is wrong with the multi-host flags, naming the flag; None when they fit."""
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        return f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes})"
+    if world % args.nnodes:
+        return f"world size {world} is not divisible by --nnodes {args.nnodes}"
+    if args.nnodes > 1 and not args.master_port:
+        return "--master-port is required with --nnodes > 1 (every host must name the same one)"
+    if args.nnodes > 1 and args.master_addr in ("127.0.0.1", "localhost"):
+        return "--master-addr must be node 0's address as the other hosts reach it (not loopback) with --nnodes > 1"
+    return None
 
 
 def supervise(procs: list[subprocess.Popen], *, grace_s: float) -> int:
@@ -165,8 +188,11 @@ def run_rank(args: argparse.Namespace) -> int:
     logger.info("trainer (%s, TP=%d PP=%d DP=%d) serving on %s", opts.role, tp, pp, worker.layout.dp, server.address)
     registration = nullcontext()
     if registry is not None:
+        from services.common.net import advertised_address
+
         registration = registry.register(
-            "trainer", args.instance_id or f"trainer-{opts.role}-{os.getpid()}", server.address, lease_s=args.lease_s,
+            "trainer", args.instance_id or f"trainer-{opts.role}-{os.getpid()}", advertised_address(args, server.port),
+            lease_s=args.lease_s,
             metadata={"role": opts.role, "tp": tp, "pp": pp, "dp": worker.layout.dp})
     try:
         with registration:

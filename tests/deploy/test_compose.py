@@ -103,7 +103,7 @@ def test_services_run_the_real_cli_and_check_their_own_port(rlfabric_parser):
         assert served == grpc_service(component), name
         assert target.rsplit(":", 1)[1] == port, f"{name}: health check port != bound port"
         if name == "reward":  # scalable: binds everything, advertises its own IP, no fixed name or host port
-            assert host == "0.0.0.0" and args.advertise_host == SELF_IP
+            assert host == "0.0.0.0" and args.advertise_address == SELF_IP
             assert "container_name" not in service and "ports" not in service and "hostname" not in service
         else:  # single instance: binds (and registers) its service name, which the network resolves
             assert host == name == target.rsplit(":", 1)[0]

@@ -469,7 +469,7 @@ def test_reward_autoscaler(overlay):
 
 
 def test_make_up_target_k8s_applies_the_rendered_overlay(repo_root):
-    """`make up TARGET=k8s` renders then applies the chosen overlay; plain `make up` is unchanged."""
+    """`make up TARGET=k8s` renders then applies the chosen overlay; plain `make up` starts the local system."""
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # under `make test`
 
     def dry(*args: str) -> str:
@@ -478,7 +478,9 @@ def test_make_up_target_k8s_applies_the_rendered_overlay(repo_root):
         assert done.returncode == 0, done.stderr
         return done.stdout
 
-    assert dry().strip() == ".venv/bin/rlfabric up configs/grpo_tiny_cpu.yaml"
+    assert " ".join(dry().replace("\\\n", " ").split()) == (
+        ".venv/bin/rlfabric system up configs/grpo_tiny_cpu.yaml --reward-workers 1 --rollout-replicas 1 "
+        "--dir runs/system")
     out = dry("TARGET=k8s", "OVERLAY=cuda", "KUBECTL=kc")
     assert "KUBECTL=kc bash deploy/k8s/secrets.sh" in out
     assert "kc kustomize --load-restrictor LoadRestrictionsNone deploy/k8s/overlays/cuda" in out
