@@ -23,8 +23,8 @@ import pytest
 from services.launcher.system import pid_alive
 
 CONFIG = "configs/grpo_tiny_cpu.yaml"
-# Iterations took 0.16-0.64 s, starting two workers 4-10 s: 16 to 36 iterations passed meanwhile.
-ITERATIONS = 100
+# Iterations took 0.16-0.64 s, starting two workers 4-15 s: 16 to 57 iterations passed meanwhile.
+ITERATIONS = 150
 SAMPLES = 8  # 2 prompts x 4 samples, one verifier
 
 
