@@ -54,7 +54,7 @@ class LogProbResponse(_message.Message):
     def __init__(self, sample_ids: _Optional[_Iterable[str]] = ..., log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class UpdateRequest(_message.Message):
-    __slots__ = ("batch", "advantages", "old_log_probs", "ref_log_probs", "temperature", "step", "kl_coef")
+    __slots__ = ("batch", "advantages", "old_log_probs", "ref_log_probs", "temperature", "step", "kl_coef", "behavior_log_probs")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     OLD_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class UpdateRequest(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     KL_COEF_FIELD_NUMBER: _ClassVar[int]
+    BEHAVIOR_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
     batch: SequenceBatch
     advantages: _common_pb2.Tensor
     old_log_probs: _common_pb2.Tensor
@@ -69,7 +70,8 @@ class UpdateRequest(_message.Message):
     temperature: float
     step: int
     kl_coef: float
-    def __init__(self, batch: _Optional[_Union[SequenceBatch, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ref_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., step: _Optional[int] = ..., kl_coef: _Optional[float] = ...) -> None: ...
+    behavior_log_probs: _common_pb2.Tensor
+    def __init__(self, batch: _Optional[_Union[SequenceBatch, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ref_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., step: _Optional[int] = ..., kl_coef: _Optional[float] = ..., behavior_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class UpdateResponse(_message.Message):
     __slots__ = ("metrics", "weights_version", "num_tokens")

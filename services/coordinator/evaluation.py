@@ -84,7 +84,7 @@ def generation_settings(s: EvalSettings, base: IterationSettings | None = None) 
                "kl_horizon": None, "ref_forward_micro_batch_size": 1, "actor_forward_micro_batch_size": 1,
                "use_integrated_worker": False, "offload_train_param": False, "offload_train_grad": False,
                "offload_train_optimizer": False, "global_batch_size": 1, "world_size": 1,
-               "log_max_throughput": False}
+               "log_max_throughput": False, "max_staleness": 0}
     return IterationSettings(**sampling, **neutral)
 
 

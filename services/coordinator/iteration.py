@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,14 @@ from services.coordinator.generation import (
     collect_log_probs,
     sequences_of,
 )
-from services.coordinator.iteration_metrics import PhaseClock, batch_metrics, timeline_metrics, timing_metrics
+from services.coordinator.iteration_metrics import (
+    PhaseClock,
+    batch_metrics,
+    coordinator_time,
+    timeline_metrics,
+    timing_metrics,
+)
+from services.coordinator.off_policy import behavior_log_probs, fence
 from services.coordinator.placement import Placement
 from services.coordinator.settings import IterationSettings
 from services.coordinator.weight_sync import Replica
@@ -93,6 +101,24 @@ class _Batch:
         return [x for g in self.groups for x in g.samples]
 
 
+@dataclass
+class Rollout:
+    """A generated iteration waiting to train: its groups, its clock (timings continue on it), the version
+    it sampled with, and the reference stream that ran beside it."""
+
+    gen: _Generated
+    clock: PhaseClock
+    start: float
+    weights_version: int
+    ref_stream: LogProbStream | None
+
+
+@dataclass
+class _Trained:
+    batch: _Batch
+    metrics: dict[str, float]  # the actor's update metrics and the staleness
+
+
 class GrpoIteration:
     """Runs GRPO iterations against live services.
 
@@ -123,7 +149,7 @@ class GrpoIteration:
 
     def run(self, next_batch: Callable[[], Any], iteration: int, weights_version: int,
             data_batches: int = 0) -> IterationResult:
-        """Runs iteration `iteration` with the replicas at `weights_version`.
+        """Runs iteration `iteration` with the replicas at `weights_version` (synchronous mode).
 
         Args:
             next_batch: takes the loader's next `PromptBatch` (advancing its cursor); called once per
@@ -131,6 +157,32 @@ class GrpoIteration:
             data_batches: generation batches in one pass over the data (bounds an unlimited
                 `filter_groups_max_batches`).
         """
+        rollout = self.rollout(next_batch, iteration, weights_version, data_batches)
+        parts = self._train(rollout, iteration, weights_version)
+        self.placement.after_update(rollout.clock, weights_version + 1)
+        return self._finish(rollout, parts, weights_version, rollout.start, time.perf_counter())
+
+    def run_overlapped(self, rollout: Rollout, iteration: int, actor_version: int,
+                       prefetch: Callable[[], Rollout] | None) -> tuple[IterationResult, Rollout | None]:
+        """Pipelined mode: trains on `rollout` (sampled at most max_staleness versions behind the actor, which
+        holds `actor_version`) while `prefetch` generates the next iteration on the replicas' current weights;
+        the new version is pushed only once both are done, so no generation ever sees weights change under it.
+        Returns this iteration's result and the prefetched rollout."""
+        start = time.perf_counter()
+        with ThreadPoolExecutor(1, thread_name_prefix="prefetch") as pool:
+            ahead = pool.submit(prefetch) if prefetch is not None else None
+            try:
+                parts = self._train(rollout, iteration, actor_version)
+            finally:
+                following = ahead.result() if ahead is not None else None  # its error wins only if ours did not
+        self.placement.after_update(rollout.clock, actor_version + 1)
+        result = self._finish(rollout, parts, actor_version, start, time.perf_counter(),
+                              also_busy=following.clock if following is not None else None)
+        return result, following
+
+    def rollout(self, next_batch: Callable[[], Any], iteration: int, weights_version: int,
+                data_batches: int = 0) -> Rollout:
+        """Phase 1: generate (and score, and stream to the reference) the iteration's prompts at `weights_version`."""
         clock = PhaseClock()
         t0 = time.perf_counter()
         self.placement.enter_infer(clock, weights_version)
@@ -141,21 +193,35 @@ class GrpoIteration:
             if ref_stream is not None:
                 ref_stream.close()
         self.placement.exit_infer(clock)
-        trained = self._score(gen.trained, weights_version)
+        return Rollout(gen, clock, t0, weights_version, ref_stream)
+
+    def _train(self, rollout: Rollout, iteration: int, actor_version: int) -> _Trained:
+        """Phases 2-5 on a rollout: score, advantages, log-prob passes, the actor's update (at `actor_version`)."""
+        clock = rollout.clock
+        trained = self._score(rollout.gen.trained, rollout.weights_version)
+        staleness = fence(trained.groups, actor_version, self.settings.max_staleness)
         adv_of = self._advantages(trained, clock)
-        old_lp, ref_lp = self._log_prob_passes(trained.seqs, ref_stream, clock)
-        actor_metrics = self._update(trained.seqs, adv_of, old_lp, ref_lp, iteration, clock)
-        self.placement.after_update(clock, weights_version + 1)
-        t_end = time.perf_counter()
+        old_lp, ref_lp = self._log_prob_passes(trained.seqs, rollout.ref_stream, clock)
+        behavior = behavior_log_probs(trained.groups) if self.settings.max_staleness else {}
+        actor_metrics = self._update(trained.seqs, adv_of, old_lp, ref_lp, iteration, clock, behavior)
+        return _Trained(trained, {**actor_metrics, **staleness})
+
+    def _finish(self, rollout: Rollout, parts: _Trained, actor_version: int, t0: float, t_end: float,
+                also_busy: PhaseClock | None = None) -> IterationResult:
+        """Phase 7: the iteration's metrics; `t0`..`t_end` is its wall span (what `timing/all` reports)."""
+        clock, gen, trained = rollout.clock, rollout.gen, parts.batch
         timings = timing_metrics(clock, t0, t_end)
+        # The coordinator's own time: the span during which no service call of this iteration (or of the
+        # rollout generated beside it) was in flight.
+        timings["timing/coordinator"] = coordinator_time(t0, t_end, clock, *([also_busy] if also_busy else []))
         # The actor's reply carries its own timing/update; the coordinator's span (which update_tps and the
         # timeline use) is the one logged, so that the table stays consistent.
-        metrics = {**actor_metrics, **timings, **timeline_metrics(clock, t0), **self._metrics(gen, trained, timings),
+        metrics = {**parts.metrics, **timings, **timeline_metrics(clock, t0), **self._metrics(gen, trained, timings),
                    **self.placement.take_memory_metrics()}
         trained_ids = [g.group_id for g in gen.trained]
-        logger.info("iteration %d trained %d groups (%d kept of %d generated in %d batches)", iteration,
+        logger.info("iteration trained %d groups (%d kept of %d generated in %d batches)",
                     len(trained_ids), gen.num_groups_kept, len(gen.generated), len(gen.batches))
-        return IterationResult(metrics, weights_version + 1, gen.batches, trained_ids)
+        return IterationResult(metrics, actor_version + 1, gen.batches, trained_ids)
 
     # -- phases, in order ---------------------------------------------------------------------------------
 
@@ -238,13 +304,14 @@ class GrpoIteration:
         return old_lp, ref_lp
 
     def _update(self, seqs: Sequences, adv_of: dict[str, float], old_lp: dict[str, np.ndarray],
-                ref_lp: dict[str, np.ndarray], iteration: int, clock: PhaseClock) -> dict[str, float]:
+                ref_lp: dict[str, np.ndarray], iteration: int, clock: PhaseClock,
+                behavior: dict[str, np.ndarray]) -> dict[str, float]:
         if not len(seqs):
             return {}
         s = self.settings
         kl_coef = self.kl_controller.value if s.use_reference else 0.0
         requests = [self._update_request(seqs.take(i, i + s.update_chunk_size), adv_of, old_lp, ref_lp, iteration,
-                                         kl_coef) for i in range(0, len(seqs), s.update_chunk_size)]
+                                         kl_coef, behavior) for i in range(0, len(seqs), s.update_chunk_size)]
         self.placement.enter_train(clock)
         start = time.perf_counter()
         try:
@@ -290,11 +357,14 @@ class GrpoIteration:
     # -- helpers ------------------------------------------------------------------------------------------
 
     def _update_request(self, chunk: Sequences, adv_of: dict[str, float], old_lp: dict[str, np.ndarray],
-                        ref_lp: dict[str, np.ndarray], iteration: int, kl_coef: float) -> trainer_pb2.UpdateRequest:
+                        ref_lp: dict[str, np.ndarray], iteration: int, kl_coef: float,
+                        behavior: dict[str, np.ndarray]) -> trainer_pb2.UpdateRequest:
         ids = chunk.sample_ids
         req = trainer_pb2.UpdateRequest(
             batch=chunk.to_proto(), advantages=to_proto(np.array([adv_of[x] for x in ids], dtype=np.float32)),
             temperature=self.settings.temperature, step=iteration, kl_coef=kl_coef)
+        if behavior:
+            req.behavior_log_probs.CopyFrom(to_proto(np.concatenate([behavior[x] for x in ids]).astype(np.float32)))
         if old_lp:
             req.old_log_probs.CopyFrom(to_proto(np.concatenate([old_lp[x] for x in ids]).astype(np.float32)))
         if self.settings.use_reference:

@@ -74,6 +74,26 @@ def timing_metrics(clock: PhaseClock, iteration_start: float, iteration_end: flo
     return out
 
 
+# Phases the coordinator computes itself (the rest are waits on a service call).
+OWN_PHASES = frozenset({"adv"})
+
+
+def coordinator_time(start: float, end: float, *clocks: PhaseClock) -> float:
+    """Seconds of `start`..`end` during which no service call recorded on `clocks` was in flight.
+
+    That is the coordinator's own time in the iteration (building requests, decoding, advantages, metrics,
+    thread hand-offs): `timing/all` minus the union of every service phase's records, clipped to the span.
+    """
+    spans = sorted((max(s, start), min(e, end)) for c in clocks for phase, records in c.spans.items()
+                   if phase not in OWN_PHASES for s, e in records if e > start and s < end)
+    busy, cursor = 0.0, start
+    for s, e in spans:
+        if e > cursor:
+            busy += e - max(s, cursor)
+            cursor = e
+    return max(0.0, (end - start) - busy)
+
+
 def non_overlap_metrics(clock: PhaseClock, iteration_start: float) -> dict[str, float]:
     """The `timing/non_overlap_*` metrics, as MindSpeed-RL's `metrics_sort` computes them (module docstring)."""
     ref_end, old_end = clock.end("reference_model"), clock.end("old_log_p")

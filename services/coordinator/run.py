@@ -24,7 +24,7 @@ from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_
 from services.common.client import make_channel
 from services.common.redis_store import Registry, RunJournal
 from services.coordinator.errors import IterationError
-from services.coordinator.iteration import GrpoIteration
+from services.coordinator.iteration import GrpoIteration, Rollout
 from services.coordinator.placement import OffloadKeys, Placement
 from services.coordinator.settings import settings_from_config
 from services.coordinator.sinks import MetricsSink
@@ -41,6 +41,36 @@ class Endpoints:
     rollout: list[str]
     actor: str
     reference: str | None
+
+
+class _Stepper:
+    """One iteration of the run loop: synchronous (`max_staleness` 0, `GrpoIteration.run`) or pipelined (1): the
+    rollout of the next iteration is generated while this one trains, and held until its turn.
+
+    Called as step(iteration, version) -> (result, consumed batches); in pipelined mode the consumed count
+    leaves out the batches of the rollout generated ahead, so a checkpoint's data cursor names only trained
+    batches and a resumed run generates the discarded one again.
+    """
+
+    def __init__(self, loop: GrpoIteration, loader: Any, journaled: Callable[[Any, int], Callable[[], Any]],
+                 train_iters: int, stop_event: threading.Event, max_staleness: int) -> None:
+        self.loop, self.loader, self.journaled = loop, loader, journaled
+        self.train_iters, self.stop_event, self.pipelined = train_iters, stop_event, max_staleness > 0
+        self.ahead: Rollout | None = None
+
+    def __call__(self, iteration: int, version: int) -> tuple[Any, int]:
+        loader = self.loader
+        if not self.pipelined:
+            result = self.loop.run(self.journaled(loader, iteration), iteration, version, loader.batches_per_epoch)
+            return result, loader.consumed_batches
+        rollout = self.ahead or self.loop.rollout(self.journaled(loader, iteration), iteration, version,
+                                                  loader.batches_per_epoch)
+        prefetch = None
+        if iteration < self.train_iters and not self.stop_event.is_set():
+            prefetch = functools.partial(self.loop.rollout, self.journaled(loader, iteration + 1), iteration + 1,
+                                         version, loader.batches_per_epoch)
+        result, self.ahead = self.loop.run_overlapped(rollout, iteration, version, prefetch)
+        return result, loader.consumed_batches - (len(self.ahead.gen.batches) if self.ahead else 0)
 
 
 class DiscoveryError(RuntimeError):
@@ -141,21 +171,22 @@ class RunDriver:
                                   version=version, sink=self.sink)
             self.journal.write(phase="running", iteration=iteration, weights_version=version, consumed_batches=consumed,
                                train_iters=train_iters, rollout=endpoints.rollout, sampling_seed=seed, error="")
+            step = _Stepper(loop, loader, self._journaled, train_iters, self.stop_event, s.max_staleness)
             while iteration < train_iters and not self.stop_event.is_set():
                 iteration += 1
-                result = loop.run(self._journaled(loader, iteration), iteration, version, loader.batches_per_epoch)
+                result, consumed = step(iteration, version)
                 version = result.weights_version
                 first = result.batches[0]
                 metrics = {**result.metrics, "iteration": float(iteration), "weights_version": float(version),
                            "data/batch_index": float(first.batch_index), "data/epoch": float(first.epoch),
-                           "data/consumed_batches": float(loader.consumed_batches)}
+                           "data/consumed_batches": float(consumed)}
                 metrics.update(self.validation.after_iteration(iteration, train_iters, version))
                 detail = {"batches": [b.batch_index for b in result.batches], "trained_groups": result.trained_groups}
                 self.journal.record_iteration(iteration, metrics, detail=detail, weights_version=version,
-                                              consumed_batches=loader.consumed_batches, phase="iteration_done")
+                                              consumed_batches=consumed, phase="iteration_done")
                 self.sink.write(iteration, metrics)
                 if mt.save and ((mt.save_interval and iteration % mt.save_interval == 0) or iteration == train_iters):
-                    placement.checkpoint(functools.partial(self._checkpoint, actor, iteration, loader.consumed_batches))
+                    placement.checkpoint(functools.partial(self._checkpoint, actor, iteration, consumed))
             self.journal.write(phase="done" if iteration >= train_iters else "stopped")
         finally:
             for c in channels:

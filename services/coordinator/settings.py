@@ -57,6 +57,8 @@ class IterationSettings:
     log_max_throughput: bool
     # rlfabric.rpc_deadline_s: the deadline of every call to another service.
     deadline_s: float
+    # rlfabric.max_staleness: 0 synchronous, 1 pipelined (the rollout one iteration ahead of the update).
+    max_staleness: int
     # Rows per UpdateRequest message (one Update call carries the whole batch in chunks of this size).
     update_chunk_size: int = 64
 
@@ -97,4 +99,5 @@ def settings_from_config(cfg: Any) -> IterationSettings:
         world_size=derived.world_size or 1,
         log_max_throughput=rl.log_max_throughput,
         deadline_s=cfg.rlfabric.rpc_deadline_s,
+        max_staleness=cfg.rlfabric.max_staleness,
     )

@@ -16,6 +16,19 @@ Formulas (per response token t of sample i; `A_i` is the group-normalised advant
               | 0.5 * (log p_t - log p_ref_t)^2                                         mse (k2)
     loss      = agg(pg) + kl_coef * token_mean(kl) - entropy_coeff * token_mean(entropy)
 
+Off-policy samples (pipelined mode, `rlfabric.max_staleness` >= 1) also carry the behaviour policy's log-probs
+`log mu_t` (what the rollout sampled with, possibly some weight versions old); the clipped surrogate is then
+weighted per token by the truncated importance ratio between the proximal (old) policy and the behaviour one::
+
+    w_t       = min(exp(log p_old_t - log mu_t), is_cap)           (no gradient)        importance_weights
+    pg_t      = w_t * max(-A_i * ratio_t, -A_i * clip(ratio_t, ...))
+
+This is the decoupled PPO objective of asynchronous RL (Hilton et al., "Batch size-invariance for policy
+optimization", https://arxiv.org/abs/2110.00641; truncated IS as in IMPALA/V-trace,
+https://arxiv.org/abs/1802.01561): the PPO clip keeps the step near the proximal policy, the truncated weight
+corrects for the samples coming from an older one without letting a single token's ratio explode. Without
+behaviour log-probs w_t is not applied at all, so the synchronous loss is unchanged bit for bit.
+
 `agg` is "token-mean" (mean over every response token of the micro-batch; YAML
 `rl_config.token_level_loss: true`, the default) or "seq-mean-token-mean" (mean over each sample's
 tokens, then over samples; `token_level_loss: false`). As in MindSpeed-RL, the aggregation mode
@@ -121,6 +134,34 @@ def compute_log_probs(
     return log_probs, entropy
 
 
+def importance_weights(
+    proximal_log_probs: Tensor, behavior_log_probs: Tensor, response_mask: Tensor, *, cap: float
+) -> tuple[Tensor, dict[str, float]]:
+    """Truncated importance weights `min(exp(proximal - behaviour), cap)`, `[batch, seq]`, without gradient.
+
+    Args:
+        proximal_log_probs: `[batch, seq]` the old policy of the PPO ratio (the weights the update starts from).
+        behavior_log_probs: `[batch, seq]` the policy the rollout sampled with (the rollout's log-probs).
+        response_mask: `[batch, seq]`.
+        cap: the truncation (`rlfabric.importance_sampling_cap`), > 0.
+
+    Returns:
+        `(weights, metrics)`; metrics: `actor/is_weight_mean` (token mean after truncation) and
+        `actor/is_clipfrac` (share of response tokens whose weight was truncated).
+    """
+    if cap <= 0:
+        raise ValueError(f"importance_sampling_cap must be > 0, got {cap} (rlfabric.importance_sampling_cap)")
+    with torch.no_grad():
+        # exp of a clamped log-ratio: a token the behaviour policy found near-impossible stays finite.
+        raw = torch.exp(torch.clamp(proximal_log_probs.detach() - behavior_log_probs, max=_K3_LOG_RATIO_CLAMP))
+        weights = torch.clamp(raw, max=cap)
+        metrics = {
+            "actor/is_weight_mean": masked_mean(weights, response_mask).item(),
+            "actor/is_clipfrac": masked_mean((raw > cap).to(weights.dtype), response_mask).item(),
+        }
+    return weights, metrics
+
+
 def policy_loss(
     log_probs: Tensor,
     old_log_probs: Tensor | None,
@@ -129,6 +170,8 @@ def policy_loss(
     *,
     clip_ratio_low: float,
     clip_ratio_high: float,
+    behavior_log_probs: Tensor | None = None,
+    is_cap: float = 2.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Per-token clipped surrogate loss of PPO/GRPO with asymmetric clipping (DAPO clip-higher).
 
@@ -139,11 +182,15 @@ def policy_loss(
         response_mask: `[batch, seq]`.
         clip_ratio_low: the ratio is clipped below at 1 - clip_ratio_low.
         clip_ratio_high: the ratio is clipped above at 1 + clip_ratio_high.
+        behavior_log_probs: `[batch, seq]` the rollout's log-probs of off-policy samples, or None
+            (synchronous: no importance weight at all).
+        is_cap: truncation of the importance weight (see `importance_weights`).
 
     Returns:
         `(per_token_loss [batch, seq], metrics)`; padding positions hold values that the caller
         masks out in `aggregate_loss`. Metrics: `actor/pg_clipfrac` (share of response tokens
-        where the clipped term is the larger one) and `actor/ppo_kl` (token mean of old - new).
+        where the clipped term is the larger one) and `actor/ppo_kl` (token mean of old - new);
+        with behaviour log-probs also those of `importance_weights`.
     """
     if old_log_probs is None:
         old_log_probs = log_probs.detach()
@@ -159,6 +206,10 @@ def policy_loss(
             "actor/pg_clipfrac": masked_mean((clipped > unclipped).to(log_probs.dtype), response_mask).item(),
             "actor/ppo_kl": masked_mean(-log_ratio, response_mask).item(),
         }
+    if behavior_log_probs is not None:
+        weights, is_metrics = importance_weights(old_log_probs, behavior_log_probs, response_mask, cap=is_cap)
+        per_token = weights * per_token
+        metrics.update(is_metrics)
     return per_token, metrics
 
 
@@ -258,6 +309,8 @@ def grpo_loss(
     entropy_coeff: float = 0.0,
     entropy: Tensor | None = None,
     token_level_loss: bool = True,
+    behavior_log_probs: Tensor | None = None,
+    is_cap: float = 2.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO (or DAPO) actor loss of one micro-batch.
 
@@ -278,6 +331,7 @@ def grpo_loss(
             with_entropy=True)`); required when `entropy_coeff != 0`, optional otherwise (then it
             only feeds the `actor/entropy` metric, which is 0.0 when it is absent).
         token_level_loss: True for "token-mean", False for "seq-mean-token-mean" on the pg term.
+        behavior_log_probs, is_cap: the off-policy correction (see `policy_loss`); None: none.
 
     Returns:
         `(loss, metrics)`: a 0-dim tensor to backpropagate (one micro-batch's mean; see the
@@ -297,7 +351,8 @@ def grpo_loss(
         )
 
     per_token_pg, metrics = policy_loss(
-        log_probs, old_log_probs, advantages, response_mask, clip_ratio_low=low, clip_ratio_high=high
+        log_probs, old_log_probs, advantages, response_mask, clip_ratio_low=low, clip_ratio_high=high,
+        behavior_log_probs=behavior_log_probs, is_cap=is_cap,
     )
     pg = aggregate_loss(
         per_token_pg, response_mask, "token-mean" if token_level_loss else "seq-mean-token-mean"

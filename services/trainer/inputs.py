@@ -80,6 +80,7 @@ def experience_arrays(parts: Sequence[trainer_pb2.UpdateRequest], seqs: Sequence
     return {
         "token_ids": tokens, "prompt_lengths": prompt, "response_lengths": resp, "advantages": advantages,
         "old_log_probs": per_token("old_log_probs"), "ref_log_probs": per_token("ref_log_probs"),
+        "behavior_log_probs": per_token("behavior_log_probs"),
     }
 
 

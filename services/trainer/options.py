@@ -32,6 +32,8 @@ def worker_options_from_config(cfg, role: str = "actor", *, hf_dir: str | None =
         use_kl=d.use_kl_loss,
         entropy_coeff=rl.entropy_coeff,
         token_level_loss=rl.token_level_loss,
+        is_cap=cfg.rlfabric.importance_sampling_cap,
+        max_staleness=cfg.rlfabric.max_staleness,
     )
     optim = OptimizerOptions(
         lr=mt.lr if mt.lr is not None else 1e-6,

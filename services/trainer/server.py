@@ -118,11 +118,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 if last is not None and step <= last:
                     abort(context, grpc.StatusCode.ALREADY_EXISTS, f"step {step} already applied (last step {last})")
                 version = self.worker.weights_version
-                stale = {s.weights_version for s in seqs} - {version}
+                # Version fence: a sample is at most max_staleness versions behind (pipelined mode), never ahead.
+                bound = self.worker.opts.update.max_staleness
+                stale = {s.weights_version for s in seqs if not version - bound <= s.weights_version <= version}
                 if stale:
                     abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                           f"batch generated with weights version(s) {echo(sorted(stale))}, trainer holds version "
-                          f"{version}")
+                          f"{version} and accepts samples at most {bound} version(s) old (rlfabric.max_staleness)")
                 t0 = time.monotonic()
                 metrics = self._run(context, "update", step=int(step), temperature=float(temperature),
                                     kl_coef=float(kl_coef), **arrays)
@@ -275,12 +277,12 @@ def worker_handlers(worker) -> dict:
         return worker.compute_log_probs(rows(token_ids, prompt_lengths, response_lengths), temperature, with_entropy)
 
     def update(step, temperature, kl_coef, token_ids, prompt_lengths, response_lengths, advantages,
-               old_log_probs, ref_log_probs):
+               old_log_probs, ref_log_probs, behavior_log_probs=None):
         def t(x):
             return None if x is None else torch.from_numpy(np.asarray(x, dtype=np.float32))
 
         exp = Experience(rows(token_ids, prompt_lengths, response_lengths), t(advantages), t(old_log_probs),
-                         t(ref_log_probs))
+                         t(ref_log_probs), t(behavior_log_probs))
         return worker.update(exp, temperature=temperature, kl_coef=kl_coef, step=step)
 
     def push_weights(**kwargs):

@@ -82,6 +82,11 @@ class UpdateOptions:
     use_kl: bool = True
     entropy_coeff: float = 0.0
     token_level_loss: bool = True
+    # Truncation of the off-policy importance weight (rlfabric.importance_sampling_cap); only applied to an
+    # Experience that carries behaviour log-probs (pipelined mode).
+    is_cap: float = 2.0
+    # Versions a trained sample may lag the actor (rlfabric.max_staleness): the Update RPC's version fence.
+    max_staleness: int = 0
 
 
 @dataclasses.dataclass
@@ -92,13 +97,16 @@ class Experience:
     advantages: torch.Tensor  # float32 [B]
     old_log_probs: torch.Tensor | None  # float32 [sum(response_lengths)] or None (on-policy)
     ref_log_probs: torch.Tensor | None  # same, or None (no KL)
+    # The rollout's log-probs of the samples (the behaviour policy), same layout; None when every sample is
+    # on-policy (synchronous mode): then no importance weight is applied.
+    behavior_log_probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n, t = len(self.rows), self.rows.num_response_tokens
         self.advantages = torch.as_tensor(self.advantages, dtype=torch.float32).reshape(-1)
         if self.advantages.numel() != n:
             raise ValueError(f"advantages has {self.advantages.numel()} values for {n} sequences")
-        for name in ("old_log_probs", "ref_log_probs"):
+        for name in ("old_log_probs", "ref_log_probs", "behavior_log_probs"):
             v = getattr(self, name)
             if v is not None and v.numel() == 0:
                 v = None
@@ -283,7 +291,7 @@ def grpo_update(
                 optimizer.step()
                 scheduler.step(increment=1)
             step_metrics.append((norm, lr))
-    return _reduce_metrics(mb_metrics, step_metrics)
+    return _reduce_metrics(mb_metrics, step_metrics, exp.behavior_log_probs is not None)
 
 
 def _micro_batch_loss(exp: Experience, opts: UpdateOptions, temperature: float, kl_coef: float):
@@ -302,6 +310,8 @@ def _micro_batch_loss(exp: Experience, opts: UpdateOptions, temperature: float, 
         logp, ent = logp[: len(rows_idx)], ent[: len(rows_idx)]
         old = None if exp.old_log_probs is None else response_slices(exp.old_log_probs, exp.rows, rows_idx, width)
         ref = None if exp.ref_log_probs is None else response_slices(exp.ref_log_probs, exp.rows, rows_idx, width)
+        behavior = (None if exp.behavior_log_probs is None
+                    else response_slices(exp.behavior_log_probs, exp.rows, rows_idx, width).to(dev))
         return grpo_loss.grpo_loss(
             logp,
             None if old is None else old.to(dev),
@@ -317,14 +327,19 @@ def _micro_batch_loss(exp: Experience, opts: UpdateOptions, temperature: float, 
             entropy_coeff=opts.entropy_coeff,
             entropy=ent,
             token_level_loss=opts.token_level_loss,
+            behavior_log_probs=behavior,
+            is_cap=opts.is_cap,
         )
 
     return loss_fn
 
 
-def _reduce_metrics(mb_metrics: list[dict[str, float]], step_metrics: list[tuple[float, float]]) -> dict[str, float]:
+def _reduce_metrics(mb_metrics: list[dict[str, float]], step_metrics: list[tuple[float, float]],
+                    off_policy: bool = False) -> dict[str, float]:
     """Mean of every micro-batch's metrics over all ranks that computed a loss, plus step means."""
     keys = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy", "actor/loss")
+    if off_policy:  # decided by the batch, not by this rank's metrics: every rank all-reduces the same shape
+        keys = (*keys, "actor/is_weight_mean", "actor/is_clipfrac")
     sums = torch.tensor([[sum(m[k] for m in mb_metrics) for k in keys] + [float(len(mb_metrics))]], dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -124,3 +124,17 @@ def test_dapo_throughputs_count_generated_prompts_for_rollout_and_e2e_and_traine
     assert m["vllm_tps"] == 37 * 6 * 2 / 2.0  # generated prompts
     assert m["update_tps"] == 37 * 2 * 2 / 1.0  # trained prompts
     assert m["global_batch_size"] == 2.0 and m["acc_rewards/mean"] == 0.5  # verifier mean over all 12 passed
+
+
+def test_coordinator_time_is_the_span_no_service_call_covers() -> None:
+    from services.coordinator.iteration_metrics import coordinator_time
+
+    a, b = PhaseClock(), PhaseClock()
+    a.record("rollout", 1.0, 3.0)
+    a.record("rule_reward", 2.0, 4.0)  # overlaps the rollout: counted once
+    a.record("adv", 4.0, 5.0)  # the coordinator's own computation
+    a.record("update", 6.0, 8.0)
+    b.record("rollout", 7.0, 9.5)  # the next iteration's rollout, beside this one; clipped at the end
+    # span 0..10: busy 1..4 and 6..9.5 (3 + 3.5), own 3.5
+    assert coordinator_time(0.0, 10.0, a, b) == pytest.approx(3.5)
+    assert coordinator_time(0.0, 10.0, a) == pytest.approx(5.0)

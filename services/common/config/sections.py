@@ -24,6 +24,7 @@ from services.common.config.statuses import (
     MOE,
     MULTIMODAL,
     ROLLOUT_OPTIONS,
+    TRAINER_OPTIONS,
     VALIDATION,
 )
 
@@ -164,6 +165,15 @@ class FabricConfig:
     val_temperature: float = setting(
         0.0, "Sampling temperature of validation; 0 is greedy. Other sampling values are sampling_config's.",
         read(COORDINATOR_VALIDATION))
+    # Pipelined (one-step off-policy) mode: MindSpeed-RL is synchronous, which is the default here.
+    max_staleness: int = setting(
+        0, "Weight versions a trained sample may lag the actor. 0: synchronous (each iteration generates with the "
+           "weights the previous update made). 1: pipelined, the rollout generates iteration k+1 with the weights "
+           "of k-1 while the actor updates on k; the loss weights off-policy tokens by a truncated importance "
+           "ratio. Disaggregated mode only.", read(COORDINATOR_SETTINGS, TRAINER_OPTIONS))
+    importance_sampling_cap: float = setting(
+        2.0, "Truncation of the per-token importance weight old-policy / behaviour-policy applied to the samples "
+             "of pipelined mode (max_staleness >= 1); unused when max_staleness is 0.", read(TRAINER_OPTIONS))
 
 
 @dataclass(kw_only=True)

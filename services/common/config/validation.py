@@ -354,6 +354,21 @@ def placement(cfg: RLFabricConfig) -> Iterable[Problem]:
                       "rl_config.use_wandb is true but wandb_project is empty; set wandb_project (and wandb_exp_name)")
 
 
+def pipelining(cfg: RLFabricConfig) -> Iterable[Problem]:
+    fab = cfg.rlfabric
+    if fab.max_staleness not in (0, 1):
+        yield Problem(("rlfabric.max_staleness",),
+                      f"rlfabric.max_staleness must be 0 (synchronous) or 1 (pipelined: the rollout runs one "
+                      f"iteration ahead), got {fab.max_staleness}; deeper pipelines are not implemented")
+    elif fab.max_staleness and cfg.rl_config.use_integrated_worker:
+        yield Problem(("rlfabric.max_staleness", "rl_config.use_integrated_worker"),
+                      "rlfabric.max_staleness: 1 overlaps generation with the update, which needs the rollout on "
+                      "devices of its own; set use_integrated_worker: false or max_staleness: 0")
+    if not fab.importance_sampling_cap > 0:
+        yield Problem(("rlfabric.importance_sampling_cap",),
+                      f"rlfabric.importance_sampling_cap must be > 0, got {fab.importance_sampling_cap}")
+
+
 def precision_warnings(cfg: RLFabricConfig) -> Iterable[Problem]:
     train, roll = cfg.derived.params_dtype, cfg.generate_config.dtype
     if roll != "auto" and roll != train:
@@ -375,7 +390,7 @@ def refused_keys(cfg: RLFabricConfig) -> Iterable[Problem]:
 RULES: tuple[Rule, ...] = (
     required_training_keys, model_architecture, positive_sizes, sequence_lengths, device_layout,
     batch_divisibility, dispatch_sizes, algorithm_choices, algorithm_rules, rewards, sampling, placement,
-    resume_rule, refused_keys,
+    pipelining, resume_rule, refused_keys,
 )
 WARNINGS: tuple[Rule, ...] = (precision_warnings,)
 

@@ -1,0 +1,44 @@
+"""Pipelined (one-step off-policy) mode, the coordinator's side: the version fence and the behaviour log-probs.
+
+With `rlfabric.max_staleness: 1` the rollout generates iteration k+1 with the weights of k-1 while the actor
+updates on k (`GrpoIteration.run_overlapped`), so the samples an update trains on may be one weight version
+behind the actor. The fence refuses any sample outside 0..max_staleness versions behind (the trainer's Update
+checks the same bound); the rollout's own log-probs of the sampled tokens travel with the batch so that the
+trainer can weight each token by the truncated importance ratio (services/trainer/grpo_loss.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from services.common.tensors import to_numpy
+from services.coordinator.errors import IterationError
+from services.coordinator.generation import Group
+
+
+def fence(groups: Sequence[Group], actor_version: int, max_staleness: int) -> dict[str, float]:
+    """Checks that every trainable sample is 0..`max_staleness` versions behind the actor (at `actor_version`).
+
+    Returns `staleness/mean` and `staleness/max`, in weight versions, over the trainable samples.
+    Raises IterationError naming the versions when one is outside the bound.
+    """
+    lags = np.array([actor_version - int(x.weights_version) for g in groups for x in g.trainable()], dtype=np.float64)
+    if lags.size and (lags.max() > max_staleness or lags.min() < 0):
+        raise IterationError(f"version fence: samples {int(lags.min())}..{int(lags.max())} versions behind the actor "
+                             f"(version {actor_version}); rlfabric.max_staleness allows 0..{max_staleness}")
+    return {"staleness/mean": float(lags.mean()) if lags.size else 0.0,
+            "staleness/max": float(lags.max()) if lags.size else 0.0}
+
+
+def behavior_log_probs(groups: Sequence[Group]) -> dict[str, np.ndarray]:
+    """The rollout's log-probs of each trainable sample's tokens (the behaviour policy), by sample id."""
+    out = {}
+    for x in (x for g in groups for x in g.trainable()):
+        lp = to_numpy(x.response_log_probs).astype(np.float32).reshape(-1)
+        if lp.shape[0] != x.response_length:
+            raise IterationError(f"rollout: sample {x.sample_id} has {lp.shape[0]} log-probs for {x.response_length} "
+                                 "tokens; pipelined mode needs the log-prob of every sampled token")
+        out[x.sample_id] = lp
+    return out
