@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 from pathlib import Path
 
 from services.common.net import add_network_arguments, advertised_address, check_network_arguments
@@ -50,7 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
     from services.common.redis_store import Registry, connect
     from services.common.security import server_security
     from services.common.server import ServiceSpec, create_server, serve_until_signal
-    from services.coordinator.app import build_driver
+    from services.coordinator.app import build_driver, warm_imports
     from services.coordinator.server import SERVICE_NAME, CoordinatorServicer
 
     try:
@@ -66,6 +67,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rlfabric coordinator serve: {bad}", file=sys.stderr)
         return 2
     client = connect(args.redis_url)
+    threading.Thread(target=warm_imports, name="warm-imports", daemon=True).start()
 
     def factory(config_yaml: str, overrides: list[str], run_id: str):
         return build_driver(config_yaml, overrides, run_id, redis_client=client, configs_dir=args.configs_dir,
