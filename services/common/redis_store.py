@@ -315,6 +315,11 @@ class RunJournal:
     def iterations(self) -> dict[int, dict[str, float]]:
         return {int(k): json.loads(v) for k, v in self.client.hgetall(self._iter_key).items()}
 
+    def iteration_metrics(self, iteration: int) -> dict[str, float] | None:
+        """One journaled iteration's metrics, or None when it has not finished (one field read, not the run's)."""
+        raw = self.client.hget(self._iter_key, str(iteration))
+        return None if raw is None else json.loads(raw)
+
     def details(self) -> dict[int, dict[str, Any]]:
         """Iteration -> the `detail` it was recorded with."""
         return {int(k): json.loads(v) for k, v in self.client.hgetall(self._detail_key).items()}

@@ -14,6 +14,9 @@
 6. sync: the actor pushes the new version to every replica, which acks it with a checksum;
 7. metrics: the seed's table, the iteration timeline, DAPO's counts.
 In integrated mode (`use_integrated_worker`) `placement.py` moves the services' memory between the phases.
+In pipelined mode (`rlfabric.max_staleness: 1`, `run_overlapped`) phase 1 of iteration k+1 runs on the
+replicas' current weights while phases 2-5 of iteration k run; phase 6 waits for both, so the update of k trains
+on samples one version behind the actor (fenced, and importance-weighted in the loss: `off_policy.py`).
 
 A sample that fails (for example a prompt longer than `max_model_len`) costs that sample: it scores 0,
 keeps its place in its group for the normalisation, and contributes no tokens to the update.

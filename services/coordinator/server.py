@@ -113,10 +113,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         while context.is_active():
             # Phase first: iterations journaled before a terminal phase are then all in `done`.
             finished = journal.read().get("phase") in ("done", "stopped", "failed")
-            done = journal.iterations()
-            while next_it in done:
+            # Only the next iteration is read: reading every journaled iteration on each poll made a follower's
+            # cost (and its hold on the coordinator's GIL) grow with the run's length.
+            while (metrics := journal.iteration_metrics(next_it)) is not None:
                 yield coordinator_pb2.IterationMetrics(
-                    run_id=request.run_id, iteration=next_it, metrics=common_pb2.Metrics(values=done[next_it]))
+                    run_id=request.run_id, iteration=next_it, metrics=common_pb2.Metrics(values=metrics))
                 next_it += 1
             if finished:
                 return

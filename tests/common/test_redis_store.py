@@ -129,3 +129,12 @@ def test_journal_and_registrations_ride_out_a_redis_restart(tmp_path) -> None:
         registration.close()
     finally:
         server.stop()
+
+
+def test_iteration_metrics_reads_one_journaled_iteration(redis_url: str) -> None:
+    from services.common.redis_store import RunJournal, connect
+
+    journal = RunJournal(connect(redis_url), "one-field")
+    journal.record_iteration(1, {"a": 1.5})
+    assert journal.iteration_metrics(1) == {"a": 1.5}
+    assert journal.iteration_metrics(2) is None

