@@ -176,27 +176,32 @@ def run_rlfabric(w: Workload, work: Path, label: str, iterations: int, extra: li
             "peak_rss_bytes": peak, "wall_s": time.perf_counter() - t0}
 
 
-def run_trl(python: str, w: Workload, work: Path, iterations: int) -> dict:
-    out = work / "runs" / f"trl-{w.name}.json"
+def run_trl(python: str, w: Workload, work: Path, iterations: int, threads: int = 0) -> dict:
+    out = work / "runs" / f"trl-{w.name}-threads{threads}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     t0 = time.perf_counter()
     proc = subprocess.run([python, "bench/trl_grpo.py", "--model", str(w.model), "--data", str(w.jsonl),
                            "--steps", str(iterations), "--max-tokens", str(w.max_tokens), "--lr", str(w.lr),
-                           *w.trl_args, "--out", str(out)], cwd=REPO, capture_output=True, text=True, env=env)
+                           "--threads", str(threads), *w.trl_args, "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"TRL run failed:\n{proc.stderr[-3000:]}")
     data = json.loads(out.read_text())
     steps = [{"seconds": s["seconds"], "tokens": (data["prompt_mean_length"] + s["completion_mean_length"])
               * data["samples_per_step"], "generate": s["generate_seconds"], "reward": s.get("reward", 0.0)}
              for s in data["steps"]]
-    return {"label": f"TRL {data['versions']['trl']}", "steps": steps, "first_step_s": data["steps"][0]["end_since_start"],
+    return {"label": f"TRL {data['versions']['trl']} ({data['torch_threads']} threads)", "steps": steps, "first_step_s": data["steps"][0]["end_since_start"],
             "threads": data["torch_threads"], "wall_s": time.perf_counter() - t0}
 
 
 def med(run: dict, key: str, warmup: int = 2) -> float:
     values = [s[key] for s in run["steps"][warmup:] if key in s]
     return statistics.median(values) if values else float("nan")
+
+
+def mean(run: dict, key: str, warmup: int = 2) -> float:
+    return statistics.mean(s[key] for s in run["steps"][warmup:])
 
 
 def tps(run: dict, warmup: int = 2) -> float:
@@ -227,7 +232,7 @@ def describe(w: str, runs: list[dict]) -> list[str]:
         trl = "threads" in r
         other = (f"generate {med(r, 'generate'):.3f} s/step, torch threads {r['threads']}" if trl
                  else f"staleness max {max(s.get('staleness/max', 0) for s in r['steps']):.0f}, "
-                      f"wall minus timing/all (journal, metrics, stream) {wall_per_step(r) - med(r, 'timing/all'):.3f} "
+                      f"wall minus timing/all (journal, metrics, stream) {wall_per_step(r) - mean(r, 'timing/all'):.3f} "
                       f"s, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
         step = _spread(r, "seconds" if trl else "timing/all") + ("" if trl else " (timing/all)")
         out.append(f"| {r['label']} | {wall_per_step(r):.3f} | {step} | {tps(r):,.0f} | {r['first_step_s']:.1f} | "
@@ -249,7 +254,7 @@ def ratio_lines(w: str, trl: dict, sync: dict, pipe: dict | None) -> list[str]:
         if r is None:
             continue
         lines.append(f"- {w} end to end vs TRL: {tps(r) / tps(trl):.2f}x ({mode}; tokens/s {tps(r):,.0f} vs "
-                     f"{tps(trl):,.0f})")
+                     f"{tps(trl):,.0f}, {trl['label']})")
         lines.append(f"- {w} per step vs TRL: {wall_per_step(trl) / wall_per_step(r):.2f}x ({mode}; s/step "
                      f"{wall_per_step(r):.3f} vs {wall_per_step(trl):.3f})")
         lines.append(f"- {w} time to first step vs TRL: {trl['first_step_s'] / r['first_step_s']:.2f}x ({mode}; "
@@ -282,10 +287,14 @@ def bench_vs_trl(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
     for name in args.workloads:
         w = loads[name]
         load_before = os.getloadavg()[0]
-        trl = run_trl(args.trl_python, w, args.work, args.iterations)
+        trls = [run_trl(args.trl_python, w, args.work, args.iterations)]
         sync = run_rlfabric(w, args.work, f"{name}-sync", args.iterations, [])
         pipe = run_rlfabric(w, args.work, f"{name}-pipelined", args.iterations, ["-o", "rlfabric.max_staleness=1"])
-        body += describe(name, [trl, sync, pipe])
+        # On a busy machine TRL's default (one thread per core) can lose more to contention than one thread
+        # does; the comparison is with whichever TRL was faster.
+        trls.append(run_trl(args.trl_python, w, args.work, args.iterations, threads=1))
+        trl = max(trls, key=tps)
+        body += describe(name, [*trls, sync, pipe])
         body.append(f"(1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after {name})")
         body.append("")
         ratios += ratio_lines(name, trl, sync, pipe)

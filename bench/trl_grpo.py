@@ -45,10 +45,14 @@ def main() -> int:
     p.add_argument("--adam-beta2", type=float, default=0.95)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--beta", type=float, default=0.001, help="KL coefficient")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's choice)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,8 +176,11 @@ class GrpoIteration:
             ahead = pool.submit(prefetch) if prefetch is not None else None
             try:
                 parts = self._train(rollout, iteration, actor_version)
-            finally:
-                following = ahead.result() if ahead is not None else None  # its error wins only if ours did not
+            except BaseException:
+                if ahead is not None:
+                    wait([ahead])  # no generation may outlive a failed step; the update's error is the one raised
+                raise
+            following = ahead.result() if ahead is not None else None
         self.placement.after_update(rollout.clock, actor_version + 1)
         result = self._finish(rollout, parts, actor_version, start, time.perf_counter(),
                               also_busy=following.clock if following is not None else None)
