@@ -262,9 +262,13 @@ def ratio_lines(w: str, trl: dict, sync: dict, pipe: dict | None) -> list[str]:
     return lines
 
 
-def write_section(title: str, lines: list[str], detail: Path) -> None:
-    """Replaces this bench's block in bench/RESULTS.md (keeping the other blocks) and writes `detail`."""
+def write_section(title: str, lines: list[str], detail: Path, summary: list[str] | None = None) -> None:
+    """Writes `detail` and replaces this bench's block in bench/RESULTS.md (keeping the other blocks) with
+    `summary` (default: all of `lines`) and a link to the detail."""
     detail.write_text("\n".join([f"# {title}", "", *lines, ""]))
+    if summary is not None:
+        lines = [*summary, "", f"Per-stage times, start-up milestones and both TRL thread settings: "
+                               f"[{detail.name}](results/{detail.name})."]
     results = REPO / "bench" / "RESULTS.md"
     text = results.read_text()
     block_id = detail.stem
@@ -300,7 +304,7 @@ def bench_vs_trl(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
         ratios += ratio_lines(name, trl, sync, pipe)
         print("\n".join(body[-12:] + ratios[-6:]), flush=True)
     write_section("rlfabric vs TRL GRPOTrainer, W1 and W2 (one run)", [*header, *ratios, "", *body],
-                  REPO / "bench" / "results" / "e2e.md")
+                  REPO / "bench" / "results" / "e2e.md", summary=[*header, *ratios])
 
 
 def bench_scaling(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
@@ -309,15 +313,22 @@ def bench_scaling(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
               ("4x batch", ["-o", "megatron_training.global_batch_size=32", "-o", "rl_config.mini_batch_size=32"]),
               ("2x length", ["-o", "generate_config.sampling_config.max_tokens=128"])]
     lines = [f"Machine: {machine_info(*PACKAGES)}; W1 in synchronous mode, {args.iterations} iterations each, "
-             "medians over 3..N.", "", "| shape | tokens/iteration | s/iteration | tokens/s | peak RSS, all services "
-             "(GiB) | load before |", "|---|---|---|---|---|---|"]
+             "medians over 3..N; the stage columns are timing/* medians (s), the per-token column the rollout and "
+             "update seconds per 1,000 tokens.", "",
+             "| shape | tokens/iteration | s/iteration | tokens/s | rollout | reference | update | sync | "
+             "rollout+update s per 1k tokens | peak RSS, all services (GiB) | load before |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = None
     for label, extra in shapes:
         load = os.getloadavg()[0]
         r = run_rlfabric(w, args.work, f"scale-{label.replace(' ', '-')}", args.iterations, extra)
         base = base or r
+        per_k = 1e3 * (med(r, "timing/rollout") + med(r, "timing/update")) / med(r, "tokens")
         lines.append(f"| {label} | {med(r, 'tokens'):,.0f} | {wall_per_step(r):.3f} | {tps(r):,.0f} "
-                     f"({tps(r) / tps(base):.2f}x of 1x) | {r['peak_rss_bytes'] / 2**30:.2f} | {load:.1f} |")
+                     f"({tps(r) / tps(base):.2f}x of 1x) | {med(r, 'timing/rollout'):.3f} | "
+                     f"{med(r, 'timing/reference_model'):.3f} | {med(r, 'timing/update'):.3f} | "
+                     f"{med(r, 'timing/resharding_to_infer'):.3f} | {per_k:.3f} | {r['peak_rss_bytes'] / 2**30:.2f} | "
+                     f"{load:.1f} |")
         print(lines[-1], flush=True)
     write_section("How cost grows (W1, rlfabric)", lines, REPO / "bench" / "results" / "e2e_scaling.md")
 
