@@ -293,6 +293,26 @@ def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str = "token-mean") ->
     return fn(per_token, mask)
 
 
+def _checked_clip_bounds(
+    clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None, entropy_coeff: float,
+    entropy: Tensor | None,
+) -> tuple[float, float]:
+    """grpo_loss's argument checks; returns the (low, high) clip bounds."""
+    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    if low < 0 or high < 0:
+        raise ValueError(
+            f"clip ratios must be >= 0, got clip_ratio_low={low}, clip_ratio_high={high} "
+            "(rl_config.clip_ratio / clip_ratio_low / clip_ratio_high)"
+        )
+    if entropy_coeff != 0 and entropy is None:
+        raise ValueError(
+            f"entropy_coeff={entropy_coeff} needs the per-token entropy: "
+            "call compute_log_probs(..., with_entropy=True) and pass entropy="
+        )
+    return low, high
+
+
 def grpo_loss(
     log_probs: Tensor,
     old_log_probs: Tensor | None,
@@ -309,8 +329,7 @@ def grpo_loss(
     entropy_coeff: float = 0.0,
     entropy: Tensor | None = None,
     token_level_loss: bool = True,
-    behavior_log_probs: Tensor | None = None,
-    is_cap: float = 2.0,
+    behavior_log_probs: Tensor | None = None, is_cap: float = 2.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO (or DAPO) actor loss of one micro-batch.
 
@@ -327,9 +346,8 @@ def grpo_loss(
         kl_coef: weight of the KL term (the KL controller's current value).
         use_kl: False for DAPO (no reference model, no KL term).
         entropy_coeff: weight of the entropy bonus (subtracted from the loss).
-        entropy: `[batch, seq]` per-token entropy with gradient (`compute_log_probs(...,
-            with_entropy=True)`); required when `entropy_coeff != 0`, optional otherwise (then it
-            only feeds the `actor/entropy` metric, which is 0.0 when it is absent).
+        entropy: `[batch, seq]` per-token entropy with gradient (`compute_log_probs(..., with_entropy=True)`);
+            required when `entropy_coeff != 0`, else it only feeds `actor/entropy` (0.0 when absent).
         token_level_loss: True for "token-mean", False for "seq-mean-token-mean" on the pg term.
         behavior_log_probs, is_cap: the off-policy correction (see `policy_loss`); None: none.
 
@@ -337,19 +355,7 @@ def grpo_loss(
         `(loss, metrics)`: a 0-dim tensor to backpropagate (one micro-batch's mean; see the
         module docstring for the mini-batch contract) and detached float metrics.
     """
-    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
-    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-    if low < 0 or high < 0:
-        raise ValueError(
-            f"clip ratios must be >= 0, got clip_ratio_low={low}, clip_ratio_high={high} "
-            "(rl_config.clip_ratio / clip_ratio_low / clip_ratio_high)"
-        )
-    if entropy_coeff != 0 and entropy is None:
-        raise ValueError(
-            f"entropy_coeff={entropy_coeff} needs the per-token entropy: "
-            "call compute_log_probs(..., with_entropy=True) and pass entropy="
-        )
-
+    low, high = _checked_clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high, entropy_coeff, entropy)
     per_token_pg, metrics = policy_loss(
         log_probs, old_log_probs, advantages, response_mask, clip_ratio_low=low, clip_ratio_high=high,
         behavior_log_probs=behavior_log_probs, is_cap=is_cap,
