@@ -195,30 +195,6 @@ def _load_model_state(model, state: dict, path: Path) -> None:
             t.copy_(state[k])
 
 
-def reference_load_path(*, load: str | None, finetune: bool, ref_model_load_path: str | None) -> str:
-    """Where the reference model loads from (MindSpeed-RL's `integrated_mode_config.ref_model_load_path`).
-
-    A fresh run (no checkpoint beyond converted `release` weights, or `finetune: true`) may take the
-    reference from `load`: both are the initial policy. A resumed run may not: `load` then holds the
-    trained actor, and MindSpeed-RL silently uses it as the reference, which changes the KL term.
-    """
-    if ref_model_load_path:
-        return ref_model_load_path
-    if not load:
-        raise ValueError("no weights for the reference model: set megatron_training.load (or ref_model_load_path)")
-    resuming = False
-    if not finetune and (Path(load) / ckpt_layout.TRACKER).is_file():
-        resuming = ckpt_layout.read_tracker(load) != ckpt_layout.RELEASE
-    if resuming:
-        raise ValueError(
-            f"resuming from {load} (finetune: false, tracker at iteration {ckpt_layout.read_tracker(load)}) "
-            "without rl_config.integrated_mode_config.ref_model_load_path: `load` now holds the trained actor, "
-            "so the reference would drift from the initial policy; set ref_model_load_path to the initial "
-            "(converted) weights"
-        )
-    return load
-
-
 class CheckpointPathError(ValueError):
     """A SaveCheckpoint/LoadCheckpoint directory outside the roots this trainer may use."""
 

@@ -360,9 +360,7 @@ def grpo_loss(
         log_probs, old_log_probs, advantages, response_mask, clip_ratio_low=low, clip_ratio_high=high,
         behavior_log_probs=behavior_log_probs, is_cap=is_cap,
     )
-    pg = aggregate_loss(
-        per_token_pg, response_mask, "token-mean" if token_level_loss else "seq-mean-token-mean"
-    )
+    pg = aggregate_loss(per_token_pg, response_mask, "token-mean" if token_level_loss else "seq-mean-token-mean")
     loss = pg
 
     if use_kl:
@@ -384,12 +382,6 @@ def grpo_loss(
             loss = loss - entropy_coeff * mean_entropy
         entropy_value = mean_entropy.item()
 
-    metrics.update(
-        {
-            "actor/pg_loss": pg.item(),
-            "actor/kl_loss": kl_value,
-            "actor/entropy": entropy_value,
-            "actor/loss": loss.item(),
-        }
-    )
+    metrics.update({"actor/pg_loss": pg.item(), "actor/kl_loss": kl_value, "actor/entropy": entropy_value,
+                    "actor/loss": loss.item()})
     return loss, metrics

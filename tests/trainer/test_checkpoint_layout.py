@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from services.trainer import ckpt_layout
-from services.trainer.checkpoint import reference_load_path
 
 
 def _write_iteration(root: Path, iteration: int, payload: bytes, *, tp: int = 2, pp: int = 1) -> Path:
@@ -53,22 +52,3 @@ def test_missing_tracker_is_explained(tmp_path: Path):
     (tmp_path / ckpt_layout.TRACKER).write_text("banana")
     with pytest.raises(ValueError, match="'banana'"):
         ckpt_layout.read_tracker(tmp_path)
-
-
-def test_reference_weights_rule(tmp_path: Path):
-    fresh = tmp_path / "converted"
-    fresh.mkdir()
-    ckpt_layout.write_tracker(fresh, "release")
-    # Fresh run: the converted weights are the initial policy, fine as the reference.
-    assert reference_load_path(load=str(fresh), finetune=False, ref_model_load_path=None) == str(fresh)
-    assert reference_load_path(load=str(fresh), finetune=False, ref_model_load_path="/ref") == "/ref"
-    resumed = tmp_path / "run"
-    resumed.mkdir()
-    ckpt_layout.write_tracker(resumed, 40)
-    # Resuming: `load` holds the trained actor, which must not become the reference.
-    with pytest.raises(ValueError, match="ref_model_load_path") as e:
-        reference_load_path(load=str(resumed), finetune=False, ref_model_load_path=None)
-    assert "iteration 40" in str(e.value) and "trained actor" in str(e.value)
-    assert reference_load_path(load=str(resumed), finetune=True, ref_model_load_path=None) == str(resumed)
-    with pytest.raises(ValueError, match="no weights for the reference"):
-        reference_load_path(load=None, finetune=False, ref_model_load_path=None)
