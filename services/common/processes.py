@@ -4,15 +4,25 @@ The one way rlfabric starts a service as a child (`python -m services.cli ...`, 
 custom verifier): `rlfabric up` and `rlfabric eval` (services/launcher/stack.py) for every service, and the
 tests and benchmarks for trainer groups (`start_trainer_group`). Each child gets its own session, so `stop` ends its whole process group (a
 trainer group's ranks included).
+
+Children die with their parent: each one asks the kernel for SIGKILL when the process that started it dies
+(`PR_SET_PDEATHSIG`), and `Reaper` (a small watchdog process holding a pipe from the parent) kills every
+child's process group (grandchildren included: a trainer's ranks, vLLM's engine core, reward pool slots) and
+Redis once that pipe closes, which is how a SIGKILLed `rlfabric up` still leaves no process or port behind.
+`ChildWatcher` polls the children on a thread, so a dead one is named while the run is in the middle of an
+iteration, not after it.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +33,25 @@ logger = logging.getLogger(__name__)
 
 class ServiceStartError(RuntimeError):
     """A child service exited or did not become ready; the message carries its log's tail."""
+
+
+_PR_SET_PDEATHSIG = 1
+# Resolved before any fork: the child only calls it (loading a library between fork and exec could deadlock).
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def die_with_parent() -> Callable[[], None]:
+    """A `preexec_fn` for a child that must not outlive the process (thread) starting it, even a SIGKILLed one."""
+    parent = os.getpid()
+
+    def preexec() -> None:
+        os.setsid()  # own session: `stop` ends the whole group
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the request above took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
 
 
 def tail(path: Path, lines: int = 30) -> str:
@@ -49,21 +78,28 @@ class ServiceProcess:
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
         argv = self.command or [sys.executable, "-m", "services.cli", *self.args]
         try:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         preexec_fn=die_with_parent())
         except OSError as e:
             raise ServiceStartError(f"{self.name}: cannot run {' '.join(argv)!r}: {e}") from e
         finally:
             log.close()
         logger.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(argv))
+        if Reaper.active is not None:
+            Reaper.active.add_group(self.proc.pid)
         return self
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
     def check(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            raise ServiceStartError(f"{self.name} exited with code {self.proc.returncode}; last lines of "
-                                    f"{self.log_path}:\n{tail(self.log_path)}")
+            raise ServiceStartError(f"{self.name} (pid {self.proc.pid}) exited with code {self.proc.returncode}; "
+                                    f"last lines of {self.log_path}:\n{tail(self.log_path)}")
 
     def stop(self, grace_s: float = 10.0) -> None:
         if not self.alive():
@@ -75,6 +111,8 @@ class ServiceProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        if Reaper.active is not None:
+            Reaper.active.remove_group(self.proc.pid)
 
 
 def start_trainer_group(log_dir: Path, args: Sequence[str], *, name: str = "trainer", env: dict[str, str] | None = None,
@@ -105,3 +143,125 @@ def wait_until(ready: Callable[[], bool], processes: Sequence[ServiceProcess], t
             logs = "\n".join(f"--- {p.name} ({p.log_path}):\n{tail(p.log_path, 10)}" for p in processes)
             raise ServiceStartError(f"{what} not ready after {timeout_s:.0f}s\n{logs}")
         time.sleep(0.25)
+
+
+class ChildWatcher:
+    """Polls `processes()` every `interval_s` on a daemon thread; the first dead one's error goes to `on_death`.
+
+    The callback runs once, on the watcher's thread (`rlfabric up` uses it to interrupt its main thread).
+    """
+
+    def __init__(self, processes: Callable[[], Sequence[ServiceProcess]],
+                 on_death: Callable[[ServiceStartError], None], interval_s: float = 0.5) -> None:
+        self._processes, self._on_death, self._interval_s = processes, on_death, interval_s
+        self._stop = threading.Event()
+        self.error: ServiceStartError | None = None
+        self._thread = threading.Thread(target=self._run, name="child-watcher", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            for p in list(self._processes()):
+                try:
+                    p.check()
+                except ServiceStartError as e:
+                    self.error = e
+                    self._on_death(e)
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+class Reaper:
+    """A watchdog process that kills the registered process groups and pids once this process dies.
+
+    It reads lines `+G PGID`, `-G PGID`, `+P PID` from a pipe whose only writer is this process; EOF (the
+    kernel closes the pipe of a dead process, SIGKILL included) means: SIGTERM every group and pid, then
+    SIGKILL what is left after `grace_s`. `close()` ends it without killing anything.
+
+    `Reaper.install()` makes one the process's active reaper: every `ServiceProcess` started from then on
+    is guarded by it, and it is closed at a normal exit (atexit), when the children were stopped already.
+    """
+
+    active: Reaper | None = None
+
+    @classmethod
+    def install(cls, grace_s: float = 5.0) -> Reaper:
+        if cls.active is None:
+            cls.active = cls(grace_s)
+            atexit.register(cls.active.close)
+        return cls.active
+
+    def __init__(self, grace_s: float = 5.0) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.common.processes", "--reap", str(grace_s)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
+                                     text=True)
+
+    def _send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            logger.warning("reaper gone; %s not guarded", line)
+
+    def add_group(self, pgid: int) -> None:
+        self._send(f"+G {pgid}")
+
+    def remove_group(self, pgid: int) -> None:
+        self._send(f"-G {pgid}")
+
+    def add_pid(self, pid: int) -> None:
+        self._send(f"+P {pid}")
+
+    def close(self) -> None:
+        """Ends the reaper without killing anything (the children were stopped the normal way)."""
+        if Reaper.active is self:
+            Reaper.active = None
+        if self.proc.poll() is not None:
+            return
+        self._send("QUIT")
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _kill_all(groups: set[int], pids: set[int], sig: int) -> bool:
+    """Sends `sig`; True if anything was still there."""
+    alive = False
+    for send, ident in [(os.killpg, g) for g in groups] + [(os.kill, p) for p in pids]:
+        try:
+            send(ident, sig)
+            alive = True
+        except (ProcessLookupError, PermissionError):
+            pass
+    return alive
+
+
+def _reap_main(grace_s: float) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the terminal is the parent's to handle
+    groups: set[int] = set()
+    pids: set[int] = set()
+    for line in sys.stdin:
+        kind, _, ident = line.strip().partition(" ")
+        if kind == "QUIT":
+            return
+        target = groups if kind[1:] == "G" else pids
+        (target.add if kind[0] == "+" else target.discard)(int(ident))
+    if not _kill_all(groups, pids, signal.SIGTERM):
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _kill_all(groups, pids, 0):
+        time.sleep(0.1)
+    _kill_all(groups, pids, signal.SIGKILL)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--reap"]:
+    _reap_main(float(sys.argv[2]))

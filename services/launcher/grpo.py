@@ -3,17 +3,23 @@
 Order: Redis -> reward worker(s) -> custom verifiers -> rollout replica -> actor and reference trainers ->
 coordinator. Every child registers in Redis with a lease; `LocalStack.wait_ready` shows each one arrive, the
 custom verifiers are registered, then the run starts (`StartRun`) and its iterations print as they finish.
+
+While the run goes, a `ChildWatcher` thread polls the children: the first one to die is named (service, pid,
+exit code, its log's last lines) and the run fails at once, whatever iteration it is in. Every child, Redis
+included, is guarded by a `Reaper`, so even a SIGKILLed `rlfabric up` leaves no process or port behind.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from services.common.processes import ServiceStartError, tail
+from services.common.processes import ChildWatcher, Reaper, ServiceStartError, tail
 from services.launcher.stack import Expected, LocalStack
 
 logger = logging.getLogger(__name__)
@@ -36,7 +42,10 @@ class GrpoStack:
 
     def start(self) -> None:
         stack = self.stack
+        reaper = Reaper.install()
         url = stack.redis_args()  # a file: the private Redis's URL carries its password
+        if stack.redis is not None:
+            reaper.add_pid(stack.redis.process.pid)
         cfg_args = ["--config", str(self.config_path)]
         print(f"starting services (logs in {stack.logs_dir})", file=stack.out, flush=True)
         stack.spawn_reward_workers(self.reward_workers, self.reward_processes)
@@ -56,17 +65,18 @@ class GrpoStack:
         print(f"services up; coordinator at {self.coordinator_address}", file=stack.out, flush=True)
 
     def train(self, run_id: str = "", resume: bool = False) -> int:
-        import grpc
-
-        from rlfabric.v1 import coordinator_pb2
-        from services.coordinator.follow import FINISHED_OK, start_and_follow
-
-        assert self.coordinator_address is not None
-
         def check_services() -> None:
             for p in self.stack.processes:
                 p.check()
 
+        with WatchChildren(self.stack):
+            return self._train(run_id, resume, check_services)
+
+    def _train(self, run_id: str, resume: bool, check_services: Any) -> int:
+        from rlfabric.v1 import coordinator_pb2
+        from services.coordinator.follow import FINISHED_OK, start_and_follow
+
+        assert self.coordinator_address is not None
         request = coordinator_pb2.StartRunRequest(run_id=run_id, config_yaml=self.config_path.read_text(),
                                                   overrides=self.overrides, resume=resume)
         try:
@@ -75,6 +85,7 @@ class GrpoStack:
                                      on_started=lambda rid: setattr(self, "run_id", rid),
                                      after_iteration=check_services, full_metrics=self.full_metrics)
         except grpc.RpcError as e:
+            check_services()  # a dead child explains a broken stream better than its status code
             raise ServiceStartError(f"coordinator: {e.code().name}: {e.details()}") from e
         if final.phase == coordinator_pb2.RUN_PHASE_FAILED:
             print(f"coordinator log tail:\n{tail(self.stack.logs_dir / 'coordinator.log')}", flush=True)
@@ -92,3 +103,35 @@ class GrpoStack:
                     coordinator_pb2.StopRunRequest(run_id=self.run_id), timeout=300)
             except grpc.RpcError as e:  # stopping is best effort: the children are stopped next anyway
                 logger.warning("StopRun failed: %s", e)
+
+
+class WatchChildren:
+    """Watches the stack's children while the body runs; a death raises its `ServiceStartError` in this thread.
+
+    The watcher thread signals the main thread (SIGUSR1), whose handler raises: a blocking gRPC read there
+    is interrupted at once, instead of when the coordinator's stream next yields.
+    """
+
+    def __init__(self, stack: LocalStack) -> None:
+        self.stack = stack
+        self._previous: Any = None
+        self._watcher: ChildWatcher | None = None
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals go to the main thread only; the checks after each iteration still run
+
+        def raise_death(_signum: int, _frame: Any) -> None:
+            if self._watcher is not None and self._watcher.error is not None:
+                raise self._watcher.error
+
+        main = threading.main_thread().ident
+        assert main is not None
+        self._previous = signal.signal(signal.SIGUSR1, raise_death)
+        self._watcher = ChildWatcher(lambda: self.stack.processes,
+                                     lambda _e: signal.pthread_kill(main, signal.SIGUSR1))
+
+    def __exit__(self, *exc: object) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+            signal.signal(signal.SIGUSR1, self._previous)

@@ -1,0 +1,47 @@
+"""A LocalStack as `rlfabric up` runs it (reaper, watcher), with light children only: a private Redis with its
+append-only file and a reward worker whose verifier pool has two processes (grandchildren of this script).
+
+    python stack_script.py RUN_DIR sleep   # print the pids as JSON, then wait to be killed
+    python stack_script.py RUN_DIR watch   # print the pids, then wait under WatchChildren; a dead child exits 3
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from services.common.processes import Reaper, ServiceStartError
+from services.launcher.grpo import WatchChildren
+from services.launcher.stack import Expected, LocalStack
+
+
+def main(run_dir: Path, mode: str) -> int:
+    stack = LocalStack(run_dir, startup_timeout_s=120)
+    reaper = Reaper.install()
+    try:
+        stack.start_redis()
+        assert stack.redis is not None
+        reaper.add_pid(stack.redis.process.pid)
+        stack.spawn("reward-0", ["reward", "serve", "--redis-url", str(stack.redis_url), "--processes", "2"],
+                    Expected("reward-0", "reward"))
+        stack.wait_ready()
+        print(json.dumps({"children": {p.name: p.pid for p in stack.processes}, "redis_pid": stack.redis.process.pid,
+                          "redis_url": stack.redis_url}), flush=True)
+        if mode == "sleep":
+            time.sleep(600)
+            return 0
+        try:
+            with WatchChildren(stack):
+                time.sleep(600)
+        except ServiceStartError as e:
+            print(f"error: {e}", flush=True)
+            return 3
+        return 0
+    finally:
+        stack.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]), sys.argv[2]))

@@ -1,0 +1,110 @@
+"""`rlfabric up`'s children: watched while the run goes (a dead one named at once), and never left behind,
+not even by a SIGKILLed parent (tests/reliability/stack_script.py runs a LocalStack as `up` does)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("stack_script.py")
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids whose process group is `pgid` (the service and what it started: pool slots, ranks)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def port_open(url: str) -> bool:
+    u = urlparse(url)
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((u.hostname, u.port)) == 0
+
+
+class Script:
+    def __init__(self, repo_root: Path, run_dir: Path, mode: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(repo_root)}
+        self.proc = subprocess.Popen([sys.executable, str(SCRIPT), str(run_dir), mode], cwd=repo_root, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert self.proc.stdout is not None
+        self.lines: list[str] = []
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("{"):
+                self.info = json.loads(line)
+                return
+        pytest.fail("the stack did not come up:\n" + "".join(self.lines))
+
+    def rest(self, timeout_s: float = 60) -> str:
+        out, _ = self.proc.communicate(timeout=timeout_s)
+        return "".join(self.lines) + out
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def test_sigkill_of_the_launcher_leaves_no_child_and_no_redis(repo_root: Path, tmp_path: Path) -> None:
+    script = Script(repo_root, tmp_path / "run", "sleep")
+    try:
+        worker = script.info["children"]["reward-0"]
+        guarded = group_members(worker) + [script.info["redis_pid"]]
+        assert len(guarded) >= 4, guarded  # the worker, its two pool processes, Redis
+        os.kill(script.proc.pid, signal.SIGKILL)
+        script.proc.wait()
+        assert wait_gone(guarded, 15) == []
+        assert not port_open(script.info["redis_url"])
+    finally:
+        script.cleanup()
+        for pid in group_members(script.info["children"]["reward-0"]) + [script.info["redis_pid"]]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_child_killed_mid_run_is_named_at_once_and_everything_stops(repo_root: Path, tmp_path: Path) -> None:
+    script = Script(repo_root, tmp_path / "run", "watch")
+    try:
+        worker = script.info["children"]["reward-0"]
+        members = group_members(worker)
+        os.kill(worker, signal.SIGKILL)
+        out = script.rest(timeout_s=60)
+        assert script.proc.returncode == 3, out
+        assert f"reward-0 (pid {worker}) exited with code -9" in out
+        assert "last lines of" in out and "reward-0.log" in out
+        assert wait_gone(members + [script.info["redis_pid"]], 15) == []
+    finally:
+        script.cleanup()
