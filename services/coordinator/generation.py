@@ -6,6 +6,12 @@ reward stream and, when a `LogProbStream` is given, to a trainer's log-prob stre
 scoring and the reference pass overlap the rollout. It returns when every sample of the batch is in and
 scored. A sample that failed (for example a prompt longer than `max_model_len`) keeps its place in its group.
 
+Failover: a replica whose stream breaks (its process died, or its host went silent past the channel's
+keepalive) is taken out of the run's `ReplicaSet`, and its groups that had not returned all their samples
+are re-sent to the surviving replicas. A re-sent group samples all n again; sample ids decide what counts,
+so a sample that had already arrived keeps its first copy, the re-sent copy is dropped, and every sample
+is scored exactly once. Only with no replica left does the iteration fail.
+
 `RequestStream` is the one helper behind both streams: a streaming RPC fed from a queue by this thread and
 drained on its own, timed as one phase from its first request to its last reply.
 """
@@ -31,6 +37,15 @@ from services.coordinator.settings import IterationSettings
 from services.coordinator.weight_sync import Replica
 
 _DONE = object()
+
+
+@dataclass
+class _Lost:
+    """A replica's stream broke: the groups it had not finished, for the survivors."""
+
+    replica: Replica
+    pending: list[rollout_pb2.GenerateRequest]
+    error: str
 
 
 @dataclass(frozen=True)
@@ -163,6 +178,10 @@ class LogProbStream:
         return self.log_probs
 
 
+# Codes of a replica that is gone (died, unreachable, silent past keepalive) rather than one that refused.
+_REPLICA_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
 class Generator:
     """Samples prompt groups on the replicas and scores every sample (see module docstring).
 
@@ -177,11 +196,21 @@ class Generator:
                  decode: Callable[[Sequence[int]], str], settings: IterationSettings) -> None:
         if not replicas:
             raise ValueError("at least one rollout replica is needed")
-        self.replicas = list(replicas)
+        # The run's ReplicaSet itself (not a copy): a lost replica leaves it for the weight sync too.
+        self.replicas = replicas if isinstance(replicas, list) else list(replicas)
         self.score = score
         self.decode = decode
         self.settings = settings
         self._verifiers = [reward_pb2.VerifierSpec(name=name, weight=w) for name, w in settings.verifiers]
+        self._threads: list[threading.Thread] = []
+        self.failover = {"rollout/replicas_lost": 0.0, "rollout/groups_resent": 0.0,
+                         "rollout/duplicate_samples_dropped": 0.0}
+
+    def take_failover_metrics(self) -> dict[str, float]:
+        """What failover did since the last call (all zero when no replica was lost)."""
+        out = dict(self.failover)
+        self.failover = dict.fromkeys(out, 0.0)
+        return out
 
     def generate(self, prompts: Sequence[GroupPrompt], weights_version: int, clock: PhaseClock,
                  reference: LogProbStream | None = None) -> list[Group]:
@@ -189,12 +218,13 @@ class Generator:
         scores: dict[str, reward_pb2.ScoreResponse] = {}
         samples_q: queue.Queue = queue.Queue()
         reward = RequestStream("rule_reward", self.score, lambda r: scores.__setitem__(r.sample_id, r), clock)
-        threads = self._start_rollout(prompts, weights_version, clock, samples_q)
+        self._threads = []
+        self._start_rollout(prompts, weights_version, clock, samples_q)
         try:
-            samples = self._receive(prompts, samples_q, reward, reference, weights_version)
+            samples = self._receive(prompts, samples_q, reward, reference, weights_version, clock)
         finally:
             reward.close()
-        for t in threads:
+        for t in self._threads:
             t.join()
         reward.join()
         missing = [x for x in samples if x not in scores]
@@ -208,37 +238,63 @@ class Generator:
         return out
 
     def _start_rollout(self, prompts: Sequence[GroupPrompt], version: int, clock: PhaseClock,
-                       out: queue.Queue) -> list[threading.Thread]:
+                       out: queue.Queue) -> None:
         s = self.settings
         sampling = common_pb2.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, has_temperature=True,
                                              top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                                              seed=s.seed or 0, has_seed=s.seed is not None)
         groups = [common_pb2.PromptGroup(group_id=p.group_id, prompt_token_ids=to_proto(np.asarray(p.prompt, np.int32)),
                                          n=s.n_samples_per_prompt) for p in prompts]
-        threads = []
-        for r, replica in enumerate(self.replicas):
-            requests = [rollout_pb2.GenerateRequest(group=g, expected_weights_version=version, sampling=sampling)
-                        for g in groups[r::len(self.replicas)]]
-            if requests:
-                threads.append(threading.Thread(target=self._rollout_on, args=(replica, requests, clock, out),
-                                                name=f"rollout-{r}", daemon=True))
-        for t in threads:
-            t.start()
-        return threads
+        if not self.replicas:
+            raise IterationError("no rollout replica left (every one was lost and none has joined)")
+        self._deal([rollout_pb2.GenerateRequest(group=g, expected_weights_version=version, sampling=sampling)
+                    for g in groups], list(self.replicas), clock, out)
+
+    def _deal(self, requests: list[rollout_pb2.GenerateRequest], replicas: list[Replica], clock: PhaseClock,
+              out: queue.Queue) -> None:
+        """Round-robin over `replicas`, one streaming call (on its own thread) per replica."""
+        for r, replica in enumerate(replicas):
+            share = requests[r::len(replicas)]
+            if share:
+                t = threading.Thread(target=self._rollout_on, args=(replica, share, clock, out),
+                                     name=f"rollout-{replica.address}", daemon=True)
+                self._threads.append(t)
+                t.start()
 
     def _rollout_on(self, replica: Replica, requests: list[rollout_pb2.GenerateRequest], clock: PhaseClock,
                     out: queue.Queue) -> None:
         start = time.perf_counter()
+        returned: dict[str, int] = {}
         try:
             for reply in replica.stub.Generate(iter(requests), timeout=self.settings.deadline_s):
+                returned[reply.sample.group_id] = returned.get(reply.sample.group_id, 0) + 1
                 out.put(reply.sample)
         except grpc.RpcError as e:
-            out.put(IterationError(f"rollout {replica.address}: {e.code().name}: {e.details()}"))
+            error = f"rollout {replica.address}: {e.code().name}: {e.details()}"
+            if e.code() in _REPLICA_GONE:
+                pending = [q for q in requests if returned.get(q.group.group_id, 0) < q.group.n]
+                out.put(_Lost(replica, pending, error))
+            else:  # the replica answered: a refusal (version, input) that another replica would repeat
+                out.put(IterationError(error))
         finally:
             clock.record("rollout", start, time.perf_counter())
 
+    def _fail_over(self, lost: _Lost, clock: PhaseClock, out: queue.Queue) -> None:
+        """Takes the lost replica out of the run and re-sends its unfinished groups to the survivors."""
+        lose = getattr(self.replicas, "lose", None)
+        if lose is not None:
+            lose(lost.replica, lost.error)
+        elif lost.replica in self.replicas:
+            self.replicas.remove(lost.replica)
+        self.failover["rollout/replicas_lost"] += 1
+        survivors = list(self.replicas)
+        if not survivors:
+            raise IterationError(f"{lost.error}; no rollout replica left for its {len(lost.pending)} groups")
+        self.failover["rollout/groups_resent"] += len(lost.pending)
+        self._deal(lost.pending, survivors, clock, out)
+
     def _receive(self, prompts: Sequence[GroupPrompt], samples_q: queue.Queue, reward: RequestStream,
-                 reference: LogProbStream | None, version: int) -> dict[str, common_pb2.Sample]:
+                 reference: LogProbStream | None, version: int, clock: PhaseClock) -> dict[str, common_pb2.Sample]:
         """Takes every sample off the rollout queue, forwarding each to scoring (and to the reference)."""
         by_group = {p.group_id: p for p in prompts}
         samples: dict[str, common_pb2.Sample] = {}
@@ -250,10 +306,14 @@ class Generator:
             except queue.Empty:
                 raise IterationError(f"rollout: {expected - len(samples)} of {expected} samples missing after "
                                      f"{deadline_s:.0f}s") from None
+            if isinstance(item, _Lost):
+                self._fail_over(item, clock, samples_q)
+                continue
             if isinstance(item, Exception):
                 raise item
             if item.sample_id in samples:
-                continue  # a retried group re-sent a sample we already hold
+                self.failover["rollout/duplicate_samples_dropped"] += 1
+                continue  # a re-sent group sampled again one we already hold: the first copy counts
             samples[item.sample_id] = item
             prompt = by_group[item.group_id]
             response = to_numpy(item.response_token_ids) if item.response_length else np.zeros(0, np.int32)

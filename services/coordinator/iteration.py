@@ -223,7 +223,7 @@ class GrpoIteration:
         # The actor's reply carries its own timing/update; the coordinator's span (which update_tps and the
         # timeline use) is the one logged, so that the table stays consistent.
         metrics = {**parts.metrics, **timings, **timeline_metrics(clock, t0), **self._metrics(gen, trained, timings),
-                   **self.placement.take_memory_metrics()}
+                   **self.placement.take_memory_metrics(), **self.generator.take_failover_metrics()}
         trained_ids = [g.group_id for g in gen.trained]
         logger.info("iteration trained %d groups (%d kept of %d generated in %d batches)",
                     len(trained_ids), gen.num_groups_kept, len(gen.generated), len(gen.batches))

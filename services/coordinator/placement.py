@@ -62,7 +62,7 @@ class Placement:
         self.integrated = integrated
         self.actor = actor
         self.reference = reference
-        self.replicas = list(replicas)
+        self.replicas = replicas if isinstance(replicas, list) else list(replicas)  # the run's ReplicaSet, shared
         self.weight_sync = weight_sync
         self.offload = offload
         self.deadline_s = deadline_s
@@ -100,7 +100,7 @@ class Placement:
                  for r in self.replicas]
         self.memory["memory/rollout/resident_bytes_awake"] = float(sum(a.resident_bytes for a in awake))
         if self.weight_sync.version != version:
-            self.weight_sync.push(version)
+            self._push(version)
         out = self._call("actor Offload", self.actor.Offload, trainer_pb2.OffloadRequest(params=self.offload.param))
         self.memory["memory/actor/resident_bytes_offloaded"] = float(out.resident_bytes)
         clock.record("resharding_enter_infer", start, time.perf_counter())
@@ -157,8 +157,20 @@ class Placement:
         if self.integrated:
             return
         start = time.perf_counter()
-        self.weight_sync.push(new_version)
+        self._push(new_version)
         clock.record("resharding_enter_infer", start, time.perf_counter())
+
+    def _push(self, version: int) -> None:
+        """Replicas that registered since the last push join first (awake, when integrated), then all get `version`.
+
+        So a new or restarted replica holds the run's weights before any group is dealt to it.
+        """
+        refresh = getattr(self.replicas, "refresh", None)
+        joined = refresh() if refresh is not None else []
+        if self.integrated:
+            for r in joined:
+                self._call(f"rollout {r.address} Wake", r.stub.Wake, rollout_pb2.WakeRequest())
+        self.weight_sync.push(version)
 
     def checkpoint(self, save: Callable[[], T]) -> T:
         """Runs `save` with the actor's optimizer state and parameters in (a checkpoint holds both)."""

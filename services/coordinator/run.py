@@ -26,6 +26,7 @@ from services.common.redis_store import Registry, RunJournal
 from services.coordinator.errors import IterationError
 from services.coordinator.iteration import GrpoIteration, Rollout
 from services.coordinator.placement import OffloadKeys, Placement
+from services.coordinator.replicas import ReplicaSet
 from services.coordinator.settings import settings_from_config
 from services.coordinator.sinks import MetricsSink
 from services.coordinator.validation import Validation, plan_from_config
@@ -149,7 +150,14 @@ class RunDriver:
         endpoints = discover(self.registry, need_reference=self.settings.use_reference,
                              timeout_s=self.discovery_timeout_s)
         channels = [make_channel(a, token=self.token) for a in [*endpoints.rollout, endpoints.actor]]
-        replicas = [Replica(a, rollout_pb2_grpc.RolloutStub(c)) for a, c in zip(endpoints.rollout, channels, strict=False)]
+
+        def connect_replica(address: str) -> Replica:  # a replica that joins mid-run (services/coordinator/replicas.py)
+            channels.append(make_channel(address, token=self.token))
+            return Replica(address, rollout_pb2_grpc.RolloutStub(channels[-1]))
+
+        replicas = ReplicaSet([Replica(a, rollout_pb2_grpc.RolloutStub(c))
+                               for a, c in zip(endpoints.rollout, channels, strict=False)],
+                              self.registry, connect_replica)
         actor = trainer_pb2_grpc.TrainerStub(channels[-1])
         reference = None
         if endpoints.reference:

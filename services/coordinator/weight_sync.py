@@ -83,7 +83,7 @@ class WeightSync:
                            for r in replicas}
         logger.info("weight sync transports: %s", {a: trainer_pb2.WeightTransport.Name(t)
                                                     for a, t in self.transports.items()})
-        self.replicas = list(replicas)
+        self.replicas = replicas if isinstance(replicas, list) else list(replicas)  # the run's ReplicaSet, shared
         self.hf_config = hf_config
         self.deadline_s = deadline_s
         self.version: int | None = None
@@ -104,8 +104,8 @@ class WeightSync:
     def push(self, version: int) -> None:
         self.version = None
         try:
-            if self._plans is None:
-                self._plans = self._plan()
+            if self._plans is None or _targets(self._plans) != sorted(r.address for r in self.replicas):
+                self._plans = self._plan()  # first push, or replicas were lost or joined since the last one
             for targets, plan in self._plans:
                 self._push(targets, version, plan)
         except (grpc.RpcError, IterationError) as e:
@@ -149,3 +149,7 @@ class WeightSync:
                 raise
             errors.append(e.details() or "")
         return acked
+
+
+def _targets(plans: list[tuple[list[str], trainer_pb2.ReshardPlan]]) -> list[str]:
+    return sorted(a for targets, _ in plans for a in targets)
