@@ -149,11 +149,14 @@ class ChildWatcher:
     """Polls `processes()` every `interval_s` on a daemon thread; the first dead one's error goes to `on_death`.
 
     The callback runs once, on the watcher's thread (`rlfabric up` uses it to interrupt its main thread).
+    `tick`, when given, runs on every poll first (`rlfabric up` restarts its private Redis there).
     """
 
     def __init__(self, processes: Callable[[], Sequence[ServiceProcess]],
-                 on_death: Callable[[ServiceStartError], None], interval_s: float = 0.5) -> None:
+                 on_death: Callable[[ServiceStartError], None], interval_s: float = 0.5,
+                 tick: Callable[[], None] | None = None) -> None:
         self._processes, self._on_death, self._interval_s = processes, on_death, interval_s
+        self._tick = tick
         self._stop = threading.Event()
         self.error: ServiceStartError | None = None
         self._thread = threading.Thread(target=self._run, name="child-watcher", daemon=True)
@@ -161,6 +164,13 @@ class ChildWatcher:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
+            if self._tick is not None:
+                try:
+                    self._tick()
+                except ServiceStartError as e:
+                    self.error = e
+                    self._on_death(e)
+                    return
             for p in list(self._processes()):
                 try:
                     p.check()

@@ -5,8 +5,11 @@ coordinator. Every child registers in Redis with a lease; `LocalStack.wait_ready
 custom verifiers are registered, then the run starts (`StartRun`) and its iterations print as they finish.
 
 While the run goes, a `ChildWatcher` thread polls the children: the first one to die is named (service, pid,
-exit code, its log's last lines) and the run fails at once, whatever iteration it is in. Every child, Redis
-included, is guarded by a `Reaper`, so even a SIGKILLed `rlfabric up` leaves no process or port behind.
+exit code, its log's last lines) and the run fails at once, whatever iteration it is in. The private Redis
+is the exception: when it dies it is restarted on the same port with its append-only file, and the run goes
+on (the services' Redis clients retry through the restart, their heartbeats re-register them, the journal
+is replayed from the file). Every child, Redis included, is guarded by a `Reaper`, so even a SIGKILLed
+`rlfabric up` leaves no process or port behind.
 """
 
 from __future__ import annotations
@@ -129,7 +132,21 @@ class WatchChildren:
         assert main is not None
         self._previous = signal.signal(signal.SIGUSR1, raise_death)
         self._watcher = ChildWatcher(lambda: self.stack.processes,
-                                     lambda _e: signal.pthread_kill(main, signal.SIGUSR1))
+                                     lambda _e: signal.pthread_kill(main, signal.SIGUSR1), tick=self._keep_redis)
+
+    def _keep_redis(self) -> None:
+        """Restarts the stack's private Redis if it died (same port, same append-only file)."""
+        redis = self.stack.redis
+        if redis is None or redis.process.poll() is None:
+            return
+        print(f"redis (pid {redis.process.pid}) exited with code {redis.process.returncode}; restarting it on "
+              f"{redis.url} with its append-only file", file=self.stack.out, flush=True)
+        try:
+            redis.restart()
+        except RuntimeError as e:
+            raise ServiceStartError(f"redis: {e}") from e
+        if Reaper.active is not None:
+            Reaper.active.add_pid(redis.process.pid)
 
     def __exit__(self, *exc: object) -> None:
         if self._watcher is not None:

@@ -108,3 +108,30 @@ def test_a_child_killed_mid_run_is_named_at_once_and_everything_stops(repo_root:
         assert wait_gone(members + [script.info["redis_pid"]], 15) == []
     finally:
         script.cleanup()
+
+
+def test_a_killed_private_redis_is_restarted_on_its_port_with_its_journal(repo_root: Path, tmp_path: Path) -> None:
+    from services.common.redis_store import Registry, RunJournal, connect
+
+    script = Script(repo_root, tmp_path / "run", "watch")
+    try:
+        url, old_pid = script.info["redis_url"], script.info["redis_pid"]
+        client = connect(url)
+        RunJournal(client, "survivor").record_iteration(1, {"reward": 0.5}, weights_version=2)
+        time.sleep(1.5)  # appendfsync everysec: the entry is on disk
+        os.kill(old_pid, signal.SIGKILL)
+        registry = Registry(client)  # its retries ride out the restart
+        assert RunJournal(client, "survivor").iterations() == {1: {"reward": 0.5}}
+        deadline = time.monotonic() + 30  # the worker's heartbeat (lease / 3) registers it again
+        while not registry.members("reward"):
+            assert time.monotonic() < deadline, "the reward worker did not re-register"
+            time.sleep(0.2)
+        assert script.proc.poll() is None  # the stack goes on
+        new_pid = int(client.info("server")["process_id"])
+        assert new_pid != old_pid
+        os.kill(script.proc.pid, signal.SIGTERM)
+        out = script.rest()
+        assert f"redis (pid {old_pid}) exited with code -9; restarting it on {url}" in out
+        assert wait_gone([new_pid], 15) == []
+    finally:
+        script.cleanup()
