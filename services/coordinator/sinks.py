@@ -3,13 +3,16 @@
 The console line is short by default (iteration, reward, validation accuracy when there is one, response
 length, KL, tokens/s, seconds), so a run reads at a glance; `full=True` prints every metric as MindSpeed-RL's
 log does. The JSONL file is the machine-readable record of everything (one object per iteration, written
-with a flush so a crash loses nothing already logged).
+with a flush so a crash loses nothing already logged). It holds each iteration once: a resumed run appends
+to the file of its run id, and when it recomputes iterations past its last checkpoint, their earlier rows
+(and a row cut short by a crash) are dropped before the new ones go in.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -58,17 +61,48 @@ class ConsoleSink(MetricsSink):
 
 
 class JsonlSink(MetricsSink):
+    """One JSON object per iteration, appended; at most one row per iteration (see the module doc)."""
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._last = max((i for i, _ in _rows(self.path)), default=0)
         self._f = self.path.open("a", encoding="utf-8")
 
     def write(self, iteration: int, metrics: Mapping[str, float]) -> None:
+        if iteration <= self._last:
+            self._drop_from(iteration)
+        self._last = iteration
         self._f.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
         self._f.flush()
 
     def close(self) -> None:
         self._f.close()
+
+    def _drop_from(self, iteration: int) -> None:
+        """Rewrites the file without the rows of `iteration` and later ones (replaced atomically)."""
+        self._f.close()
+        kept = [line for i, line in _rows(self.path) if i < iteration]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+        logger.info("%s: dropped the rows of iterations >= %d (recomputed by a resumed run)", self.path, iteration)
+        self._f = self.path.open("a", encoding="utf-8")
+
+
+def _rows(path: Path) -> list[tuple[int, str]]:
+    """(iteration, line) of each complete row of an existing file; a line cut short by a crash is left out."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("iteration"), int | float):
+            out.append((int(row["iteration"]), line))  # the run's metrics carry it as a float too
+    return out
 
 
 class TensorBoardSink(MetricsSink):

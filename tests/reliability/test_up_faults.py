@@ -1,0 +1,160 @@
+"""Faults injected into a whole `rlfabric up` run on the tiny model (slow: each is a full run).
+
+- Redis SIGKILLed mid-run: `up` restarts it on the same port with its append-only file; the run finishes
+  with every iteration journaled once.
+- The only rollout replica SIGKILLed mid-run: `up` names it (service, pid, exit code) and fails at once,
+  leaving nothing behind.
+- `up` itself SIGKILLed: no descendant process and no Redis survive it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def descendants(root: int) -> dict[int, str]:
+    """pid -> command line of every live descendant of `root`, and of their process groups."""
+    table: dict[int, tuple[int, int, str]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                table[int(entry.name)] = (int(fields[1]), int(fields[2]), cmd)
+    found = {root}
+    while True:
+        more = {p for p, (ppid, pgid, _) in table.items() if p not in found and (ppid in found or pgid in found - {root})}
+        if not more:
+            break
+        found |= more
+    return {p: table[p][2] for p in found - {root} if p in table}
+
+
+class Up:
+    """`rlfabric up` on the tiny config, its output collected on a thread."""
+
+    def __init__(self, repo_root: Path, tiny_model_dir: Path, arith_prefix: Path, run_dir: Path, *extra: str) -> None:
+        self.run_dir = run_dir
+        args = [sys.executable, "-m", "services.cli", "up", "configs/grpo_tiny_cpu.yaml",
+                "-o", f"megatron_training.tokenizer_name_or_path={tiny_model_dir}",
+                "-o", f"megatron_training.data_path={arith_prefix}", "-o", f"actor_config.load={tiny_model_dir}",
+                "-o", f"actor_config.save={run_dir / 'ckpt'}", "-o", "megatron_training.save_interval=100",
+                "--run-dir", str(run_dir), *extra]
+        self.proc = subprocess.Popen(args, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(repo_root)})
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout_s: float = 600) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            match = re.search(pattern, self.output)
+            if match:
+                return match
+            assert self.proc.poll() is None, f"up exited ({self.proc.returncode}) before {pattern!r}:\n{self.output[-4000:]}"
+            time.sleep(0.2)
+        pytest.fail(f"no {pattern!r} after {timeout_s}s:\n{self.output[-4000:]}")
+
+    def child(self, needle: str) -> int:
+        return next(p for p, cmd in descendants(self.proc.pid).items() if needle in cmd)
+
+    def finish(self, timeout_s: float = 900) -> int:
+        rc = self.proc.wait(timeout=timeout_s)
+        time.sleep(0.5)  # the reader thread drains the pipe
+        return rc
+
+    def cleanup(self) -> None:
+        left = descendants(self.proc.pid) if self.proc.poll() is None else {}
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def wait_gone(pids, timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in pids if Path(f"/proc/{p}").exists() and
+                    (Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z")]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def test_redis_sigkilled_mid_run_is_restarted_and_the_run_continues(repo_root, tiny_model_dir, arith_prefix,
+                                                                     tmp_path) -> None:
+    up = Up(repo_root, tiny_model_dir, arith_prefix, tmp_path / "run", "-o", "megatron_training.train_iters=4",
+            "--run-id", "redis-restart")
+    try:
+        up.wait_for(r"iteration 1/4")
+        redis_pid = up.child("redis-server")
+        os.kill(redis_pid, signal.SIGKILL)
+        assert up.finish() == 0, up.output[-4000:]
+        assert f"redis (pid {redis_pid}) exited with code -9; restarting it" in up.output
+        rows = [json.loads(x) for x in (tmp_path / "run" / "runs" / "redis-restart" / "metrics.jsonl").read_text()
+                .splitlines()]
+        assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+        assert "run redis-restart: RUN_PHASE_DONE at iteration 4" in up.output
+    finally:
+        up.cleanup()
+
+
+def test_a_rollout_replica_killed_mid_run_is_named_and_the_run_stops_cleanly(repo_root, tiny_model_dir,
+                                                                             arith_prefix, tmp_path) -> None:
+    up = Up(repo_root, tiny_model_dir, arith_prefix, tmp_path / "run", "-o", "megatron_training.train_iters=50")
+    try:
+        up.wait_for(r"iteration 1/50")
+        rollout = up.child("rollout serve")
+        everything = descendants(up.proc.pid)
+        os.kill(rollout, signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert up.finish(timeout_s=180) == 1
+        print(f"\nup failed {time.monotonic() - killed_at:.1f} s after the SIGKILL of rollout-0")
+        assert f"rollout-0 (pid {rollout}) exited with code -9; last lines of" in up.output
+        assert wait_gone(everything, 30) == []
+    finally:
+        up.cleanup()
+
+
+def test_sigkill_of_up_leaves_no_process_and_no_redis(repo_root, tiny_model_dir, arith_prefix, tmp_path) -> None:
+    up = Up(repo_root, tiny_model_dir, arith_prefix, tmp_path / "run", "-o", "megatron_training.train_iters=50")
+    try:
+        up.wait_for(r"iteration 1/50")
+        everything = descendants(up.proc.pid)
+        assert any("redis-server" in c for c in everything.values())
+        assert len(everything) >= 6, everything  # Redis, reward, rollout, 2 trainers, coordinator (+ ranks, reaper)
+        up.proc.kill()
+        up.proc.wait()
+        assert wait_gone(everything, 30) == [], {p: everything[p] for p in wait_gone(everything, 0)}
+    finally:
+        up.cleanup()
