@@ -92,6 +92,9 @@ class GrpoStack:
             raise ServiceStartError(f"coordinator: {e.code().name}: {e.details()}") from e
         if final.phase == coordinator_pb2.RUN_PHASE_FAILED:
             print(f"coordinator log tail:\n{tail(self.stack.logs_dir / 'coordinator.log')}", flush=True)
+            # The coordinator may see a child's death (a broken stream) before the watcher's next poll does:
+            # when one is dead, it is the cause to name.
+            check_services()
         return 0 if final.phase in FINISHED_OK else 1
 
     def stop_run(self) -> None:

@@ -2,8 +2,9 @@
 
 - Redis SIGKILLed mid-run: `up` restarts it on the same port with its append-only file; the run finishes
   with every iteration journaled once.
-- The only rollout replica SIGKILLed mid-run: `up` names it (service, pid, exit code) and fails at once,
-  leaving nothing behind.
+- A child SIGKILLed or SIGSTOPped mid-run (reward worker, rollout replica, trainer rank, coordinator; one of
+  each, so there is no survivor to fail over to): `up` fails the run cleanly, naming the dead child
+  (service, pid, exit code) where one died, and leaves nothing behind.
 - `up` itself SIGKILLed: no descendant process and no Redis survive it.
 """
 
@@ -129,20 +130,43 @@ def test_redis_sigkilled_mid_run_is_restarted_and_the_run_continues(repo_root, t
         up.cleanup()
 
 
-def test_a_rollout_replica_killed_mid_run_is_named_and_the_run_stops_cleanly(repo_root, tiny_model_dir,
-                                                                             arith_prefix, tmp_path) -> None:
-    up = Up(repo_root, tiny_model_dir, arith_prefix, tmp_path / "run", "-o", "megatron_training.train_iters=50")
+# (victim: a command-line fragment of the process to hit, signal, what up's output must then say)
+FAULTS = {
+    "reward-SIGKILL": ("reward serve", signal.SIGKILL, "reward-0 (pid {pid}) exited with code -9; last lines of"),
+    "rollout-SIGKILL": ("rollout serve", signal.SIGKILL, "rollout-0 (pid {pid}) exited with code -9; last lines of"),
+    "coordinator-SIGKILL": ("coordinator serve", signal.SIGKILL,
+                            "coordinator (pid {pid}) exited with code -9; last lines of"),
+    "trainer_rank-SIGKILL": ("trainer rank", signal.SIGKILL, "error: "),
+    "rollout-SIGSTOP": ("rollout serve", signal.SIGSTOP, "RUN_PHASE_FAILED"),
+    "coordinator-SIGSTOP": ("coordinator serve", signal.SIGSTOP, "error: coordinator: UNAVAILABLE"),
+    "trainer_rank-SIGSTOP": ("trainer rank", signal.SIGSTOP, "RUN_PHASE_FAILED"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_child_killed_or_stopped_mid_run_fails_the_run_cleanly(fault, repo_root, tiny_model_dir, arith_prefix,
+                                                                  tmp_path) -> None:
+    needle, sig, expected = FAULTS[fault]
+    # rpc_deadline_s bounds what a stopped trainer rank costs (its server still answers keepalive pings).
+    up = Up(repo_root, tiny_model_dir, arith_prefix, tmp_path / "run", "-o", "megatron_training.train_iters=50",
+            "-o", "rlfabric.rpc_deadline_s=60")
+    victim = None
     try:
         up.wait_for(r"iteration 1/50")
-        rollout = up.child("rollout serve")
+        victim = up.child(needle)
         everything = descendants(up.proc.pid)
-        os.kill(rollout, signal.SIGKILL)
-        killed_at = time.monotonic()
-        assert up.finish(timeout_s=180) == 1
-        print(f"\nup failed {time.monotonic() - killed_at:.1f} s after the SIGKILL of rollout-0")
-        assert f"rollout-0 (pid {rollout}) exited with code -9; last lines of" in up.output
-        assert wait_gone(everything, 30) == []
+        os.kill(victim, sig)
+        hit_at = time.monotonic()
+        assert up.finish(timeout_s=300) == 1, up.output[-3000:]
+        print(f"\n{fault}: up failed {time.monotonic() - hit_at:.1f} s after the signal")
+        assert expected.format(pid=victim) in up.output, up.output[-3000:]
+        assert wait_gone(everything, 60) == [], {p: everything[p] for p in wait_gone(everything, 0)}
     finally:
+        if victim is not None and sig == signal.SIGSTOP:
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         up.cleanup()
 
 
