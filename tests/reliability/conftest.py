@@ -66,11 +66,13 @@ class Replicas:
         wait_until(registered, [self.started[instance_id]], timeout_s, f"rollout replica {instance_id}")
         return next(m.endpoint for m in self.registry.members("rollout") if m.instance_id == instance_id)
 
-    def kill(self, instance_id: str) -> None:
+    def signal(self, instance_id: str, sig: signal.Signals) -> None:
+        """SIGKILL (waited for) or SIGSTOP (the process stays, silent, until the fixture ends it)."""
         proc = self.started[instance_id].proc
         assert proc is not None
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        os.kill(proc.pid, sig)
+        if sig == signal.SIGKILL:
+            proc.wait(timeout=30)
 
     def stop_all(self) -> None:
         for proc in self.started.values():

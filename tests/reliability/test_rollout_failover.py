@@ -9,6 +9,7 @@ process, killed with SIGKILL once the first of its samples has arrived.
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections import Counter
@@ -74,8 +75,12 @@ def make_generator(replica_set, score, settings, tiny_model_dir) -> Generator:
     return Generator(replica_set, score, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), settings)
 
 
-def test_sigkill_of_one_of_two_replicas_mid_iteration_finishes_on_the_survivor(
-        rollout_server, replicas, redis_url, reward_score, tiny_settings, tiny_model_dir) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGSTOP, marks=pytest.mark.slow)],
+                         ids=["SIGKILL", "SIGSTOP"])
+def test_one_of_two_replicas_lost_mid_iteration_finishes_on_the_survivor(
+        sig, rollout_server, replicas, redis_url, reward_score, tiny_settings, tiny_model_dir) -> None:
+    """SIGKILL: the stream breaks at once. SIGSTOP: the replica is alive and silent; the channel's keepalive
+    declares it dead within seconds."""
     server, _ = rollout_server
     replicas.start("replica-b")
     channels: list = []
@@ -100,7 +105,7 @@ def test_sigkill_of_one_of_two_replicas_mid_iteration_finishes_on_the_survivor(
         def kill_b_on_its_first_sample(request) -> None:
             if int(request.sample_id.split("/")[1][1:]) % 2 and not killed.is_set():
                 killed.set()
-                replicas.kill("replica-b")
+                replicas.signal("replica-b", sig)
 
         score.on_request = kill_b_on_its_first_sample
         started = time.monotonic()
@@ -114,7 +119,7 @@ def test_sigkill_of_one_of_two_replicas_mid_iteration_finishes_on_the_survivor(
         assert list(replica_set) == [a] and replica_set.lost_count == 1
         # The dead replica's registration outlives it (its lease): it must not rejoin.
         assert replica_set.refresh() == [] and list(replica_set) == [a]
-        print(f"\nreplica-killed generation: {killed_s:.1f} s (normal {normal_s:.1f} s, {killed_s / normal_s:.2f}x); "
+        print(f"\nreplica-{sig.name} generation: {killed_s:.1f} s (normal {normal_s:.1f} s, {killed_s / normal_s:.2f}x); "
               f"{failover['rollout/groups_resent']:.0f} groups re-sent, "
               f"{failover['rollout/duplicate_samples_dropped']:.0f} re-sampled duplicates dropped")
     finally:
