@@ -97,7 +97,8 @@ def rollout_service(rollout_server, rollout_engine) -> Iterator[Service]:
     target = Target(channel, rollout_pb2.DESCRIPTOR.services_by_name["Rollout"], fix={"Generate": affordable},
                     good={"Generate": [generate], "Info": [rollout_pb2.RolloutInfoRequest(include_parameters=True)],
                           "Sleep": [rollout_pb2.SleepRequest(level=1)], "Wake": [rollout_pb2.WakeRequest()]},
-                    slow=frozenset({"Generate"}))
+                    slow=frozenset({"Generate"}),
+                    after={"Sleep": lambda: stub.Wake(rollout_pb2.WakeRequest(), timeout=60)})
     check()
     yield Service(target, check)
     stub.Wake(rollout_pb2.WakeRequest(), timeout=60)

@@ -246,6 +246,8 @@ class Target:
             confined to the test's tmp dir: what is fuzzed is the service's validation, not the filesystem).
         skip: rpcs not fuzzed, with the reason (documented in the test).
         slow: rpcs whose valid requests may legitimately run past the deadline (generation of many tokens).
+        after: rpc name -> a call made after each fuzzed call of it (e.g. Wake after Sleep, so that the
+            other rpcs keep meeting an awake engine).
     """
 
     channel: grpc.Channel
@@ -254,6 +256,7 @@ class Target:
     fix: dict[str, Callable[[Message], Message]] = field(default_factory=dict)
     skip: dict[str, str] = field(default_factory=dict)
     slow: frozenset[str] = frozenset()
+    after: dict[str, Callable[[], None]] = field(default_factory=dict)
     deadline_s: float = 20.0
 
     def rpcs(self) -> list[Rpc]:
@@ -279,3 +282,5 @@ def fuzz_step(target: Target, data: Any, report: Report) -> None:
     payload = data.draw(payloads(target, rpc))
     outcome = call(target.channel, rpc, payload, target.deadline_s)
     report.add(outcome, allowed_deadline=rpc.name in target.slow)
+    if rpc.name in target.after:
+        target.after[rpc.name]()

@@ -34,11 +34,13 @@ def fuzz(service, count: int, seed_value: int) -> Report:
     elapsed = time.monotonic() - started
     assert report.failures == [], report.failures[:10]
     assert report.sent >= count * 0.9  # hypothesis may stop a little early on a small space; never far off
+    checked = time.monotonic()
     service.check()  # still correct after all that
+    check_s = time.monotonic() - checked
     codes = {}
     for (rpc, code), n in sorted(report.codes.items()):
         codes.setdefault(rpc, []).append(f"{code} {n}")
-    print(f"\n{service.target.service.name}: {report.sent} messages in {elapsed:.1f}s; "
+    print(f"\n{service.target.service.name}: {report.sent} messages in {elapsed:.1f}s (check after: {check_s:.1f}s); "
           + "; ".join(f"{rpc}: {', '.join(c)}" for rpc, c in codes.items()))
     return report
 
