@@ -23,7 +23,7 @@ def fuzz(service, count: int, seed_value: int) -> Report:
     report = Report()
 
     @seed(seed_value)
-    @settings(max_examples=count, deadline=None, database=None, print_blob=False,
+    @settings(max_examples=count, deadline=None, database=None, print_blob=False, derandomize=False,
               suppress_health_check=list(HealthCheck), phases=[Phase.generate])
     @given(data=st.data())
     def step(data) -> None:
