@@ -49,6 +49,7 @@ class GrpoStack:
         url = stack.redis_args()  # a file: the private Redis's URL carries its password
         if stack.redis is not None:
             reaper.add_pid(stack.redis.process.pid)
+            _forget_members(stack.redis_url)
         cfg_args = ["--config", str(self.config_path)]
         print(f"starting services (logs in {stack.logs_dir})", file=stack.out, flush=True)
         stack.spawn_reward_workers(self.reward_workers, self.reward_processes)
@@ -109,6 +110,22 @@ class GrpoStack:
                     coordinator_pb2.StopRunRequest(run_id=self.run_id), timeout=300)
             except grpc.RpcError as e:  # stopping is best effort: the children are stopped next anyway
                 logger.warning("StopRun failed: %s", e)
+
+
+def _forget_members(redis_url: str | None) -> None:
+    """Drops the registrations a private Redis replayed from its append-only file.
+
+    They are the previous `up`'s services (a crash leaves them with up to a lease to live): nothing but this
+    `up` starts services on its private Redis, so none of them is alive, and counting them would make a
+    resumed run talk to a dead coordinator.
+    """
+    from services.common.redis_store import KEY_PREFIX, connect
+
+    client = connect(str(redis_url))
+    stale = list(client.scan_iter(match=f"{KEY_PREFIX}:members:*", count=500))
+    if stale:
+        client.delete(*stale)
+        logger.info("dropped %d registrations of an earlier run from the private Redis", len(stale))
 
 
 class WatchChildren:
