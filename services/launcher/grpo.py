@@ -19,6 +19,7 @@ import signal
 import threading
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import grpc
 
@@ -159,8 +160,9 @@ class WatchChildren:
         redis = self.stack.redis
         if redis is None or redis.process.poll() is None:
             return
+        port = urlparse(redis.url).port  # (the URL itself carries the password)
         print(f"redis (pid {redis.process.pid}) exited with code {redis.process.returncode}; restarting it on "
-              f"{redis.url} with its append-only file", file=self.stack.out, flush=True)
+              f"port {port} with its append-only file", file=self.stack.out, flush=True)
         try:
             redis.restart()
         except RuntimeError as e:

@@ -14,18 +14,17 @@ from pathlib import Path
 
 from services.common.processes import Reaper, ServiceStartError
 from services.launcher.grpo import WatchChildren
-from services.launcher.stack import Expected, LocalStack
+from services.launcher.stack import LocalStack
 
 
 def main(run_dir: Path, mode: str) -> int:
     stack = LocalStack(run_dir, startup_timeout_s=120)
     reaper = Reaper.install()
     try:
-        stack.start_redis()
+        stack.redis_args()  # starts the private Redis
         assert stack.redis is not None
         reaper.add_pid(stack.redis.process.pid)
-        stack.spawn("reward-0", ["reward", "serve", "--redis-url", str(stack.redis_url), "--processes", "2"],
-                    Expected("reward-0", "reward"))
+        stack.spawn_reward_workers(1, 2)
         stack.wait_ready()
         print(json.dumps({"children": {p.name: p.pid for p in stack.processes}, "redis_pid": stack.redis.process.pid,
                           "redis_url": stack.redis_url}), flush=True)
