@@ -58,11 +58,16 @@ def test_the_resume_recipe_of_the_docs_works_as_written(repo_root: Path, tiny_mo
         if crashed.poll() is None:
             crashed.kill()
     wait_until_nothing_runs_in(run)
+    metrics = run / "runs" / "tiny" / "metrics.jsonl"
+    before = {r["iteration"]: r for r in map(json.loads, metrics.read_text().splitlines())}
+    assert sorted(before) == [1, 2, 3]
     done = subprocess.run(["bash", "-c", f"{resume} -o megatron_training.train_iters=4"], cwd=repo_root,
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{resume}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    assert "iteration 3/4" in done.stdout and "iteration 2/4" not in done.stdout
-    rows = [json.loads(x) for x in (run / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert "iteration 4/4" in done.stdout and "iteration 2/4" not in done.stdout
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]  # iteration 3 ran twice, its row is there once
+    assert rows[:2] == [before[1], before[2]]  # rows before the checkpoint kept as they were
+    assert rows[2]["timing/all"] != before[3]["timing/all"]  # the recomputed iteration's row replaced the first
     assert [r["data/batch_index"] for r in rows] == [0, 1, 2, 3]  # the cursor went back to the checkpoint's
     assert (run / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
