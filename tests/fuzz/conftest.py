@@ -140,6 +140,12 @@ def trainer_service(start_trainer, tiny_model_dir: Path, tmp_path_factory) -> It
         request.dir = str(sandbox / "ckpt")  # the dir is fuzzed by the security suite (confinement)
         return request
 
+    def nothing_to_load(request):
+        # A fuzzed SaveCheckpoint writes real checkpoints (any iteration number); loading one back would move
+        # the trainer's state legitimately. Loads go to an empty dir: what is fuzzed is their validation.
+        request.dir = str(sandbox / "empty")
+        return request
+
     def dead_target(request):
         del request.targets[:]
         request.targets.append("127.0.0.1:9")  # nothing listens there: the push fails fast
@@ -148,7 +154,7 @@ def trainer_service(start_trainer, tiny_model_dir: Path, tmp_path_factory) -> It
     target = Target(channel, trainer_pb2.DESCRIPTOR.services_by_name["Trainer"],
                     good={"ComputeLogProbs": [log_probs], "Info": [trainer_pb2.TrainerInfoRequest(include_parameters=True)],
                           "Offload": [trainer_pb2.OffloadRequest(grads=True)], "Onload": [trainer_pb2.OnloadRequest()]},
-                    fix={"SaveCheckpoint": confine_dir, "LoadCheckpoint": confine_dir, "PushWeights": dead_target},
+                    fix={"SaveCheckpoint": confine_dir, "LoadCheckpoint": nothing_to_load, "PushWeights": dead_target},
                     deadline_s=60.0)
     yield Service(target, check)
     channel.close()
