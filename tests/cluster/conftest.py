@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.e2e.conftest import arith_prefix  # noqa: F401 (the same preprocessed prompts as the e2e runs)
-
 
 @dataclass(frozen=True)
 class Host:
