@@ -159,7 +159,7 @@ def test_up_fails_naming_the_service_that_did_not_start_and_stops_the_rest(repo_
     cfg = [*config_args(tiny_model_dir, arith_prefix, tmp_path), "-o", f"actor_config.load={no_weights}"]
     up = rlfabric(repo_root, "system", "up", CONFIG, *cfg, "--dir", str(system), timeout=600)
     assert up.returncode == 1, up.stdout + up.stderr
-    assert "trainer-actor exited with code" in up.stderr and str(no_weights) in up.stderr, up.stderr
+    assert re.search(r"trainer-actor \(pid \d+\) exited with code 1", up.stderr) and str(no_weights) in up.stderr, up.stderr
     assert "every service started was stopped again" in up.stderr
     assert not (system / "state.json").exists() and not (system / "state.lock").exists()
     pids = [int(p) for p in re.findall(r"pid (\d+)", up.stderr.rsplit("stopped again", 1)[1])]
