@@ -58,6 +58,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def env_redis_url() -> str | None:
+    """`$REDIS_URL`: the default of every command's `--redis-url` (the one place that reads it)."""
+    return os.environ.get("REDIS_URL")
+
+
 def add_network_arguments(p: argparse.ArgumentParser, *, default_address: str, redis_help: str | None = None,
                           redis_required: bool = False) -> None:
     """The bind / advertise / Redis flags of a `serve` command (see the module doc)."""
@@ -69,7 +74,7 @@ def add_network_arguments(p: argparse.ArgumentParser, *, default_address: str, r
                         "host; for a wildcard bind, --advertise-interface's address or this host's name)")
     p.add_argument("--advertise-interface", default=None, metavar="IFNAME",
                    help="advertise the IPv4 address of this interface (CURRENT_IP of the seed's launcher)")
-    env_url = os.environ.get("REDIS_URL")
+    env_url = env_redis_url()
     p.add_argument("--redis-url", default=env_url, required=redis_required and env_url is None,
                    help=redis_help or "Redis holding service membership (default: $REDIS_URL)")
 

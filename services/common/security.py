@@ -22,6 +22,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.net import env_redis_url
+
 logger = logging.getLogger(__name__)
 
 # Per service, the RPCs that need `authorization: Bearer TOKEN` whenever the server has a token. Everything that
@@ -121,14 +123,12 @@ def resolve_secrets(args: argparse.Namespace) -> argparse.Namespace:
     if hasattr(args, "auth_token_file") and not isinstance(getattr(args, "auth_token", None), SecretFile):
         args.auth_token = read_secret_file(args.auth_token_file, "--auth-token-file") if args.auth_token_file else None
     if getattr(args, "redis_url_file", None) and not isinstance(getattr(args, "redis_url", None), SecretFile):
-        if getattr(args, "redis_url", None) and args.redis_url != _ENV_REDIS_URL:
+        # A command's --redis-url default ($REDIS_URL, when set) yields to --redis-url-file.
+        if getattr(args, "redis_url", None) and args.redis_url != env_redis_url():
             raise ValueError("give --redis-url or --redis-url-file, not both")
         args.redis_url = read_secret_file(args.redis_url_file, "--redis-url-file")
     return args
 
-
-# A command's --redis-url default ($REDIS_URL, when set) yields to --redis-url-file.
-_ENV_REDIS_URL = os.environ.get("REDIS_URL")
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,11 @@ them in rl_config.verifier_function like a built-in rule.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
+
+from services.common.net import env_redis_url
 
 
 def add_verifier_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,7 +48,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("config", type=Path, help="MindSpeed-RL GRPO YAML")
     p.add_argument("-o", "--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="dotted config override, repeatable")
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+    p.add_argument("--redis-url", default=env_redis_url(),
                    help="use this Redis instead of starting a private one (default: $REDIS_URL)")
     p.add_argument("--run-dir", type=Path, default=None, help="logs and metrics (default: runs/up-TIMESTAMP)")
     p.add_argument("--run-id", default="", help="run id (default: generated)")

@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from services.common.net import add_network_arguments, check_network_arguments
+from services.common.net import add_network_arguments, check_network_arguments, env_redis_url
 
 
 def _plugin(value: str) -> tuple[str, str]:
@@ -42,7 +42,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     score.add_argument("--deadline-s", type=float, default=10.0, help="per-record deadline in seconds")
     score.add_argument("--verifier-plugin", type=_plugin, action="append", default=[], metavar="NAME=SPEC",
                        help="extra local verifier, NAME=package.module:function (repeatable)")
-    score.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+    score.add_argument("--redis-url", default=env_redis_url(),
                        help="Redis holding the registered remote verifiers (default: $REDIS_URL)")
     add_verifier_allow(score)
     from services.common.security import add_security_args
