@@ -4,8 +4,6 @@ its server, starting trainer groups, and the prompt set of whole-system runs."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -131,14 +129,8 @@ def start_trainer(tmp_path_factory: pytest.TempPathFactory):
 def arith_prefix(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, repo_root: Path) -> Path:
     """64 "What is A + B? The answer is" prompts (W1's form) with their sums as labels, preprocessed."""
     from services.data.synthetic import write_arithmetic_jsonl
+    from tests.preprocessing import preprocess_jsonl
 
     root = tmp_path_factory.mktemp("arith")
     write_arithmetic_jsonl(root / "arith.jsonl", 64)
-    prefix = root / "data" / "arith"
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "preprocess", "configs/datasets/deepscaler.yaml",
-         "--set", f"input={root / 'arith.jsonl'}", "--set", f"tokenizer_name_or_path={tiny_model_dir}",
-         "--set", f"output_prefix={prefix}", "--set", "prompt_type=empty", "--set", "workers=1", "--quiet"],
-        cwd=repo_root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return prefix
+    return preprocess_jsonl(repo_root, root / "arith.jsonl", tiny_model_dir, root / "data" / "arith")

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.preprocessing import preprocess_jsonl
+
 N_ROWS = 32
 GBS = 4  # prompts per generation batch; mini-batches of GBS / 2 prompts: two optimizer steps per iteration
 TARGET = 4  # filter_groups_train_batch_size
@@ -64,14 +66,7 @@ def split_prefix(boxed_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     rows = [{"problem": f"What is {i} + {i + 1}? The answer is", "answer": "1" if i % 2 == 0 else "999"}
             for i in range(N_ROWS)]
     (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    prefix = root / "data" / "split"
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "preprocess", "configs/datasets/deepscaler.yaml",
-         "--set", f"input={root / 'rows.jsonl'}", "--set", f"tokenizer_name_or_path={boxed_model_dir}",
-         "--set", f"output_prefix={prefix}", "--set", "prompt_type=empty", "--set", "workers=1", "--quiet"],
-        cwd=repo_root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return prefix
+    return preprocess_jsonl(repo_root, root / "rows.jsonl", boxed_model_dir, root / "data" / "split")
 
 
 def run_dapo(repo_root: Path, model: Path, prefix: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
