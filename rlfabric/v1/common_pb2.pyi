@@ -28,6 +28,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class CollectiveBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COLLECTIVE_BACKEND_UNSPECIFIED: _ClassVar[CollectiveBackend]
+    COLLECTIVE_BACKEND_GLOO: _ClassVar[CollectiveBackend]
+    COLLECTIVE_BACKEND_NCCL: _ClassVar[CollectiveBackend]
+    COLLECTIVE_BACKEND_HCCL: _ClassVar[CollectiveBackend]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -44,6 +51,10 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
+COLLECTIVE_BACKEND_UNSPECIFIED: CollectiveBackend
+COLLECTIVE_BACKEND_GLOO: CollectiveBackend
+COLLECTIVE_BACKEND_NCCL: CollectiveBackend
+COLLECTIVE_BACKEND_HCCL: CollectiveBackend
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -136,18 +147,36 @@ class VerifierScore(_message.Message):
     def __init__(self, verifier: _Optional[str] = ..., version: _Optional[str] = ..., score: _Optional[float] = ..., error: _Optional[str] = ..., latency_s: _Optional[float] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
-    __slots__ = ("version", "index", "tensors", "checksum", "shm")
+    __slots__ = ("version", "index", "tensors", "checksum", "shm", "collective")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     version: int
     index: int
     tensors: _containers.RepeatedCompositeFieldContainer[NamedTensor]
     checksum: int
     shm: SharedMemoryRef
-    def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., checksum: _Optional[int] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
+    collective: CollectiveRef
+    def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., checksum: _Optional[int] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., collective: _Optional[_Union[CollectiveRef, _Mapping]] = ...) -> None: ...
+
+class CollectiveRef(_message.Message):
+    __slots__ = ("store_address", "group_id", "world_size", "backend", "timeout_s", "push_id")
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    store_address: str
+    group_id: str
+    world_size: int
+    backend: CollectiveBackend
+    timeout_s: float
+    push_id: str
+    def __init__(self, store_address: _Optional[str] = ..., group_id: _Optional[str] = ..., world_size: _Optional[int] = ..., backend: _Optional[_Union[CollectiveBackend, str]] = ..., timeout_s: _Optional[float] = ..., push_id: _Optional[str] = ...) -> None: ...
 
 class SharedMemoryRef(_message.Message):
     __slots__ = ("path", "segment_id", "size", "offsets")

@@ -95,8 +95,11 @@ class RolloutServicer:
         complete update lands). Buckets that carry a `SharedMemoryRef` (the shm transport) are applied as
         they arrive instead, each after its own checks: a stream that fails after the first such bucket
         leaves the replica refusing Generate until a complete update lands; FAILED_PRECONDITION when the
-        replica cannot map the segment (not the sender's host). Retry-safe: re-sending the same version is
-        applied again.
+        replica cannot map the segment (not the sender's host). Buckets that carry a `CollectiveRef` (the
+        collective transport) receive their bytes by broadcast in that group and are staged like the others;
+        UNAVAILABLE when the group fails (a member died or left, the sender aborted, or this replica is not a
+        member: it restarted since the group formed), DEADLINE_EXCEEDED when a step of the group timed out.
+        Retry-safe: re-sending the same version is applied again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -13,9 +13,11 @@ class WeightTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WEIGHT_TRANSPORT_UNSPECIFIED: _ClassVar[WeightTransport]
     WEIGHT_TRANSPORT_GRPC_STREAM: _ClassVar[WeightTransport]
     WEIGHT_TRANSPORT_SHM: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_COLLECTIVE: _ClassVar[WeightTransport]
 WEIGHT_TRANSPORT_UNSPECIFIED: WeightTransport
 WEIGHT_TRANSPORT_GRPC_STREAM: WeightTransport
 WEIGHT_TRANSPORT_SHM: WeightTransport
+WEIGHT_TRANSPORT_COLLECTIVE: WeightTransport
 
 class SequenceBatch(_message.Message):
     __slots__ = ("sample_ids", "token_ids", "prompt_lengths", "response_lengths", "weights_version")

@@ -165,7 +165,8 @@ class RunDriver:
             reference = trainer_pb2_grpc.TrainerStub(channels[-1])
         try:
             s = self.settings
-            sync = WeightSync(actor, replicas, self.hf_config, s.deadline_s, actor_address=endpoints.actor)
+            sync = WeightSync(actor, replicas, self.hf_config, s.deadline_s, actor_address=endpoints.actor,
+                              transport=s.weight_transport)
             placement = Placement(s.use_integrated_worker, actor, reference, replicas, sync,
                                   OffloadKeys(s.offload_train_param, s.offload_train_grad, s.offload_train_optimizer),
                                   s.deadline_s)

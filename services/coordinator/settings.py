@@ -59,6 +59,8 @@ class IterationSettings:
     deadline_s: float
     # rlfabric.max_staleness: 0 synchronous, 1 pipelined (the rollout one iteration ahead of the update).
     max_staleness: int
+    # rlfabric.weight_transport: auto (shm on the actor's host, else gRPC), grpc or collective.
+    weight_transport: str = "auto"
     # Rows per UpdateRequest message (one Update call carries the whole batch in chunks of this size).
     update_chunk_size: int = 64
 
@@ -100,4 +102,5 @@ def settings_from_config(cfg: Any) -> IterationSettings:
         log_max_throughput=rl.log_max_throughput,
         deadline_s=cfg.rlfabric.rpc_deadline_s,
         max_staleness=cfg.rlfabric.max_staleness,
+        weight_transport=cfg.rlfabric.weight_transport,
     )

@@ -4,9 +4,13 @@ The resharding plan itself is `services/coordinator/resharding.py` (a pure funct
 services for their layouts, caches the plans, and has the actor push each new weights version to every
 replica, which must acknowledge it.
 
-The transport is chosen per replica: `WEIGHT_TRANSPORT_SHM` when the replica's address and the actor's name
-the same host (`same_host`), gRPC otherwise. A replica that fails an shm push (it cannot map the segment:
-another container, /dev/shm not shared) gets the same version again over gRPC at once, and gRPC from then on.
+The transport is chosen per replica by `rlfabric.weight_transport`: `auto` (the default) takes
+`WEIGHT_TRANSPORT_SHM` when the replica's address and the actor's name the same host (`same_host`), gRPC
+otherwise; `grpc` takes gRPC for every replica; `collective` puts every replica in one collective group
+(services/common/transports/collective.py). A replica that fails an shm push (it cannot map the segment:
+another container, /dev/shm not shared) gets the same version again over gRPC at once, and gRPC from then on;
+one that fails a collective push (the group fails as one) gets it over gRPC at once too, and stays collective:
+the next push forms a new group.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from services.coordinator.errors import IterationError
 logger = logging.getLogger(__name__)
 GRPC = trainer_pb2.WEIGHT_TRANSPORT_GRPC_STREAM
 SHM = trainer_pb2.WEIGHT_TRANSPORT_SHM
+COLLECTIVE = trainer_pb2.WEIGHT_TRANSPORT_COLLECTIVE
+CHOICES = ("auto", "grpc", "collective")  # rlfabric.weight_transport
 
 
 def _host(address: str) -> str:
@@ -76,11 +82,15 @@ class WeightSync:
     """
 
     def __init__(self, actor: Any, replicas: Sequence[Replica], hf_config: dict[str, Any], deadline_s: float,
-                 actor_address: str | None = None) -> None:
+                 actor_address: str | None = None, transport: str = "auto") -> None:
+        if transport not in CHOICES:
+            raise ValueError(f"weight transport {transport!r} is not one of {CHOICES}")
         self.actor = actor
+        # A replica that joins mid-run gets this one (auto: gRPC, its host unchecked).
+        self.default_transport = COLLECTIVE if transport == "collective" else GRPC
         # Without the actor's address nothing is known to be on its host: gRPC for every replica.
-        self.transports = {r.address: SHM if actor_address and same_host(actor_address, r.address) else GRPC
-                           for r in replicas}
+        self.transports = {r.address: SHM if transport == "auto" and actor_address and same_host(actor_address, r.address)
+                           else self.default_transport for r in replicas}
         logger.info("weight sync transports: %s", {a: trainer_pb2.WeightTransport.Name(t)
                                                     for a, t in self.transports.items()})
         self.replicas = replicas if isinstance(replicas, list) else list(replicas)  # the run's ReplicaSet, shared
@@ -118,16 +128,18 @@ class WeightSync:
     def _push(self, targets: list[str], version: int, plan: trainer_pb2.ReshardPlan) -> None:
         acked: set[str] = set()
         errors: list[str] = []
-        for transport in (SHM, GRPC):
-            group = [t for t in targets if self.transports.get(t, GRPC) == transport]
+        transport_of = {t: self.transports.get(t, self.default_transport) for t in targets}
+        for transport in (SHM, COLLECTIVE, GRPC):
+            group = [t for t in targets if transport_of[t] == transport]
             if group:
                 acked |= self._push_once(group, version, plan, transport, errors)
-        fallback = [t for t in targets if t not in acked and self.transports.get(t, GRPC) == SHM]
+        fallback = [t for t in targets if t not in acked and transport_of[t] in (SHM, COLLECTIVE)]
         if fallback:
-            logger.warning("weight sync: replicas %s did not apply version %d over shared memory (%s); using gRPC "
-                           "for them from now on", fallback, version, "; ".join(errors))
+            logger.warning("weight sync: replicas %s did not apply version %d over %s (%s); sending it over gRPC",
+                           fallback, version, "shared memory or the collective group", "; ".join(errors))
             for t in fallback:
-                self.transports[t] = GRPC
+                if transport_of[t] == SHM:
+                    self.transports[t] = GRPC  # no shared /dev/shm: that does not change during a run
             acked |= self._push_once(fallback, version, plan, GRPC, errors)
         missing = sorted(set(targets) - acked)
         if missing:

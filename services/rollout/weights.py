@@ -37,10 +37,13 @@ from rlfabric.v1 import common_pb2
 from services.common.checksum import bucket_checksum, chain, combine_checksums, fold, word_sum
 from services.common.status import echo
 from services.common.tensors import TensorDecodeError, dtype_name, itemsize
+from services.common.transports.collective import CollectiveError, CollectiveReceiver
 from services.common.transports.shm import SegmentCache, SegmentOpenError
 
 # The mapping of the latest shared-memory segment this process read (services/common/transports/shm.py).
 SEGMENTS = SegmentCache()
+# The collective group this process is a member of (services/common/transports/collective.py).
+COLLECTIVE = CollectiveReceiver()
 
 
 class WeightUpdateError(Exception):
@@ -59,6 +62,14 @@ class WeightSegmentError(WeightUpdateError):
     """A shared-memory bucket whose segment this replica cannot map (another host, or /dev/shm not shared)."""
 
     code = "FAILED_PRECONDITION"
+
+
+class WeightCollectiveError(WeightUpdateError):
+    """A collective bucket whose bytes did not arrive (the group failed); `code` as the group reported it."""
+
+    def __init__(self, e: CollectiveError) -> None:
+        super().__init__(str(e))
+        self.code = e.code
 
 
 class WeightsVersionBehindError(WeightUpdateError):
@@ -157,6 +168,11 @@ class WeightStager:
                 segment = self._segments.array(bucket.shm)
             except SegmentOpenError as e:
                 raise WeightSegmentError(f"bucket {bucket.index}: {e}") from e
+        if bucket.HasField("collective"):  # the bytes arrive by broadcast, not in the message
+            try:
+                data = COLLECTIVE.receive(bucket)
+            except CollectiveError as e:
+                raise WeightCollectiveError(e) from e
         if data is not None and len(data) != len(bucket.tensors):
             raise WeightUpdateError(f"bucket {bucket.index}: {len(data)} data fields for {len(bucket.tensors)} tensors")
         views = []

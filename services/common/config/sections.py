@@ -165,6 +165,13 @@ class FabricConfig:
     val_temperature: float = setting(
         0.0, "Sampling temperature of validation; 0 is greedy. Other sampling values are sampling_config's.",
         read(COORDINATOR_VALIDATION))
+    # MindSpeed-RL moves weights inside one Ray program; here they cross processes and hosts.
+    weight_transport: str = setting(
+        "auto", "How pushed weights reach the rollout replicas. auto: shared memory for replicas on the actor's "
+                "host, gRPC streams otherwise. grpc: gRPC streams for every replica. collective: one "
+                "torch.distributed group (gloo on CPU; NCCL/HCCL on those devices) of the actor's rank 0 and every "
+                "replica, kept across pushes, broadcasting the bytes once; a replica that fails a collective push "
+                "gets the version again over gRPC at once.", read(COORDINATOR_SETTINGS))
     # Pipelined (one-step off-policy) mode: MindSpeed-RL is synchronous, which is the default here.
     max_staleness: int = setting(
         0, "Weight versions a trained sample may lag the actor. 0: synchronous (each iteration generates with the "

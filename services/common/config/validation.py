@@ -364,6 +364,9 @@ def pipelining(cfg: RLFabricConfig) -> Iterable[Problem]:
         yield Problem(("rlfabric.max_staleness", "rl_config.use_integrated_worker"),
                       "rlfabric.max_staleness: 1 overlaps generation with the update, which needs the rollout on "
                       "devices of its own; set use_integrated_worker: false or max_staleness: 0")
+    if fab.weight_transport not in ("auto", "grpc", "collective"):
+        yield Problem(("rlfabric.weight_transport",),
+                      f"rlfabric.weight_transport must be auto, grpc or collective, got {fab.weight_transport!r}")
     if not fab.importance_sampling_cap > 0:
         yield Problem(("rlfabric.importance_sampling_cap",),
                       f"rlfabric.importance_sampling_cap must be > 0, got {fab.importance_sampling_cap}")

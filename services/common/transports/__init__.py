@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from rlfabric.v1 import trainer_pb2
 from services.common.transports.base import TargetFailure, WeightAck, WeightTransport
+from services.common.transports.collective import CollectiveTransport
 from services.common.transports.grpc_stream import GrpcStreamTransport
 from services.common.transports.shm import ShmTransport
 
 TRANSPORTS: dict[int, type[WeightTransport]] = {
     trainer_pb2.WEIGHT_TRANSPORT_GRPC_STREAM: GrpcStreamTransport,
     trainer_pb2.WEIGHT_TRANSPORT_SHM: ShmTransport,
+    trainer_pb2.WEIGHT_TRANSPORT_COLLECTIVE: CollectiveTransport,
 }
 
-__all__ = ["TRANSPORTS", "GrpcStreamTransport", "ShmTransport", "TargetFailure", "WeightAck", "WeightTransport"]
+__all__ = ["TRANSPORTS", "CollectiveTransport", "GrpcStreamTransport", "ShmTransport", "TargetFailure", "WeightAck", "WeightTransport"]

@@ -1,0 +1,400 @@
+"""Collective weight transport: the bytes travel by torch.distributed broadcast in a group of the trainer's rank 0
+and the replicas; the `Rollout.UpdateWeights` streams carry only each bucket's names, shapes and checksum.
+
+Each target gets the gRPC transport's bucket metadata (grpc_stream.py) with a `CollectiveRef` instead of the
+bytes, then the commit; the replica (`CollectiveReceiver`, called from services/rollout/weights.py) receives each
+tensor by broadcast into a fresh buffer and stages it like a gRPC bucket: same checksums, same commit checks, same
+atomic apply and acknowledgement. One broadcast feeds every replica instead of one byte stream per replica.
+
+The group (gloo for host tensors; NCCL / HCCL, import-guarded, for tensors on those devices):
+- formed on the first push and kept for the next ones (`_SenderGroup`, one per trainer process), so later pushes
+  pay no rendezvous. Its TCPStore's listening socket is bound to the local address that routes to the targets,
+  never every interface; the group's keys live under a random secret prefix (`group_id`) that only travels on
+  the token-guarded UpdateWeights streams, so only targets can join;
+- rendezvous: each replica takes a rank from a counter in the store; the sender publishes "go" once every target
+  joined, or "abort: why" when a target's stream failed first (the joined ones then fail at once);
+- before each bucket's broadcast every replica marks itself ready in the store; the sender polls the marks and the
+  streams, so a replica that refused a bucket or died fails the push at once, not at the group timeout;
+- every step (join, readiness, one broadcast) is bounded by the group timeout (`group_timeout_s`, at most the
+  push deadline): nothing hangs;
+- it fails as one: any failure fails every target of the push (the one at fault with its own status, the others
+  UNAVAILABLE naming it; DEADLINE_EXCEEDED on a timeout) and the group is dropped: the next push forms a new one.
+  A replica that restarted is not a member of the kept group: it refuses (UNAVAILABLE) and the next push forms a
+  group with it. The coordinator retries a failed collective push over gRPC at once (coordinator/weight_sync.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import timedelta as _td
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlfabric.v1 import common_pb2, rollout_pb2
+from services.common.checksum import chain, combine_checksums, data_checksum
+from services.common.client import DEFAULT_DEADLINE_S
+from services.common.tensors import dtype_code, dtype_name, itemsize
+from services.common.transports.base import TargetFailure, WeightAck, WeightTransport
+from services.common.transports.grpc_stream import Progress, _no_progress, _TargetStream
+
+# Large buckets: each costs one readiness round trip through the store (the replica stages all until the commit).
+DEFAULT_COLLECTIVE_BUCKET_BYTES = 64 << 20
+# A step of the group that takes longer has failed: one broadcast of the largest tensor (an embedding of a few
+# GB) takes seconds over gloo.
+DEFAULT_GROUP_TIMEOUT_S = 120.0
+_POLL_S = (0.0002, 0.01)  # first and longest sleep between polls of the store
+
+BACKENDS = {"cpu": common_pb2.COLLECTIVE_BACKEND_GLOO, "cuda": common_pb2.COLLECTIVE_BACKEND_NCCL,
+            "npu": common_pb2.COLLECTIVE_BACKEND_HCCL}
+
+
+class CollectiveError(RuntimeError):
+    """A step of the group failed; `code` is the gRPC status name both sides report, `culprits` the streams of
+    the targets at fault when known (the sender's side)."""
+
+    def __init__(self, code: str, message: str, culprits: Sequence[_TargetStream] = ()) -> None:
+        super().__init__(message)
+        self.code, self.culprits = code, list(culprits)
+
+
+def _code_of(e: BaseException) -> str:
+    text = str(e).lower()
+    return "DEADLINE_EXCEEDED" if "timed out" in text or "timeout" in text else "UNAVAILABLE"
+
+
+def local_address_toward(host: str) -> str:
+    """This machine's address on the route to `host` (the interface a peer there reaches us on)."""
+    try:
+        family = socket.getaddrinfo(host, None)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _bind_host(targets: Sequence[str]) -> str:
+    """The address the store and gloo bind: a non-loopback route when some target needs one (loopback peers reach
+    it too), else loopback."""
+    routes = [local_address_toward(t.rsplit(":", 1)[0].strip("[]")) for t in targets]
+    remote = [r for r in routes if not r.startswith("127.") and r != "::1"]
+    return remote[0] if remote else routes[0]
+
+
+def new_process_group(backend: int, store, rank: int, world: int, timeout_s: float, host: str):
+    """A process group outside torch's default one (the trainer's own group stays untouched)."""
+    if backend == common_pb2.COLLECTIVE_BACKEND_GLOO:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = _td(timeout_s)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # not every interface
+        return dist.ProcessGroupGloo(store, rank, world, opts)
+    if backend == common_pb2.COLLECTIVE_BACKEND_NCCL:
+        if not hasattr(dist, "ProcessGroupNCCL"):
+            raise CollectiveError("FAILED_PRECONDITION", "this torch has no NCCL: the nccl backend needs CUDA")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _td(timeout_s)
+        return dist.ProcessGroupNCCL(store, rank, world, opts)
+    if backend == common_pb2.COLLECTIVE_BACKEND_HCCL:
+        try:
+            from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+        except ImportError as e:
+            raise CollectiveError("FAILED_PRECONDITION", "torch_npu is not installed: the hccl backend needs it") from e
+        opts = ProcessGroupHCCL.Options()
+        opts._timeout = _td(timeout_s)
+        return ProcessGroupHCCL(store, rank, world, opts)
+    raise CollectiveError("INVALID_ARGUMENT", f"collective backend {backend} is not one of {sorted(BACKENDS.values())}")
+
+
+def broadcast(pg, tensor: torch.Tensor) -> None:
+    """Broadcast from rank 0 (in place on the other ranks); raises CollectiveError."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    try:
+        pg.broadcast([tensor], opts).wait()
+    except RuntimeError as e:
+        raise CollectiveError(_code_of(e), f"broadcast failed: {e}") from e
+
+
+def _device_of(backend: int) -> torch.device:
+    return torch.device({common_pb2.COLLECTIVE_BACKEND_NCCL: "cuda", common_pb2.COLLECTIVE_BACKEND_HCCL: "npu"}
+                        .get(backend, "cpu"))
+
+
+@dataclasses.dataclass
+class _SenderGroup:
+    targets: frozenset[str]
+    backend: int
+    host: str
+    timeout_s: float
+    store: dist.Store
+    keys: dist.Store  # the store under the group's secret prefix
+    address: str
+    group_id: str
+    pg: object | None = None  # formed at the first push's rendezvous
+
+    @classmethod
+    def create(cls, targets: Sequence[str], backend: int, timeout_s: float) -> _SenderGroup:
+        host = _bind_host(targets)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        # The store takes over the bound socket (so torch never listens on every interface); it closes it.
+        store = dist.TCPStore(host, port, None, True, timeout=_td(timeout_s), wait_for_workers=False,
+                              master_listen_fd=sock.detach())
+        group_id = secrets.token_hex(16)
+        address = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        return cls(frozenset(targets), backend, host, timeout_s, store, dist.PrefixStore(group_id, store), address,
+                   group_id)
+
+    def ref(self, push_id: str) -> common_pb2.CollectiveRef:
+        return common_pb2.CollectiveRef(store_address=self.address, group_id=self.group_id,
+                                        world_size=len(self.targets) + 1, backend=self.backend,
+                                        timeout_s=self.timeout_s, push_id=push_id)
+
+
+_LOCK = threading.Lock()
+_GROUP: list[_SenderGroup] = []  # the kept group of this process (at most one)
+
+
+def drop_group() -> None:
+    """Forget the kept group (its store and connections close): the next push forms a new one."""
+    _GROUP.clear()
+
+
+class CollectiveTransport(WeightTransport):
+    """Broadcasts each bucket's bytes in the kept group; streams the metadata (module docstring).
+
+    Takes GrpcStreamTransport's arguments, plus `group_timeout_s` (each step of the group; default
+    min(timeout_s, 120 s))."""
+
+    def __init__(self, targets: Sequence[str], *, bucket_bytes: int = 0, timeout_s: float = DEFAULT_DEADLINE_S,
+                 token: str | None = None, on_progress: Progress | None = None, total_bytes: int = 0,
+                 max_queued_buckets: int = 2, group_timeout_s: float | None = None) -> None:
+        if not targets:
+            raise ValueError("targets is empty: give at least one rollout endpoint (host:port)")
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"targets has duplicates: {list(targets)}")
+        self.targets = list(targets)
+        self.bucket_bytes = bucket_bytes or DEFAULT_COLLECTIVE_BUCKET_BYTES
+        self.timeout_s = timeout_s
+        self.group_timeout_s = min(timeout_s, group_timeout_s or DEFAULT_GROUP_TIMEOUT_S)
+        self.token = token
+        self.on_progress = on_progress or _no_progress
+        self.total_bytes = total_bytes
+        self.max_queued_buckets = max_queued_buckets
+
+    def _buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[
+            list[tuple[str, torch.Tensor]]]:
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in named_tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > self.bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor.detach().contiguous()))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def _group(self, backend: int) -> _SenderGroup:
+        if _GROUP and (_GROUP[0].targets != frozenset(self.targets) or _GROUP[0].backend != backend):
+            drop_group()  # other members: a group cannot change its members
+        if not _GROUP:
+            _GROUP.append(_SenderGroup.create(self.targets, backend, self.group_timeout_s))
+        return _GROUP[0]
+
+    def send(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[
+            str, WeightAck | TargetFailure]:
+        deadline = time.monotonic() + self.timeout_s
+        push_id = uuid.uuid4().hex[:12]
+        with _LOCK:
+            streams: list[_TargetStream] = []
+            group: _SenderGroup | None = None
+            ok = False
+            try:
+                streams = [_TargetStream(t, token=self.token, timeout_s=self.timeout_s,
+                                         max_queued=self.max_queued_buckets, total=self.total_bytes,
+                                         on_progress=self.on_progress) for t in self.targets]
+                checksums: list[int] = []
+                for index, bucket in enumerate(self._buckets(named_tensors)):
+                    if group is None:
+                        group = self._group(BACKENDS.get(bucket[0][1].device.type, common_pb2.COLLECTIVE_BACKEND_GLOO))
+                    chunk, size = self._chunk(version, index, bucket, group.ref(push_id))
+                    checksums.append(chunk.bucket.checksum)
+                    for s in streams:
+                        s.offer((chunk, size), deadline)
+                    if group.pg is None:
+                        self._rendezvous(group, streams, deadline)
+                    self._wait(group.keys, f"{push_id}/ready/{index}", len(streams), streams, deadline)
+                    for _, tensor in bucket:
+                        if tensor.numel():
+                            broadcast(group.pg, tensor.reshape(-1).view(torch.uint8))
+                checksum = combine_checksums(checksums)
+                if checksums:
+                    commit = rollout_pb2.WeightUpdateChunk(commit=common_pb2.WeightCommit(
+                        version=version, num_buckets=len(checksums), checksum=checksum))
+                    for s in streams:
+                        s.offer((commit, 0), deadline)
+                for s in streams:
+                    s.offer(None, deadline)
+                outcomes = {s.target: s.outcome(version, checksum, deadline) for s in streams}
+                ok = all(isinstance(o, WeightAck) for o in outcomes.values())
+                if ok and group is not None:
+                    for i in range(len(checksums)):  # the kept store holds no key per push
+                        group.keys.delete_key(f"{push_id}/ready/{i}")
+                return outcomes
+            except CollectiveError as e:
+                return self._failed(streams, e, deadline)
+            finally:
+                for s in streams:
+                    s.close()
+                if not ok:
+                    drop_group()  # the members' states are in doubt: the next push forms a new group
+
+    @staticmethod
+    def _chunk(version: int, index: int, bucket: list[tuple[str, torch.Tensor]],
+               ref: common_pb2.CollectiveRef) -> tuple[rollout_pb2.WeightUpdateChunk, int]:
+        chunk = rollout_pb2.WeightUpdateChunk()
+        chunk.bucket.version, chunk.bucket.index = version, index
+        chunk.bucket.collective.CopyFrom(ref)
+        sums, size = [], 0
+        for name, tensor in bucket:
+            named = chunk.bucket.tensors.add()
+            named.name = name
+            named.tensor.dtype = dtype_code(tensor.dtype)
+            named.tensor.shape.extend(tensor.shape)
+            # The checksum is over host bytes (a device tensor is copied once for it).
+            sums.append(data_checksum(tensor.reshape(-1).view(torch.uint8).cpu().numpy()))
+            size += tensor.numel() * tensor.element_size()
+        chunk.bucket.checksum = chain(sums)
+        return chunk, size
+
+    def _rendezvous(self, group: _SenderGroup, streams: list[_TargetStream], deadline: float) -> None:
+        try:
+            self._wait(group.keys, "joined", len(streams), streams, deadline)
+        except CollectiveError as e:
+            group.keys.set("go", f"abort: {e}")  # the joined replicas fail now, not at their timeout
+            raise
+        group.keys.set("go", "go")
+        try:
+            group.pg = new_process_group(group.backend, group.keys, 0, len(streams) + 1, group.timeout_s, group.host)
+        except RuntimeError as e:
+            raise CollectiveError(_code_of(e), f"forming the collective group failed: {e}") from e
+
+    def _wait(self, keys: dist.Store, key: str, count: int, streams: list[_TargetStream], deadline: float) -> None:
+        """Until the counter `key` reaches `count`; fails as soon as a stream ended or the group timeout passed."""
+        until = min(deadline, time.monotonic() + self.group_timeout_s)
+        pause = _POLL_S[0]
+        while keys.add(key, 0) < count:
+            dead = [s for s in streams if not s.alive()]
+            if dead:
+                raise CollectiveError("UNAVAILABLE", f"{', '.join(s.target for s in dead)} left the collective "
+                                   f"group (its UpdateWeights stream ended) while the group waited on {key!r}", dead)
+            if time.monotonic() > until:
+                raise CollectiveError("DEADLINE_EXCEEDED", f"{keys.add(key, 0)} of {count} targets reached {key!r} "
+                                   f"within the group timeout ({self.group_timeout_s:g} s)")
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_S[1])
+
+    def _failed(self, streams: list[_TargetStream], e: CollectiveError,
+                deadline: float) -> dict[str, WeightAck | TargetFailure]:
+        """Every target fails: the culprits with their own status, the others naming the group's failure."""
+        # A stream that already ended is the likeliest culprit of a broken broadcast too.
+        culprits = set(e.culprits) | {s for s in streams if s.call.done()}
+        out: dict[str, WeightAck | TargetFailure] = {}
+        for s in streams:
+            if s in culprits:
+                got = s.outcome(0, 0, min(deadline, time.monotonic() + 5))
+                out[s.target] = got if isinstance(got, TargetFailure) else TargetFailure(s.target, e.code, str(e))
+            else:
+                s.fail(e.code, f"the collective group failed: {e}")
+                out[s.target] = s.outcome(0, 0, deadline)
+        return out
+
+
+class CollectiveReceiver:
+    """The replica's side: the group it is a member of (kept across pushes), and receiving a bucket's bytes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._id: str | None = None
+        self._pg = None
+        self._keys: dist.Store | None = None
+
+    def close(self) -> None:
+        """Leave the group (as a restarted replica would have)."""
+        with self._lock:
+            self._id, self._pg, self._keys = None, None, None
+
+    def receive(self, bucket: common_pb2.WeightBucket) -> list[np.ndarray]:
+        """The bytes of each tensor of `bucket` (uint8 arrays, in order); raises CollectiveError."""
+        ref = bucket.collective
+        sizes = []
+        for named in bucket.tensors:
+            if any(d < 0 for d in named.tensor.shape):
+                raise CollectiveError("INVALID_ARGUMENT", f"{named.name!r}: negative dimension")
+            try:
+                dtype_name(named.tensor.dtype)
+                sizes.append(math.prod(named.tensor.shape) * itemsize(named.tensor.dtype))
+            except ValueError as e:
+                raise CollectiveError("INVALID_ARGUMENT", f"{named.name!r}: {e}") from e
+            if named.tensor.data:
+                raise CollectiveError("INVALID_ARGUMENT", "a collective bucket carries the bytes in the group, "
+                                                          "not in `data`")
+        with self._lock:
+            try:
+                if ref.group_id != self._id:
+                    self._join(ref)
+                assert self._keys is not None
+                self._keys.add(f"{ref.push_id}/ready/{bucket.index}", 1)
+                device = _device_of(ref.backend)
+                out = []
+                for n in sizes:
+                    buf = torch.empty(n, dtype=torch.uint8, device=device)
+                    if n:
+                        broadcast(self._pg, buf)
+                    out.append(buf.cpu().numpy())  # the staging and the checksum read host memory
+                return out
+            except CollectiveError:
+                self._id, self._pg, self._keys = None, None, None  # the sender drops the group too
+                raise
+            except RuntimeError as e:  # the store: refused connection, timeout
+                self._id, self._pg, self._keys = None, None, None
+                raise CollectiveError(_code_of(e), f"collective group {ref.group_id[:8]}...: {e}") from e
+
+    def _join(self, ref: common_pb2.CollectiveRef) -> None:
+        self._id, self._pg, self._keys = None, None, None  # drop the old group's connections first
+        if ref.backend not in BACKENDS.values():
+            raise CollectiveError("INVALID_ARGUMENT", f"collective backend {ref.backend} is not one of "
+                                                      f"{sorted(BACKENDS.values())}")
+        if not 0 < ref.timeout_s <= 3600 or ref.world_size < 2:
+            raise CollectiveError("INVALID_ARGUMENT", f"collective group: timeout_s {ref.timeout_s} (0, 3600] and "
+                                                      f"world_size {ref.world_size} >= 2 required")
+        host, _, port = ref.store_address.rpartition(":")
+        host = host.strip("[]")
+        store = dist.TCPStore(host, int(port), None, False, timeout=_td(ref.timeout_s))
+        keys = dist.PrefixStore(ref.group_id, store)
+        rank = keys.add("joined", 1)
+        if rank >= ref.world_size:
+            raise CollectiveError("UNAVAILABLE", f"this replica is not a member of collective group "
+                                                 f"{ref.group_id[:8]}... (it formed before this replica started); "
+                                                 "the next push forms a new group")
+        go = keys.get("go").decode()
+        if go != "go":
+            raise CollectiveError("UNAVAILABLE", f"the sender gave up forming the collective group: {go}")
+        self._pg = new_process_group(ref.backend, keys, rank, ref.world_size, ref.timeout_s,
+                                     local_address_toward(host))
+        self._id, self._keys = ref.group_id, keys
