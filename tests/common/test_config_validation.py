@@ -13,6 +13,8 @@ import pytest
 from services.common.config import ConfigError, load_config
 
 CASES = [
+    ("weight_transport", ["rlfabric.weight_transport=nccl"], "rlfabric.weight_transport",
+     ["must be auto, grpc or collective", "'nccl'"]),
     # (id, overrides, key of the reported issue, substrings of its message)
     ("max_model_len<seq_length", ["megatron_training.seq_length=8192"], "generate_config.max_model_len",
      ["max_model_len (4096) is smaller than seq_length (8192)", "raise max_model_len to at least 8192"]),

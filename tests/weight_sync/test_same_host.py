@@ -30,3 +30,21 @@ def test_the_proto_lists_exactly_the_transports_that_exist():
     assert set(TRANSPORTS) == listed
     assert TRANSPORTS[trainer_pb2.WEIGHT_TRANSPORT_SHM] is ShmTransport
     assert TRANSPORTS[trainer_pb2.WEIGHT_TRANSPORT_GRPC_STREAM] is GrpcStreamTransport
+
+
+def test_configured_transport_decides_per_replica():
+    import pytest
+
+    from rlfabric.v1 import trainer_pb2
+    from services.coordinator.weight_sync import Replica, WeightSync
+
+    replicas = [Replica("127.0.0.1:5000", None), Replica("192.0.2.10:5000", None)]  # on the actor's host, another
+    chosen = {t: WeightSync(None, replicas, {}, 10, actor_address="127.0.0.1:6000", transport=t).transports
+              for t in ("auto", "grpc", "collective")}
+    grpc_, shm, coll = (trainer_pb2.WEIGHT_TRANSPORT_GRPC_STREAM, trainer_pb2.WEIGHT_TRANSPORT_SHM,
+                        trainer_pb2.WEIGHT_TRANSPORT_COLLECTIVE)
+    assert chosen["auto"] == {"127.0.0.1:5000": shm, "192.0.2.10:5000": grpc_}
+    assert chosen["grpc"] == {"127.0.0.1:5000": grpc_, "192.0.2.10:5000": grpc_}
+    assert chosen["collective"] == {"127.0.0.1:5000": coll, "192.0.2.10:5000": coll}
+    with pytest.raises(ValueError, match="'nccl' is not one of"):
+        WeightSync(None, replicas, {}, 10, transport="nccl")
