@@ -88,3 +88,28 @@ def test_a_joined_replica_fails_at_once_when_the_sender_gives_up_and_extra_joine
     with pytest.raises(CollectiveError) as e:  # the group (world 2) is complete: a newcomer is no member
         CollectiveReceiver().receive(_bucket(group.ref("p")))
     assert e.value.code == "UNAVAILABLE" and "not a member" in str(e.value)
+
+
+def test_bytes_arrive_by_broadcast_and_a_member_that_leaves_fails_the_next_one_at_once():
+    import torch
+
+    from services.common.transports.collective import broadcast, new_process_group
+
+    group = _SenderGroup.create(["127.0.0.1:5000"], GLOO, 30.0)
+    receiver = CollectiveReceiver()
+    got: list = []
+    worker = threading.Thread(target=lambda: got.extend(receiver.receive(_bucket(group.ref("p")))))
+    worker.start()
+    group.keys.wait(["joined"])
+    group.keys.set("go", "go")
+    group.pg = new_process_group(GLOO, group.keys, 0, 2, 30.0, group.host)
+    group.keys.wait(["p/ready/0"])
+    sent = torch.arange(24, dtype=torch.uint8)
+    broadcast(group.pg, sent)
+    worker.join(timeout=30)
+    assert [bytes(a) for a in got] == [bytes(sent.numpy())]
+
+    receiver.close()  # its connections close, as a dead replica's do
+    with pytest.raises(CollectiveError) as e:
+        broadcast(group.pg, sent)
+    assert e.value.code == "UNAVAILABLE"  # not DEADLINE_EXCEEDED: no wait for the 30 s group timeout

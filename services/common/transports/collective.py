@@ -124,11 +124,6 @@ def broadcast(pg, tensor: torch.Tensor) -> None:
         raise CollectiveError(_code_of(e), f"broadcast failed: {e}") from e
 
 
-def _device_of(backend: int) -> torch.device:
-    return torch.device({common_pb2.COLLECTIVE_BACKEND_NCCL: "cuda", common_pb2.COLLECTIVE_BACKEND_HCCL: "npu"}
-                        .get(backend, "cpu"))
-
-
 @dataclasses.dataclass
 class _SenderGroup:
     targets: frozenset[str]
@@ -225,9 +220,10 @@ class CollectiveTransport(WeightTransport):
             group: _SenderGroup | None = None
             ok = False
             try:
-                streams = [_TargetStream(t, token=self.token, timeout_s=self.timeout_s,
-                                         max_queued=self.max_queued_buckets, total=self.total_bytes,
-                                         on_progress=self.on_progress) for t in self.targets]
+                for t in self.targets:  # appended one by one: `finally` closes those opened before a failure
+                    streams.append(_TargetStream(t, token=self.token, timeout_s=self.timeout_s,
+                                                 max_queued=self.max_queued_buckets, total=self.total_bytes,
+                                                 on_progress=self.on_progress))
                 checksums: list[int] = []
                 for index, bucket in enumerate(self._buckets(named_tensors)):
                     if group is None:
@@ -360,7 +356,7 @@ class CollectiveReceiver:
                     self._join(ref)
                 assert self._keys is not None
                 self._keys.add(f"{ref.push_id}/ready/{bucket.index}", 1)
-                device = _device_of(ref.backend)
+                device = torch.device(next(d for d, b in BACKENDS.items() if b == ref.backend))
                 out = []
                 for n in sizes:
                     buf = torch.empty(n, dtype=torch.uint8, device=device)
