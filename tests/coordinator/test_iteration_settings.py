@@ -36,3 +36,10 @@ def test_dapo_and_integrated_settings(repo_root: Path) -> None:
     assert s.use_integrated_worker and s.world_size == 1  # integrated: the actor's device, shared
     assert not s.use_reference  # DAPO: no KL term, no reference (cfg.derived.use_kl_loss)
     assert (s.offload_train_param, s.offload_train_grad, s.offload_train_optimizer) == (True, False, True)
+
+
+def test_weight_transport_is_read_from_the_rlfabric_section(repo_root: Path) -> None:
+    tiny = repo_root / "configs" / "grpo_tiny_cpu.yaml"
+    assert settings_from_config(load_config(tiny)).weight_transport == "auto"
+    chosen = settings_from_config(load_config(tiny, overrides=["rlfabric.weight_transport=collective"]))
+    assert chosen.weight_transport == "collective"
