@@ -43,8 +43,9 @@ from services.common.tensors import dtype_code, dtype_name, itemsize
 from services.common.transports.base import TargetFailure, WeightAck, WeightTransport
 from services.common.transports.grpc_stream import Progress, _no_progress, _TargetStream
 
-# Large buckets: each costs one readiness round trip through the store (the replica stages all until the commit).
-DEFAULT_COLLECTIVE_BUCKET_BYTES = 64 << 20
+# 16 MiB as gRPC: a packed bucket is a fresh buffer on each side, and glibc serves up to 32 MiB from its heap,
+# larger ones from fresh mmaps whose first-touch page faults cost more than the broadcast.
+DEFAULT_COLLECTIVE_BUCKET_BYTES = 16 << 20
 # A step of the group that takes longer has failed: one broadcast of the largest tensor (an embedding of a few
 # GB) takes seconds over gloo.
 DEFAULT_GROUP_TIMEOUT_S = 120.0
