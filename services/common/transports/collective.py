@@ -64,8 +64,7 @@ class CollectiveError(RuntimeError):
 
 
 def _code_of(e: BaseException) -> str:
-    text = str(e).lower()
-    return "DEADLINE_EXCEEDED" if "timed out" in text or "timeout" in text else "UNAVAILABLE"
+    return "DEADLINE_EXCEEDED" if any(w in str(e).lower() for w in ("timed out", "timeout")) else "UNAVAILABLE"
 
 
 def local_address_toward(host: str) -> str:
