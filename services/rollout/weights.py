@@ -1,19 +1,20 @@
 """Weight updates for a rollout replica: stage buckets, verify them, hand over one complete update.
 
-`WeightStager` receives the buckets of one UpdateWeights stream. Each bucket is checked on arrival (its
-checksum, its version against the one served, names known to the engine, shapes as the engine expects them,
-finite values); the commit then checks that every bucket arrived and that the combined checksum matches.
-Only a fully verified `StagedUpdate` ever reaches the engine, so a bad stream leaves the served weights
-untouched; except that the servicer applies shared-memory buckets one by one as they pass their checks
-(`take`), so the replica's copy overlaps the trainer's writes, and a stream that fails midway leaves the engine
-refusing to generate until a complete update lands. No gRPC and no vLLM here: errors carry the status-code
-name the servicer should answer with.
+`WeightStager` receives the buckets of one UpdateWeights stream. Each bucket is checked (its checksum, its
+version against the one served, names known to the engine, shapes as the engine expects them, finite
+values); the commit then checks that every bucket arrived and passed, and that the combined checksum
+matches. Only a fully verified `StagedUpdate` ever reaches the engine, so a bad stream leaves the served
+weights untouched; except that the servicer applies shared-memory buckets one by one (`take`), so the
+replica's copy overlaps the trainer's writes, and a stream that fails midway leaves the engine refusing to
+generate until a complete update lands. No gRPC and no vLLM here: errors carry the status-code name the
+servicer should answer with.
 
 Staged tensors are views, not copies: over the message bytes (gRPC transport) or over the shared-memory
 segment the bucket names (shm transport, services/common/transports/shm.py), so the engine's
-`load_weights` at the commit is the one copy into the parameters; only a dtype other than the engine's is
-cast on arrival. The checksum and the finiteness check are one vectorised sum each (a float sum: NaN and inf
-survive it; a non-finite sum sends to the exact check), each several times faster than the copy.
+`load_weights` is the one copy into the parameters; only a dtype other than the engine's is cast. The
+checks of the bytes (weight_checks.py) of a streamed bucket run on a verifier thread while the stream goes
+on: names, shapes and versions are refused at once, a bad checksum or value at the next bucket, the commit,
+or (shared memory) while the engine takes the bucket, before the bad tensor.
 
 Names are the HF checkpoint names the engine's `load_weights` accepts (`model.layers.0.self_attn.q_proj
 .weight`, ...), with full (unsharded) shapes; the engine fuses and shards them itself.
@@ -34,34 +35,29 @@ import numpy as np
 import torch
 
 from rlfabric.v1 import common_pb2
-from services.common.checksum import bucket_checksum, chain, combine_checksums, fold, word_sum
+from services.common.checksum import bucket_checksum, combine_checksums
 from services.common.status import echo
 from services.common.tensors import TensorDecodeError, dtype_name, itemsize
 from services.common.transports.collective import CollectiveError, CollectiveReceiver
 from services.common.transports.shm import SegmentCache, SegmentOpenError
+from services.rollout.weight_checks import (
+    VERIFIER,
+    ParamSpec,
+    Verification,
+    WeightDataLossError,
+    WeightSegmentError,
+    WeightsVersionBehindError,
+    WeightUpdateError,
+)
+
+__all__ = ["COLLECTIVE", "SEGMENTS", "ParamSpec", "StagedUpdate", "WeightCollectiveError", "WeightDataLossError",
+           "WeightSegmentError", "WeightStager", "WeightUpdateError", "WeightsVersionBehindError", "make_bucket",
+           "read_checkpoint_specs"]
 
 # The mapping of the latest shared-memory segment this process read (services/common/transports/shm.py).
 SEGMENTS = SegmentCache()
 # The collective group this process is a member of (services/common/transports/collective.py).
 COLLECTIVE = CollectiveReceiver()
-
-
-class WeightUpdateError(Exception):
-    """A rejected update; `code` is the gRPC status name to answer with (nothing was applied)."""
-
-    code = "INVALID_ARGUMENT"
-
-
-class WeightDataLossError(WeightUpdateError):
-    """Bytes were corrupted or a bucket is missing."""
-
-    code = "DATA_LOSS"
-
-
-class WeightSegmentError(WeightUpdateError):
-    """A shared-memory bucket whose segment this replica cannot map (another host, or /dev/shm not shared)."""
-
-    code = "FAILED_PRECONDITION"
 
 
 class WeightCollectiveError(WeightUpdateError):
@@ -70,24 +66,6 @@ class WeightCollectiveError(WeightUpdateError):
     def __init__(self, e: CollectiveError) -> None:
         super().__init__(str(e))
         self.code = e.code
-
-
-class WeightsVersionBehindError(WeightUpdateError):
-    """The update is for a version below the one served: versions only move forward."""
-
-    code = "FAILED_PRECONDITION"
-
-    def __init__(self, version: int, held: int) -> None:
-        super().__init__(f"version {version} is below the version this replica serves ({held}): weights versions "
-                         "only move forward; push a newer version")
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """What the engine expects for one HF-named tensor."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 @dataclass
@@ -110,16 +88,19 @@ class WeightStager:
         self._expected = expected
         self._segments = segments or SEGMENTS
         self._held_version = held_version
-        self._buckets: dict[int, tuple[int, list[tuple[str, torch.Tensor]]]] = {}
+        self._buckets: dict[int, tuple[int, Verification]] = {}  # index -> (sent checksum, checks)
         self._names: dict[str, int] = {}
         self._version: int | None = None
         self._num_bytes = 0
         self.started_at = time.monotonic()
 
     def add_bucket(self, bucket: common_pb2.WeightBucket, data: Sequence[Any] | None = None) -> None:
-        """Verifies and stages one bucket; raises WeightUpdateError / WeightDataLossError.
+        """Checks and stages one bucket; raises WeightUpdateError / WeightDataLossError.
 
-        `data`: the tensors' bytes when the receiver kept them out of the message (wire.ReceivedChunk)."""
+        `data`: the tensors' bytes when the receiver kept them out of the message (wire.ReceivedChunk). The
+        bytes of a streamed bucket (`data` given, or shared memory) are verified on the verifier thread while
+        the stream goes on; `take`, `commit` and every later `add_bucket` surface its failure. Other buckets
+        (and retries) are verified here, before this returns."""
         if self._version is None:
             if bucket.version < self._held_version:
                 raise WeightsVersionBehindError(bucket.version, self._held_version)
@@ -129,33 +110,30 @@ class WeightStager:
                 f"bucket {bucket.index} is for version {bucket.version}, but this stream carries version "
                 f"{self._version}: send one version per UpdateWeights call"
             )
+        self._raise_failed()
         views = self._views(bucket, data)
-        # One pass per tensor yields both the checksum and finiteness; a checksum mismatch wins over a bad value.
-        checks = [_checksum_and_finite(t) for _, t in views]
-        actual = chain(c for c, _ in checks)
-        if actual != bucket.checksum:
-            raise WeightDataLossError(
-                f"bucket {bucket.index} of version {bucket.version}: checksum {actual:#010x} != sent "
-                f"{bucket.checksum:#010x}; resend the update"
-            )
+        pending = Verification(bucket.index, bucket.version, bucket.checksum, views, self._expected)
         if bucket.index in self._buckets:
-            if self._buckets[bucket.index][0] == actual:
+            pending.run()
+            pending.result()
+            if self._buckets[bucket.index][0] == bucket.checksum:
                 return  # a retried bucket with identical bytes: idempotent
             raise WeightUpdateError(f"bucket {bucket.index} was sent twice with different contents")
-        staged = []
-        for (name, tensor), (_, finite) in zip(views, checks, strict=True):
-            where = f"bucket {bucket.index}: parameter {name!r}"
-            if not finite:
-                _require_finite(tensor, where)
-            spec = self._expected[name]
-            if tensor.dtype != spec.dtype:  # the only copy before the engine's own: a cast
-                tensor = tensor.to(spec.dtype)
-                _require_finite(tensor, where)
-            staged.append((name, tensor))
-        for name, tensor in staged:
+        if data is None and not bucket.HasField("shm"):  # bytes in the message, or a collective's (checked here)
+            pending.run()
+            pending.result()
+        else:
+            VERIFIER.submit(pending.run)
+        for name, tensor in views:
             self._names[name] = bucket.index
-            self._num_bytes += tensor.numel() * tensor.element_size()
-        self._buckets[bucket.index] = (actual, staged)
+            self._num_bytes += tensor.numel() * self._expected[name].dtype.itemsize
+        self._buckets[bucket.index] = (bucket.checksum, pending)
+
+    def _raise_failed(self) -> None:
+        """Raises the failure of a bucket verified in the background, if one failed already."""
+        for _, pending in self._buckets.values():
+            if pending.failed():
+                pending.result()
 
     def _views(self, bucket: common_pb2.WeightBucket, data: Sequence[Any] | None) -> list[tuple[str, torch.Tensor]]:
         """The bucket's tensors as torch views over the message bytes or the shared-memory segment (no copy)."""
@@ -221,20 +199,24 @@ class WeightStager:
             raise WeightDataLossError(f"version {commit.version}: buckets {missing} of {commit.num_buckets} never arrived")
         if extra:
             raise WeightUpdateError(f"buckets {extra} exceed the commit's num_buckets={commit.num_buckets}")
+        # Every bucket's bytes must have matched its sent checksum (waits for the verifier), so the sent
+        # checksums are the received ones.
+        tensors = [item for i in range(commit.num_buckets) for item in self._buckets[i][1].result()]
         combined = combine_checksums([self._buckets[i][0] for i in range(commit.num_buckets)])
         if combined != commit.checksum:
             raise WeightDataLossError(
                 f"version {commit.version}: combined checksum {combined:#010x} != commit's {commit.checksum:#010x}"
             )
-        tensors = [item for i in range(commit.num_buckets) for item in self._buckets[i][1]]
         return StagedUpdate(commit.version, tensors, combined, self._num_bytes, self.started_at, len(self._names))
 
     def take(self, index: int) -> StagedUpdate:
-        """The verified tensors of bucket `index`, handed over for a streamed apply (the bucket keeps only its
-        checksum, for the commit's check)."""
-        checksum, tensors = self._buckets[index]
-        self._buckets[index] = (checksum, [])
-        num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        """Bucket `index`, handed over for a streamed apply while the verifier works on it: iterating its
+        `tensors` yields each tensor once it passed its checks and raises the bucket's failure instead of the
+        first bad tensor (or after the last one, for a checksum mismatch); `commit` re-raises it. The bucket
+        keeps only its checksum and outcome."""
+        checksum, pending = self._buckets[index]
+        tensors = pending.take()
+        num_bytes = sum(self._expected[name].dtype.itemsize * math.prod(shape) for name, shape in pending.shapes())
         assert self._version is not None
         return StagedUpdate(self._version, tensors, checksum, num_bytes, self.started_at, len(tensors))
 
@@ -284,28 +266,6 @@ def _from_segment(segment: np.ndarray, offset: int, t: common_pb2.Tensor) -> tor
                                 f"{segment.nbytes} bytes")
     raw = torch.from_numpy(segment[offset:offset + nbytes])
     return raw.view(dtype).reshape(tuple(t.shape)) if numel else torch.empty(tuple(t.shape), dtype=dtype)
-
-
-def _checksum_and_finite(tensor: torch.Tensor) -> tuple[int, bool]:
-    """The tensor's checksum (services/common/checksum.py) and whether every value may be finite: one
-    vectorised int64 sum and one float sum, each several times faster than the copy the update makes. A float
-    sum that is not finite (NaN, inf, or finite values whose sum overflowed) sends the caller to the exact check."""
-    flat = tensor.reshape(-1)
-    raw = flat.view(torch.uint8).numpy()
-    acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
-    return fold(word_sum(raw), raw.nbytes), math.isfinite(float(flat.sum(dtype=acc)))
-
-
-def _require_finite(tensor: torch.Tensor, where: str) -> None:
-    """Refuses NaN / inf values (see module docstring for why a sum)."""
-    if math.isfinite(float(tensor.sum(dtype=torch.float64 if tensor.dtype == torch.float64 else torch.float32))):
-        return
-    bad = (~torch.isfinite(tensor)).reshape(-1).nonzero()
-    if len(bad) == 0:
-        return  # finite values whose float32 sum overflowed
-    first = int(bad[0])
-    raise WeightUpdateError(f"{where} has {len(bad)} non-finite values (the first, {tensor.reshape(-1)[first].item()}, "
-                            f"at flat index {first}); nothing was applied")
 
 
 def read_checkpoint_specs(model_dir: str, dtype: Any) -> dict[str, ParamSpec]:

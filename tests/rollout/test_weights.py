@@ -132,6 +132,68 @@ def test_mixed_versions_and_duplicate_names_are_refused() -> None:
         stager.add_bucket(make_bucket(1, 1, {"a.weight": t["a.weight"]}))
 
 
+def _received(version: int, tensors: dict[str, torch.Tensor], flip: int | None = None):
+    """One bucket as the replica receives it over gRPC: tensor bytes kept as views (wire.ReceivedChunk),
+    optionally with the byte at offset `flip` of the serialized message inverted."""
+    from services.common.transports.grpc_stream import GrpcStreamTransport
+    from services.common.transports.wire import decode_chunk, serialize
+
+    (chunk, _), = list(GrpcStreamTransport(["x:1"]).buckets(version, iter(tensors.items())))
+    raw = bytearray(serialize(chunk))
+    if flip is not None:
+        raw[flip] ^= 0xFF
+    return decode_chunk(bytes(raw))
+
+
+def test_streamed_buckets_are_checked_next_to_the_stream_and_a_bad_one_fails_the_commit() -> None:
+    t = _tensors()
+    good = _received(1, t)
+    stager = WeightStager(SPECS)
+    stager.add_bucket(good.bucket, good.data)
+    staged = stager.commit(_commit(1, [good.bucket]))
+    assert [n for n, _ in staged.tensors] == ["a.weight", "b.bias"]
+    assert all(torch.equal(v, t[n]) for n, v in staged.tensors)
+    # The last byte of the message is the last byte of b.bias: only its checksum can tell.
+    bad = _received(1, t, flip=-1)
+    stager = WeightStager(SPECS)
+    stager.add_bucket(bad.bucket, bad.data)  # checked on the verifier thread: the stream goes on
+    with pytest.raises(WeightDataLossError, match="bucket 0 of version 1: checksum"):
+        stager.commit(_commit(1, [bad.bucket]))
+    t["b.bias"][2] = float("nan")
+    nan = _received(1, t)
+    stager = WeightStager(SPECS)
+    stager.add_bucket(nan.bucket, nan.data)
+    with pytest.raises(WeightUpdateError, match=r"parameter 'b.bias' has 1 non-finite values .* flat index 2") as err:
+        stager.commit(_commit(1, [nan.bucket]))
+    assert err.value.code == "INVALID_ARGUMENT"
+
+
+def test_a_taken_bucket_yields_each_tensor_once_checked_and_never_a_bad_one() -> None:
+    t = _tensors()
+    t["b.bias"][0] = float("inf")
+    stager = WeightStager(SPECS)
+    chunk = _received(2, t)
+    stager.add_bucket(chunk.bucket, chunk.data)
+    taken = stager.take(0)
+    assert len(taken.tensors) == 2 and taken.num_bytes == (6 + 3) * 4
+    got = []
+    with pytest.raises(WeightUpdateError, match="'b.bias' has 1 non-finite"):
+        for name, tensor in taken.tensors:
+            got.append(name)
+            assert torch.equal(tensor, t[name])
+    assert got == ["a.weight"]  # the engine never sees the bad tensor
+    with pytest.raises(WeightUpdateError, match="non-finite"):
+        stager.commit(_commit(2, [chunk.bucket]))  # and the commit refuses the update
+    # A checksum mismatch is only known after the bucket's last tensor: the taken bucket raises then.
+    stager = WeightStager(SPECS)
+    bad = _received(2, _tensors(), flip=-1)
+    stager.add_bucket(bad.bucket, bad.data)
+    with pytest.raises(WeightDataLossError, match="checksum"):
+        list(stager.take(0).tensors)
+    with pytest.raises(WeightDataLossError, match="checksum"):
+        stager.add_bucket(*(lambda c: (c.bucket, c.data))(_received(2, {"b.bias": _tensors()["b.bias"]})))
+
+
 # --- through gRPC, into the running engine ------------------------------------------------------------
 
 

@@ -1,0 +1,194 @@
+"""The checks of a weight update's bytes on the replica, run next to the stream (services/rollout/weights.py).
+
+Each tensor gets its checksum (services/common/checksum.py) and a finiteness check, one vectorised sum each
+(a float sum: NaN and inf survive it; a non-finite sum sends to the exact check), and a cast when its dtype is
+not the engine's; then the bucket checksum is compared with the sent one. A streamed bucket (bytes kept out
+of the message, or in shared memory) is checked on one verifier thread while the servicer goes on reading
+the stream (torch's sums release the GIL, so the checks use the second core); a streamed apply takes each
+tensor as soon as it passed (`_Verified`), so the engine's copy of one tensor overlaps the checks of the
+next and reads bytes the checks just brought into the cache. The error classes carry the status-code name
+the servicer answers with.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from services.common.checksum import chain, fold, word_sum
+
+# Checks the bytes of streamed buckets next to the stream (torch's sums release the GIL): one thread, so the
+# checks of one stream run in bucket order.
+VERIFIER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-verify")
+
+
+class WeightUpdateError(Exception):
+    """A rejected update; `code` is the gRPC status name to answer with (nothing was applied)."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class WeightDataLossError(WeightUpdateError):
+    """Bytes were corrupted or a bucket is missing."""
+
+    code = "DATA_LOSS"
+
+
+class WeightSegmentError(WeightUpdateError):
+    """A shared-memory bucket whose segment this replica cannot map (another host, or /dev/shm not shared)."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class WeightsVersionBehindError(WeightUpdateError):
+    """The update is for a version below the one served: versions only move forward."""
+
+    code = "FAILED_PRECONDITION"
+
+    def __init__(self, version: int, held: int) -> None:
+        super().__init__(f"version {version} is below the version this replica serves ({held}): weights versions "
+                         "only move forward; push a newer version")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the engine expects for one HF-named tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _checksum_and_finite(tensor: torch.Tensor) -> tuple[int, bool]:
+    """The tensor's checksum (services/common/checksum.py) and whether every value may be finite: one
+    vectorised int64 sum and one float sum, each several times faster than the copy the update makes. A float
+    sum that is not finite (NaN, inf, or finite values whose sum overflowed) sends the caller to the exact check."""
+    flat = tensor.reshape(-1)
+    raw = flat.view(torch.uint8).numpy()
+    acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    return fold(word_sum(raw), raw.nbytes), math.isfinite(float(flat.sum(dtype=acc)))
+
+
+
+class Verification:
+    """The checks of one bucket's bytes: each tensor's checksum and finiteness (and a cast to the engine's
+    dtype), then the bucket checksum. `run` works through the tensors in order, on the verifier thread or the
+    caller's; `result` waits for all of them; `take` hands them over one by one as they pass (`Verified`).
+    A checksum mismatch wins over a bad value: after a non-finite tensor the others are still summed."""
+
+    def __init__(self, index: int, version: int, sent: int, views: list[tuple[str, torch.Tensor]],
+                 expected: Mapping[str, ParamSpec]) -> None:
+        self.index, self.version, self.sent = index, version, sent
+        self._views, self._expected = views, expected
+        self._shapes = [(name, tuple(t.shape)) for name, t in views]
+        self._out: list[tuple[str, torch.Tensor] | None] = [None] * len(views)
+        self._ready = [threading.Event() for _ in views]
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._taken = False
+
+    def run(self) -> None:
+        if self._done.is_set():
+            return
+        try:
+            sums, bad = [], None
+            for i, (name, tensor) in enumerate(self._views):
+                checksum, finite = _checksum_and_finite(tensor)
+                sums.append(checksum)
+                if bad is None:
+                    try:
+                        self._out[i] = (name, self._checked(name, tensor, finite))
+                        self._ready[i].set()
+                    except WeightUpdateError as e:
+                        bad = e
+            actual = chain(sums)
+            if actual != self.sent:
+                raise WeightDataLossError(f"bucket {self.index} of version {self.version}: checksum {actual:#010x} "
+                                          f"!= sent {self.sent:#010x}; resend the update")
+            if bad is not None:
+                raise bad
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for this bucket
+            self._error = e
+        finally:
+            self._views = []
+            self._done.set()
+            for ready in self._ready:
+                ready.set()
+
+    def _checked(self, name: str, tensor: torch.Tensor, finite: bool) -> torch.Tensor:
+        where = f"bucket {self.index}: parameter {name!r}"
+        if not finite:
+            _require_finite(tensor, where)
+        spec = self._expected[name]
+        if tensor.dtype != spec.dtype:  # the only copy before the engine's own: a cast
+            tensor = tensor.to(spec.dtype)
+            _require_finite(tensor, where)
+        return tensor
+
+    def failed(self) -> bool:
+        return self._done.is_set() and self._error is not None
+
+    def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return self._shapes
+
+    def result(self) -> list[tuple[str, torch.Tensor]]:
+        """The verified tensors (none once taken); raises the bucket's failure."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return [] if self._taken else [t for t in self._out if t is not None]
+
+    def take(self) -> Verified:
+        taken = Verified(self) if not self._taken else Verified(None)
+        self._taken = True
+        return taken
+
+    def tensor(self, i: int) -> tuple[str, torch.Tensor]:
+        self._ready[i].wait()
+        item = self._out[i]
+        if item is None:
+            self.result()  # raises the failure
+            raise AssertionError("a tensor without a failure is never missing")
+        self._out[i] = None  # handed over: the bucket keeps no reference
+        return item
+
+
+class Verified(Sequence):
+    """The tensors of a taken bucket, each yielded once it passed its checks (see `Verification`)."""
+
+    def __init__(self, pending: Verification | None) -> None:
+        self._pending = pending
+        self._n = len(pending._out) if pending else 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):  # type: ignore[override]
+        raise TypeError("a taken bucket is iterated once, in order")
+
+    def __iter__(self):
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            for i in range(self._n):
+                yield pending.tensor(i)
+            pending.result()  # a checksum mismatch surfaces after the last tensor
+
+    def __reduce__(self):
+        # Executors in other processes get the plain list (pickling waits for the checks).
+        return list, (list(iter(self)),)
+
+
+def _require_finite(tensor: torch.Tensor, where: str) -> None:
+    """Refuses NaN / inf values (see module docstring for why a sum)."""
+    if math.isfinite(float(tensor.sum(dtype=torch.float64 if tensor.dtype == torch.float64 else torch.float32))):
+        return
+    bad = (~torch.isfinite(tensor)).reshape(-1).nonzero()
+    if len(bad) == 0:
+        return  # finite values whose float32 sum overflowed
+    first = int(bad[0])
+    raise WeightUpdateError(f"{where} has {len(bad)} non-finite values (the first, {tensor.reshape(-1)[first].item()}, "
+                            f"at flat index {first}); nothing was applied")
