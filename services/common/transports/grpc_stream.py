@@ -205,7 +205,9 @@ class GrpcStreamTransport(WeightTransport):
             checksums: list[int] = []
             for chunk, size in self.buckets(version, named_tensors):
                 checksums.append(chunk.bucket.checksum)
-                self._offer(streams, chunk, size, deadline)
+                # Serialized here, once for every target (the streams pass the bytes through), and before the
+                # next bucket is packed; the tamper hook (tests) needs the message.
+                self._offer(streams, chunk if self.tamper else serialize(chunk), size, deadline)
                 if not any(s.alive() for s in streams):
                     break  # every target failed: stop packing (the caller drains its iterator)
             checksum = combine_checksums(checksums)
@@ -220,11 +222,11 @@ class GrpcStreamTransport(WeightTransport):
             for s in streams:
                 s.close()
 
-    def _offer(self, streams: list[_TargetStream], chunk: PackedChunk | rollout_pb2.WeightUpdateChunk, size: int,
-               deadline: float) -> None:
+    def _offer(self, streams: list[_TargetStream], chunk: PackedChunk | rollout_pb2.WeightUpdateChunk | bytes,
+               size: int, deadline: float) -> None:
         for s in streams:
             if s.alive():
                 item = chunk
-                if self.tamper:
+                if self.tamper and not isinstance(chunk, bytes):
                     item = self.tamper(s.target, chunk.materialize() if isinstance(chunk, PackedChunk) else chunk)
                 s.offer((item, size), deadline)

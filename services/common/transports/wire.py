@@ -15,6 +15,7 @@ a view of the received request, so the only copy on the replica is the engine's 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -82,11 +83,62 @@ class PackedChunk:
             parts += [_field(3, named_len), name, _field(2, tensor_len), tensor_head, _field(3, view.nbytes),
                       memoryview(view)]
         bucket_len = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
-        return b"".join([_field(1, bucket_len), *parts])
+        return _concat([_field(1, bucket_len), *parts])
 
 
-def serialize(chunk: PackedChunk | rollout_pb2.WeightUpdateChunk) -> bytes:
-    """The UpdateWeights request serializer: packed chunks encode themselves, messages serialize."""
+# Messages of at least this size are written into fresh bytes objects backed by transparent huge pages.
+_HUGE_FROM = 4 << 20
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _concat(parts: list) -> bytes:
+    """`b"".join(parts)`, except that a large message's pages are faulted in 2 MiB at a time.
+
+    Every bucket is a new message of 16 MiB or more, and glibc hands most of them out as fresh pages: faulting
+    them 4 KiB at a time cost the sender more system time than the copy (40k faults per push of 575 MB). So
+    a large message is created empty (`PyBytes_FromStringAndSize(NULL, n)`, which the C API lets its creator
+    fill before anyone else sees the object), its pages are advised as huge (THP in `madvise` mode, as here
+    and on most distributions; elsewhere the advice does nothing), and the parts are copied in.
+    """
+    total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+    if total < _HUGE_FROM or _LIBC is None:
+        return b"".join(parts)
+    out = _new_bytes(None, total)
+    addr = _bytes_data(out)
+    start, end = -(-addr // _HUGE_PAGE) * _HUGE_PAGE, (addr + total) // _HUGE_PAGE * _HUGE_PAGE
+    if end > start:
+        _LIBC.madvise(start, end - start, _MADV_HUGEPAGE)  # a hint: failure only means 4 KiB pages
+    dst = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(addr))
+    at = 0
+    for part in parts:
+        n = len(part) if isinstance(part, bytes) else part.nbytes
+        dst[at:at + n] = np.frombuffer(part, dtype=np.uint8)
+        at += n
+    return out
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _libc()
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
+_bytes_data = ctypes.pythonapi.PyBytes_AsString
+_bytes_data.restype, _bytes_data.argtypes = ctypes.c_void_p, (ctypes.py_object,)
+
+
+def serialize(chunk: PackedChunk | rollout_pb2.WeightUpdateChunk | bytes) -> bytes:
+    """The UpdateWeights request serializer: packed chunks encode themselves, messages serialize, bytes (a
+    chunk the sender serialized already) pass through."""
+    if isinstance(chunk, bytes):
+        return chunk
     return chunk.encode() if isinstance(chunk, PackedChunk) else chunk.SerializeToString()
 
 
