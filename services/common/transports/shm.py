@@ -4,10 +4,11 @@ The sender (trainer rank 0) writes each tensor once into a segment file under /d
 checksum once over the bytes that landed (services/common/checksum.py: a vectorised pass several times
 faster than the copy), and streams the same `Rollout.UpdateWeights` buckets and commit as the gRPC
 transport, except that each bucket carries a `SharedMemoryRef` (segment path, id, offsets) instead of the
-bytes. The replica maps the segment (`SegmentCache`), verifies each bucket as it arrives and copies it
-straight from the mapping into the engine's parameters while the trainer writes the next one (no protobuf
-copy, no staging copy); the commit then checks completeness and the chained checksum. Buckets default to
-64 MiB (each is one engine call on the replica).
+bytes. The replica maps the segment (`SegmentCache`) and the engine copies each bucket straight from the
+mapping into its parameters while the trainer writes the next one (no protobuf copy, no staging copy); a
+verifier thread checks each tensor (checksum, finiteness) just before the engine takes it, on the other
+core (services/rollout/weight_checks.py); the commit then checks completeness and the chained checksum.
+Buckets default to 64 MiB (each is one engine call on the replica).
 
 Segment lifetime (no /dev/shm leak):
 - the segment's name exists only while a push runs: the sender unlinks it when the push ends, whatever the
