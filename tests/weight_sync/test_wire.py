@@ -53,3 +53,35 @@ def test_received_chunks_keep_the_bytes_as_views_and_the_rest_as_protobuf():
     assert decode_chunk(commit.SerializeToString()) == commit
     with pytest.raises(DecodeError):
         decode_chunk(serialize(chunk)[:-5])  # truncated: protobuf's own error
+
+
+def test_large_messages_filled_in_place_parse_as_the_full_messages():
+    from services.common.transports import wire
+
+    gen = torch.Generator().manual_seed(1)
+    tensors = {"big": torch.randn(3 << 20, generator=gen), "small": torch.randn(7, generator=gen)}  # 12 MiB + 28 B
+    (chunk, _), = list(GrpcStreamTransport(["x:1"], bucket_bytes=64 << 20).buckets(5, iter(tensors.items())))
+    payload = serialize(chunk)
+    assert len(payload) >= wire._HUGE_FROM  # the in-place path, not b"".join
+    assert payload == b"".join(  # the same bytes as the plain join of the same parts
+        [bytes(p) for p in _parts(chunk)])
+    parsed = rollout_pb2.WeightUpdateChunk.FromString(payload)
+    assert parsed == chunk.materialize()
+    source = {n: t.view(torch.uint8).numpy().tobytes() for n, t in tensors.items()}
+    assert {n.name: n.tensor.data for n in parsed.bucket.tensors} == source
+    tensors["big"][0] += 1  # the message owns its bytes: later writes to the source do not reach it
+    assert rollout_pb2.WeightUpdateChunk.FromString(payload) == parsed
+
+
+def _parts(chunk) -> list:
+    """The parts `encode` joins, collected by running it with the join swapped for a recorder."""
+    from services.common.transports import wire
+
+    seen: list = []
+    real = wire._concat
+    wire._concat = lambda parts: seen.extend(parts) or b""
+    try:
+        chunk.encode()
+    finally:
+        wire._concat = real
+    return seen
