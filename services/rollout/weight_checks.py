@@ -5,16 +5,15 @@ Each tensor gets its checksum (services/common/checksum.py) and a finiteness che
 not the engine's; then the bucket checksum is compared with the sent one. A streamed bucket (bytes kept out
 of the message, or in shared memory) is checked on one verifier thread while the servicer goes on reading
 the stream (torch's sums release the GIL, so the checks use the second core); a streamed apply takes each
-tensor as soon as it passed (`_Verified`), so the engine's copy of one tensor overlaps the checks of the
-next and reads bytes the checks just brought into the cache. The error classes carry the status-code name
-the servicer answers with.
+tensor as soon as it passed (`Verified`), so the engine's copy of one tensor overlaps the checks of the
+next. The error classes carry the status-code name the servicer answers with.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -71,7 +70,6 @@ def _checksum_and_finite(tensor: torch.Tensor) -> tuple[int, bool]:
     raw = flat.view(torch.uint8).numpy()
     acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
     return fold(word_sum(raw), raw.nbytes), math.isfinite(float(flat.sum(dtype=acc)))
-
 
 
 class Verification:
@@ -157,8 +155,9 @@ class Verification:
         return item
 
 
-class Verified(Sequence):
-    """The tensors of a taken bucket, each yielded once it passed its checks (see `Verification`)."""
+class Verified:
+    """The tensors of a taken bucket, each yielded once it passed its checks (see `Verification`); iterated
+    once, in order (the engine's `load_weights` takes an iterator)."""
 
     def __init__(self, pending: Verification | None) -> None:
         self._pending = pending
@@ -167,10 +166,7 @@ class Verified(Sequence):
     def __len__(self) -> int:
         return self._n
 
-    def __getitem__(self, i):  # type: ignore[override]
-        raise TypeError("a taken bucket is iterated once, in order")
-
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             for i in range(self._n):

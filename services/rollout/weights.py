@@ -44,6 +44,7 @@ from services.rollout.weight_checks import (
     VERIFIER,
     ParamSpec,
     Verification,
+    Verified,
     WeightDataLossError,
     WeightSegmentError,
     WeightsVersionBehindError,
@@ -73,7 +74,7 @@ class StagedUpdate:
     """A verified update, ready to apply in one go."""
 
     version: int
-    tensors: list[tuple[str, torch.Tensor]]
+    tensors: list[tuple[str, torch.Tensor]] | Verified  # Verified: a taken bucket, checked as it is read
     checksum: int
     num_bytes: int
     started_at: float = field(default_factory=time.monotonic)
