@@ -13,6 +13,8 @@ and times, in this order within each repeat, with the 1-minute load average read
   bare gRPC   - a client stream of the same number of bytes in `bucket` sized messages (one preallocated
                 bytes object, identity serializers) into the sink: the gRPC ceiling, no packing, no checks;
   grpc        - GrpcStreamTransport.send to the replica (packing + checksum, wire, verification, apply).
+  collective  - CollectiveTransport.send: bucket metadata on the UpdateWeights stream, the packed bytes in one
+                gloo broadcast per bucket (the group formed by the untimed push is kept), verification, apply.
 One untimed push of each transport comes first (the first shm push creates the segment: first-touch page
 faults; its time is reported as "cold"). Ratios are throughput over the ceiling of the same repeat
 (ceiling seconds / sync seconds); the median and the best of the repeats are reported.
@@ -45,7 +47,7 @@ def _sender(hf_dir: str, replica: str, sink: str, repeats: int, bucket: int) -> 
 
     from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
     from services.common.server import GRPC_OPTIONS
-    from services.common.transports import GrpcStreamTransport, ShmTransport, WeightAck
+    from services.common.transports import CollectiveTransport, GrpcStreamTransport, ShmTransport, WeightAck
     from services.common.transports.shm import Segment
     from services.trainer.convert import load_hf_state
 
@@ -67,8 +69,8 @@ def _sender(hf_dir: str, replica: str, sink: str, repeats: int, bucket: int) -> 
     def push(kind) -> None:
         nonlocal version
         version += 1
-        # gRPC gets the bench's bucket (the bare stream's message size); shm its own default (64 MiB).
-        out = kind([replica], bucket_bytes=bucket if kind is GrpcStreamTransport else 0, timeout_s=600).send(
+        # gRPC and collective get the bench's bucket (the bare stream's message size); shm its own default (64 MiB).
+        out = kind([replica], bucket_bytes=bucket if kind is not ShmTransport else 0, timeout_s=600).send(
             version, iter(items))
         assert isinstance(out[replica], WeightAck), out
 
@@ -86,13 +88,15 @@ def _sender(hf_dir: str, replica: str, sink: str, repeats: int, bucket: int) -> 
         assert int(got) == messages * bucket, got
 
     paths = {"memcpy": memcpy, "memcpy into /dev/shm": memcpy_shm, "shm": lambda: push(ShmTransport),
-             "bare gRPC stream": bare, "grpc": lambda: push(GrpcStreamTransport)}
+             "bare gRPC stream": bare, "grpc": lambda: push(GrpcStreamTransport),
+             "collective": lambda: push(CollectiveTransport)}
     memcpy()
     memcpy_shm()
     t0 = time.perf_counter()
     push(ShmTransport)
     cold = {"shm (cold, first push)": time.perf_counter() - t0}
     push(GrpcStreamTransport)
+    push(CollectiveTransport)
     bare()
     runs = []
     for _ in range(repeats):
@@ -165,7 +169,8 @@ def _report(result: dict, label: str) -> list[str]:
     lines.append("")
     for sync, ceiling, words in [("shm", "memcpy", "shm weight sync vs memcpy"),
                                  ("shm", "memcpy into /dev/shm", "(context) shm weight sync vs memcpy into /dev/shm"),
-                                 ("grpc", "bare gRPC stream", "grpc weight sync vs bare gRPC stream")]:
+                                 ("grpc", "bare gRPC stream", "grpc weight sync vs bare gRPC stream"),
+                                 ("collective", "grpc", "(context) collective weight sync vs grpc weight sync")]:
         ratios = [r[ceiling][0] / r[sync][0] for r in runs]
         lines.append(f"{words}: {statistics.median(ratios):.2f}x (median of {len(runs)}; best "
                      f"{max(ratios):.2f}x; per repeat {', '.join(f'{x:.2f}' for x in ratios)})")
