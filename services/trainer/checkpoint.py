@@ -35,6 +35,18 @@ from services.trainer.model import canonical_name, canonical_state_dict
 
 logger = logging.getLogger(__name__)
 
+# The largest iteration, consumed-sample count or weights version the trainer accepts. These counters leave the
+# trainer as float64 (the journal's and metrics.jsonl's `iteration`/`weights_version`, Prometheus gauges), which
+# is exact up to 2**53; a larger value is a caller's error (the fuzz soak sent 2**53+1 and 2**64-1), not a run.
+MAX_COUNTER = 2**53 - 1
+
+
+def check_counter(field: str, value: int) -> int:
+    """`value` when 0 <= value <= MAX_COUNTER; otherwise a ValueError naming `field` (INVALID_ARGUMENT)."""
+    if not 0 <= value <= MAX_COUNTER:
+        raise ValueError(f"{field} {value} is out of range: at most {MAX_COUNTER} (2**53-1, exact as float64)")
+    return value
+
 
 @dataclasses.dataclass(frozen=True)
 class LoadResult:
@@ -157,8 +169,14 @@ def load_checkpoint(
         )
     path = ckpt_layout.shard_path(iter_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp)
     payload = torch.load(path, map_location="cpu", weights_only=False)
-    _load_model_state(model, payload["model"], path)
+    args = payload.get("args")
+    # Checked before any state is touched: a checkpoint written elsewhere (or by a trainer that took any
+    # number) must neither make an absurd iteration the trainer's own nor leave half-loaded weights behind.
     release = it == ckpt_layout.RELEASE
+    iteration_read = check_counter(f"{path}: iteration", int(payload.get("iteration", 0 if release else it)))
+    consumed = check_counter(f"{path}: consumed_train_samples",
+                             int(getattr(args, "consumed_train_samples", 0)) if args is not None else 0)
+    _load_model_state(model, payload["model"], path)
     if finetune or release:
         return LoadResult(iter_dir, 0, 0, False, False)
     loaded_optim = loaded_rng = False
@@ -175,9 +193,7 @@ def load_checkpoint(
             raise ValueError(f"{path} has no RNG state; set no_load_rng: true to load it")
         set_rng_state(payload["rng_state"][0])
         loaded_rng = True
-    args = payload.get("args")
-    consumed = int(getattr(args, "consumed_train_samples", 0)) if args is not None else 0
-    return LoadResult(iter_dir, int(payload.get("iteration", it)), consumed, loaded_optim, loaded_rng)
+    return LoadResult(iter_dir, iteration_read, consumed, loaded_optim, loaded_rng)
 
 
 def _load_model_state(model, state: dict, path: Path) -> None:

@@ -105,6 +105,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             if not parts:
                 raise ValueError("Update needs at least one UpdateRequest")
             step, temperature = parts[0].step, parts[0].temperature
+            _counters(step=step)  # the step becomes the trainer's iteration
             kl_coef = parts[0].kl_coef if parts[0].HasField("kl_coef") else self.kl_coef
             inputs.check_temperature(temperature)
             inputs.check_kl_coef(kl_coef)
@@ -139,19 +140,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         with self._errors(context, "SaveCheckpoint"):
             if not request.dir:
                 raise ValueError("dir is required (megatron_training.save)")
+            _counters(iteration=request.iteration, consumed_samples=request.consumed_samples)
             self._confine(context, request.dir)
             t0 = time.monotonic()
-            path = self._run(context, "save", root=request.dir, iteration=int(request.iteration),
-                             consumed_samples=int(request.consumed_samples))
-        return trainer_pb2.CheckpointResponse(
-            path=str(path), iteration=self.worker.iteration, consumed_samples=self.worker.consumed_samples,
-            duration_s=time.monotonic() - t0,
-        )
+            path, iteration, consumed = self._run(context, "save", root=request.dir, iteration=int(request.iteration),
+                                                  consumed_samples=int(request.consumed_samples))
+        return trainer_pb2.CheckpointResponse(path=str(path), iteration=iteration, consumed_samples=consumed,
+                                              duration_s=time.monotonic() - t0)
 
     def LoadCheckpoint(self, request, context) -> trainer_pb2.CheckpointResponse:
         with self._errors(context, "LoadCheckpoint"):
             if not request.dir:
                 raise ValueError("dir is required (megatron_training.load)")
+            _counters(iteration=request.iteration)
             self._confine(context, request.dir)
             t0 = time.monotonic()
             res = self._run(context, "load", root=request.dir, iteration=int(request.iteration) or None,
@@ -178,6 +179,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             if transport not in TRANSPORTS:
                 raise ValueError(f"transport {transport} is unknown; available: "
                                  f"{[trainer_pb2.WeightTransport.Name(t) for t in TRANSPORTS]}")
+            _counters(version=request.version)
             if request.version < self.worker.weights_version:
                 abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                       f"push of version {request.version} asked, the trainer holds version "
@@ -252,6 +254,15 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 info.shards.add(name=s["name"], shape=list(s["shape"]), tp_rank=s["tp_rank"], pp_rank=s["pp_rank"],
                                 partition_dim=s["partition_dim"])
         return info
+
+
+def _counters(**values: int) -> None:
+    """Iterations, sample counts and versions the trainer would record or adopt: refused (ValueError naming
+    the field: INVALID_ARGUMENT) past services/trainer/checkpoint.py MAX_COUNTER, before any rank works."""
+    from services.trainer.checkpoint import check_counter
+
+    for name, value in values.items():
+        check_counter(name, int(value))
 
 
 def _outbound_token() -> str | None:

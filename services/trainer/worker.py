@@ -146,22 +146,29 @@ class TrainerWorker:
         metrics["timing/update"] = time.monotonic() - t0
         return metrics
 
-    def save(self, root: str | Path, iteration: int | None = None, consumed_samples: int | None = None) -> Path:
-        if iteration is not None and iteration > 0:
-            self.iteration = iteration
-        if consumed_samples is not None and consumed_samples > 0:
-            self.consumed_samples = consumed_samples
+    def save(self, root: str | Path, iteration: int | None = None,
+             consumed_samples: int | None = None) -> tuple[Path, int, int]:
+        """Writes a checkpoint recording `iteration` and `consumed_samples` (None or 0: the trainer's own);
+        returns (iter dir, iteration, consumed samples) as recorded.
+
+        The trainer's own counters do not move: only Update (its step) and LoadCheckpoint do. Saving used to
+        adopt the numbers it was given, before it even knew the save could happen, so a refused SaveCheckpoint
+        of iteration 2**53+1 (params offloaded) left the trainer at that iteration (the fuzz soak's finding).
+        """
         self.offloader.require("params", "optimizer", what="SaveCheckpoint")
-        return checkpoint.save_checkpoint(
+        iteration = checkpoint.check_counter("iteration", iteration or self.iteration)
+        consumed = checkpoint.check_counter("consumed_samples", consumed_samples or self.consumed_samples)
+        path = checkpoint.save_checkpoint(
             root,
-            self.iteration,
+            iteration,
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
-            consumed_samples=self.consumed_samples,
+            consumed_samples=consumed,
             hf_config=self.hf_config,
             hf_assets_dir=self.opts.hf_dir,
         )
+        return path, iteration, consumed
 
     def load(
         self, root: str | Path, *, iteration: int | None = None, finetune: bool = False,

@@ -141,8 +141,8 @@ def trainer_service(start_trainer, tiny_model_dir: Path, tmp_path_factory) -> It
         return request
 
     def nothing_to_load(request):
-        # A fuzzed SaveCheckpoint writes real checkpoints (any iteration number); loading one back would move
-        # the trainer's state legitimately. Loads go to an empty dir: what is fuzzed is their validation.
+        # A fuzzed SaveCheckpoint writes real checkpoints (any iteration up to the bound); loading one back would
+        # move the trainer's state legitimately. Loads go to an empty dir: what is fuzzed is their validation.
         request.dir = str(sandbox / "empty")
         return request
 
