@@ -30,8 +30,10 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -81,6 +83,7 @@ class RolloutEngine:
         self._active: dict[str, _InFlight] = {}
         self._commands: queue.Queue[tuple[Callable[[], Any], Future] | None] = queue.Queue()
         self._closed = False
+        self._close_lock = threading.Lock()  # nothing is queued behind close()'s sentinel (see _call)
         # The engine is built on, and only ever touched from, its own thread: vLLM's CPU attention checks
         # that the OpenMP thread count it planned with is the one it runs with, and that is per thread.
         ready: Future = Future()
@@ -143,8 +146,11 @@ class RolloutEngine:
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Stops the given samples; their callbacks are NOT called (the caller is gone)."""
-        if request_ids and not self._closed:
-            self._call(functools.partial(self._abort, list(request_ids), None), wait=False)
+        if request_ids:
+            try:
+                self._call(functools.partial(self._abort, list(request_ids), None), wait=False)
+            except EngineUnavailableError:
+                pass  # closed: the shutdown aborts every sample still in flight
 
     def update_weights(self, update: StagedUpdate, *, first: bool = True, last: bool = True) -> float:
         """Applies a verified update between two steps; returns the apply time in seconds. A streamed update
@@ -166,26 +172,34 @@ class RolloutEngine:
     def num_in_flight(self) -> int:
         return len(self._active)
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._commands.put(None)
-        self._thread.join(timeout=30)
-        try:
-            self._engine.engine_core.shutdown()
-        except Exception:
-            logger.debug("engine shutdown raised", exc_info=True)
+    def close(self, timeout_s: float = 60.0) -> bool:
+        """Stops the engine within `timeout_s`; True when its thread stopped. The thread runs the commands
+        queued before, aborts the samples in flight and shuts vLLM down itself (never concurrently with a step;
+        docs/reliability.md has the hang this was); later calls fail. A thread still busy at the bound has its
+        stack logged and is left behind (a daemon)."""
+        with self._close_lock:
+            if not self._closed:
+                self._closed = True
+                self._commands.put(None)
+        self._thread.join(timeout=timeout_s)
+        if not self._thread.is_alive():
+            return True
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        logger.error("the engine thread did not stop within %.0f s; leaving it behind. It is at:\n%s", timeout_s,
+                     "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)")
+        return False
 
     # --- engine thread --------------------------------------------------------------------------------
 
     def _call(self, fn: Callable[[], Any], wait: bool = True) -> Any:
-        if self._closed:
-            raise EngineUnavailableError("the engine is closed")
         future: Future = Future()
         if not wait:
             future.add_done_callback(_log_failure)
-        self._commands.put((fn, future))
+        # Under close()'s lock: a command queued behind the sentinel would never run, its caller never return.
+        with self._close_lock:
+            if self._closed:
+                raise EngineUnavailableError("the engine is closed")
+            self._commands.put((fn, future))
         return future.result() if wait else None
 
     def _run(self, ready: Future) -> None:
@@ -206,7 +220,7 @@ class RolloutEngine:
                 item = ()
             while item != ():
                 if item is None:
-                    self._abort(list(self._active), "the engine is shutting down")
+                    self._shutdown()
                     return
                 fn, future = item
                 try:
@@ -223,6 +237,14 @@ class RolloutEngine:
                 except Exception as e:
                     logger.exception("engine step failed")
                     self._abort(list(self._active), f"engine step failed: {e}")
+
+    def _shutdown(self) -> None:
+        """On the engine thread, after every command queued before close(): nothing else touches vLLM now."""
+        self._abort(list(self._active), "the engine is shutting down")
+        try:
+            self._engine.engine_core.shutdown()
+        except Exception:  # the process is going; what vLLM's teardown raises changes nothing
+            logger.warning("vLLM engine shutdown raised", exc_info=True)
 
     def _add(self, request: SampleRequest, on_finish: Callable[[SampleResult], None]) -> None:
         from vllm.inputs import TokensPrompt
