@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,10 @@ from services.coordinator.run import RunDriver
 from services.coordinator.sinks import FanOut, JsonlSink, MetricsSink, TensorBoardSink, WandbSink
 
 logger = logging.getLogger(__name__)
+
+# Held while warm_imports imports: a StartRun that came while it ran imported from a half-initialised
+# transformers ("cannot import name 'AutoTokenizer'", an UNKNOWN status; tests/reliability/test_train_interrupt.py).
+_IMPORTING = threading.Lock()
 
 
 def load_run_config(config_yaml: str, overrides: list[str], configs_dir: Path) -> Any:
@@ -37,11 +42,12 @@ def warm_imports() -> None:
     import warnings
 
     try:
-        from transformers import AutoTokenizer  # noqa: F401 (transformers is lazy: this is the costly part)
+        with _IMPORTING:
+            from transformers import AutoTokenizer  # noqa: F401 (transformers is lazy: this is the costly part)
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # megatron.core's import warns about absent GPU extensions
-            import megatron.core.datasets.indexed_dataset  # noqa: F401
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # megatron.core's import warns about absent GPU extensions
+                import megatron.core.datasets.indexed_dataset  # noqa: F401
     except ImportError as e:
         logger.warning("warming the coordinator's imports failed (StartRun will say why): %s", e)
 
@@ -60,7 +66,8 @@ def build_driver(config_yaml: str, overrides: list[str], run_id: str, *, redis_c
                  runs_dir: Path, token: str | None = None, discovery_timeout_s: float = 300.0) -> RunDriver:
     cfg = load_run_config(config_yaml, overrides, configs_dir)
     mt = cfg.actor_config
-    from transformers import AutoTokenizer
+    with _IMPORTING:  # after warm_imports, if it is running
+        from transformers import AutoTokenizer
 
     from services.coordinator.prompt_loader import PromptLoader
     from services.coordinator.reward_pool import RewardClientPool

@@ -78,9 +78,17 @@ class DiscoveryError(RuntimeError):
     pass
 
 
+class StoppedError(RuntimeError):
+    """StopRun arrived before the run had its services: it ends "stopped", not "failed"."""
+
+
 def discover(registry: Registry, *, need_reference: bool, min_rollout: int = 1, timeout_s: float = 300.0,
-             poll_s: float = 0.5) -> Endpoints:
-    """Waits until the registry holds an actor trainer, a reference (when needed) and `min_rollout` replicas."""
+             poll_s: float = 0.5, stop: threading.Event | None = None) -> Endpoints:
+    """Waits until the registry holds an actor trainer, a reference (when needed) and `min_rollout` replicas.
+
+    Raises StoppedError as soon as `stop` is set: a StopRun used to wait out the whole discovery timeout.
+    """
+    stop = stop or threading.Event()
     deadline = time.monotonic() + timeout_s
     while True:
         rollout = sorted(m.endpoint for m in registry.members("rollout"))
@@ -94,7 +102,8 @@ def discover(registry: Registry, *, need_reference: bool, min_rollout: int = 1, 
                 f"actor trainer: {actor or 'missing'}, reference trainer: "
                 f"{reference or ('missing' if need_reference else 'not needed')}; start the missing services "
                 "(`rlfabric up` starts them all) and check they use the same --redis-url")
-        time.sleep(poll_s)
+        if stop.wait(poll_s):
+            raise StoppedError("stopped while waiting for the run's services")
 
 
 class RunDriver:
@@ -147,8 +156,12 @@ class RunDriver:
         if previous and not resume:
             raise RuntimeError(f"run {self.run_id!r} already has a journal (iteration {previous.get('iteration')}); "
                                "resume it or choose another run id")
-        endpoints = discover(self.registry, need_reference=self.settings.use_reference,
-                             timeout_s=self.discovery_timeout_s)
+        try:
+            endpoints = discover(self.registry, need_reference=self.settings.use_reference,
+                                 timeout_s=self.discovery_timeout_s, stop=self.stop_event)
+        except StoppedError:
+            self.journal.write(phase="stopped")
+            return
         channels = [make_channel(a, token=self.token) for a in [*endpoints.rollout, endpoints.actor]]
 
         def connect_replica(address: str) -> Replica:  # a replica that joins mid-run (services/coordinator/replicas.py)
