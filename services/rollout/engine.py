@@ -27,13 +27,12 @@ Knows nothing of gRPC (see server.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import queue
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -146,11 +145,9 @@ class RolloutEngine:
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Stops the given samples; their callbacks are NOT called (the caller is gone)."""
-        if request_ids:
-            try:
+        with contextlib.suppress(EngineUnavailableError):  # closed: the shutdown aborted every sample in flight
+            if request_ids:
                 self._call(functools.partial(self._abort, list(request_ids), None), wait=False)
-            except EngineUnavailableError:
-                pass  # closed: the shutdown aborts every sample still in flight
 
     def update_weights(self, update: StagedUpdate, *, first: bool = True, last: bool = True) -> float:
         """Applies a verified update between two steps; returns the apply time in seconds. A streamed update
@@ -173,21 +170,16 @@ class RolloutEngine:
         return len(self._active)
 
     def close(self, timeout_s: float = 60.0) -> bool:
-        """Stops the engine within `timeout_s`; True when its thread stopped. The thread runs the commands
-        queued before, aborts the samples in flight and shuts vLLM down itself (never concurrently with a step;
-        docs/reliability.md has the hang this was); later calls fail. A thread still busy at the bound has its
-        stack logged and is left behind (a daemon)."""
+        """Stops the engine within `timeout_s` (True: its thread stopped). That thread runs what was queued
+        before, aborts the samples in flight and shuts vLLM down itself; later calls fail."""
         with self._close_lock:
             if not self._closed:
                 self._closed = True
                 self._commands.put(None)
         self._thread.join(timeout=timeout_s)
-        if not self._thread.is_alive():
-            return True
-        frame = sys._current_frames().get(self._thread.ident or -1)
-        logger.error("the engine thread did not stop within %.0f s; leaving it behind. It is at:\n%s", timeout_s,
-                     "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)")
-        return False
+        if self._thread.is_alive():  # a daemon thread: left behind, it does not keep the process up
+            logger.error("the engine thread did not stop within %.0f s; leaving it behind", timeout_s)
+        return not self._thread.is_alive()
 
     # --- engine thread --------------------------------------------------------------------------------
 
@@ -238,8 +230,7 @@ class RolloutEngine:
                     logger.exception("engine step failed")
                     self._abort(list(self._active), f"engine step failed: {e}")
 
-    def _shutdown(self) -> None:
-        """On the engine thread, after every command queued before close(): nothing else touches vLLM now."""
+    def _shutdown(self) -> None:  # on the engine thread, after every command queued before close()
         self._abort(list(self._active), "the engine is shutting down")
         try:
             self._engine.engine_core.shutdown()
