@@ -45,10 +45,7 @@ def fuzz(service, count: int, seed_value: int) -> Report:
     return report
 
 
-# The rollout's run is slow-only for now: after it, closing the session's vLLM engine hung at teardown in two of
-# five runs (open; see docs/reliability.md).
-@pytest.mark.parametrize("name", [pytest.param(s, marks=pytest.mark.slow) if s == "rollout_service" else s
-                                  for s in SERVICES])
+@pytest.mark.parametrize("name", SERVICES)
 def test_fuzz_short(name: str, request) -> None:
     fuzz(request.getfixturevalue(name), SHORT, seed_value=0)
 
