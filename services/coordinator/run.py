@@ -251,7 +251,16 @@ class RunDriver:
                     f"`load: {ckpt.get('path', self.cfg.actor_config.save)}` and `finetune: false`")
             consumed = int(ckpt.get("consumed_samples", 0)) // gbs
         elif iteration:
-            consumed = iteration  # a trainer resumed from a checkpoint without a journal: one batch per iteration
+            # A trainer resumed from a checkpoint without this run's journal: GRPO takes exactly one prompt batch
+            # per iteration, so the cursor follows from the iteration. DAPO's dynamic sampling takes a varying
+            # number, which only the journal records: guessing would re-train or skip data silently.
+            if self.settings.filter_groups_enable:
+                raise RuntimeError(
+                    f"run {self.run_id!r}: the actor trainer holds iteration {iteration} but the journal has no "
+                    f"record of this run, and with rl_config.filter_groups_enable each iteration may take several "
+                    f"prompt batches, so the data cursor cannot be derived; resume with the run's journal (same "
+                    f"run id and Redis) or start the trainer without `load`")
+            consumed = iteration
         # Always sync before generating anything: the replicas may hold other weights than the actor (a fresh
         # replica loads the HF folder, a resumed actor a checkpoint). Versions only move forward, across restarts
         # too, so a number that was ever served never names other weights.
