@@ -19,6 +19,7 @@ from services.trainer.step import (
     gather_response_logits,
     make_micro_batch,
     run_micro_batches,
+    scatter_response_rows,
 )
 
 
@@ -64,13 +65,9 @@ def compute_log_probs_rows(
     logp_flat = torch.zeros(rows.num_response_tokens, dtype=torch.float32)
     ent_flat = torch.zeros(rows.num_response_tokens, dtype=torch.float32) if with_entropy else None
     for info in gathered:
-        for j, i in enumerate(info["rows"]):
-            if i < 0:
-                continue
-            a, b = int(rows.resp_offsets[i]), int(rows.resp_offsets[i + 1])
-            logp_flat[a:b] = info["log_probs"][j, : b - a]
-            if ent_flat is not None:
-                ent_flat[a:b] = info["entropy"][j, : b - a]
+        scatter_response_rows(logp_flat, rows, info["rows"], info["log_probs"])
+        if ent_flat is not None:
+            scatter_response_rows(ent_flat, rows, info["rows"], info["entropy"])
     return logp_flat, ent_flat
 
 

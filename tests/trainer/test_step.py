@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer.step import SequenceRows, dp_share, make_micro_batch, response_slices
+from services.trainer.step import (
+    SequenceRows,
+    dp_share,
+    make_micro_batch,
+    response_slices,
+    scatter_response_rows,
+)
 from services.trainer.update import Experience, UpdateOptions, mini_batches
 
 
@@ -33,6 +39,35 @@ def test_padding_rows_and_length_for_pipeline_shapes():
 def test_response_slices_unpack_flat_values():
     flat = torch.tensor([0.1, 0.2, 0.3, 0.9])
     assert torch.equal(response_slices(flat, _rows(), [1, 0], 3), torch.tensor([[0.9, 0, 0], [0.1, 0.2, 0.3]]))
+
+
+def test_vectorised_micro_batch_matches_a_per_row_build_on_ragged_rows():
+    g = torch.Generator().manual_seed(3)
+    p, r = torch.randint(1, 7, (9,), generator=g), torch.randint(1, 9, (9,), generator=g)
+    rows = SequenceRows(torch.randint(1, 50, (int((p + r).sum()),), generator=g), p, r)
+    idx = [7, 2, 5, 0]
+    mb = make_micro_batch(rows, idx, pad_rows_to=6)
+    s, w = mb["input_ids"].shape[1], mb["resp_pos"].shape[1]
+    assert (s, w) == (int((p + r)[idx].max()), int(r[idx].max()))
+    for j, i in enumerate(idx):
+        seq = rows.token_ids[rows.seq_offsets[i] : rows.seq_offsets[i + 1]].tolist()
+        n, pl = int(r[i]), int(p[i])
+        assert mb["input_ids"][j].tolist() == seq + [0] * (s - len(seq))
+        assert mb["resp_pos"][j].tolist() == list(range(pl - 1, pl - 1 + n)) + [0] * (w - n)
+        assert mb["resp_tokens"][j].tolist() == seq[pl:] + [0] * (w - n)
+        assert mb["response_mask"][j].tolist() == [1.0] * n + [0.0] * (w - n)
+    assert mb["input_ids"][4:].abs().sum() == 0 and mb["rows"] == [*idx, -1, -1]
+    flat = torch.randn(rows.num_response_tokens, generator=g)
+    sliced = response_slices(flat, rows, idx, w)
+    for j, i in enumerate(idx):
+        a, b = int(rows.resp_offsets[i]), int(rows.resp_offsets[i + 1])
+        assert sliced[j, : b - a].tolist() == flat[a:b].tolist() and not sliced[j, b - a :].any()
+    out = torch.full_like(flat, -1.0)
+    scatter_response_rows(out, rows, [*idx, -1], torch.cat([sliced, torch.full((1, w), 9.0)]))
+    written = torch.zeros_like(flat, dtype=torch.bool)
+    for i in idx:
+        written[rows.resp_offsets[i] : rows.resp_offsets[i + 1]] = True
+    assert torch.equal(out[written], flat[written]) and bool((out[~written] == -1.0).all())
 
 
 def test_rows_are_validated():
