@@ -10,15 +10,16 @@ Every rank of the group holds the same rows; each data-parallel rank takes its c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
 import torch
 
 from services.trainer import megatron_compat
-from services.trainer.model import causal_mask
+from services.trainer.model import causal_mask, unwrap
 
 
 @dataclasses.dataclass
@@ -123,9 +124,43 @@ def make_micro_batch(rows: SequenceRows, idx: Sequence[int], *, pad_rows_to: int
 
 
 def gather_response_logits(logits: torch.Tensor, mb: dict) -> torch.Tensor:
-    """[b, S, V] logits -> [b, R, V] at the positions that predict the response tokens."""
+    """[b, S, V] logits -> [b, R, V] at the positions that predict the response tokens.
+
+    Logits that `response_logits_only` already computed at those positions only are returned as they are.
+    """
+    if mb.get("logits_at_response"):
+        return logits
     pos = mb["resp_pos"].to(logits.device)
     return logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+
+
+@contextlib.contextmanager
+def response_logits_only(model, resp_pos: torch.Tensor) -> Iterator[bool]:
+    """While the model runs, its output layer sees only the hidden states at `resp_pos` ([b, R]).
+
+    The loss needs logits at the R response positions of each row, not at all S: computing the vocabulary
+    projection ([S, b, h] x [h, V]) everywhere and gathering afterwards cost the prompt positions' share of
+    the largest matmul at W1 (V 4096), a [b, S, V] gather and, in backward, its scatter into a zeroed
+    [b, S, V] gradient. A forward pre-hook on the last stage's `output_layer` gathers the [S, b, h] input
+    down to [R, b, h] first, so the model returns [b, R, V]. Yields whether the hook was placed (False on
+    stages without an output layer, which return hidden states).
+    """
+    layer = getattr(unwrap(model), "output_layer", None)
+    if layer is None or not getattr(unwrap(model), "post_process", True):
+        yield False
+        return
+    idx = resp_pos.t()  # [R, b], Megatron's sequence-first layout
+
+    def pre_hook(_module, args, kwargs):
+        hidden = args[0]
+        picked = hidden.gather(0, idx.to(hidden.device).unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        return (picked, *args[1:]), kwargs
+
+    handle = layer.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        yield True
+    finally:
+        handle.remove()
 
 
 def dp_share(n: int, dp: int, dp_rank: int) -> range:
@@ -148,7 +183,8 @@ def run_micro_batches(
 ) -> list[dict[str, Any]]:
     """Megatron's forward(/backward) over `micro_batches`; returns loss_fn's dicts (last PP stage).
 
-    `loss_fn(logits [b, S, V], micro_batch) -> (loss, info)`; Megatron divides the loss by the number
+    `loss_fn(logits, micro_batch) -> (loss, info)`, logits [b, R, V] at the response positions (or [b, S, V]
+    where `micro_batch["logits_at_response"]` is False; `gather_response_logits` handles both); Megatron divides the loss by the number
     of micro-batches before backward, so gradients are the mean over micro-batches.
     """
     from megatron.core import parallel_state as ps
@@ -167,8 +203,9 @@ def run_micro_batches(
 
     def forward_step(data_iterator, m):
         mb = _to_device(next(data_iterator), device)
-        with megatron_compat.outside_cpu_device_mode():
+        with megatron_compat.outside_cpu_device_mode(), response_logits_only(m, mb["resp_pos"]) as at_response:
             out = m(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=mb["attention_mask"])
+        mb["logits_at_response"] = at_response
         return out, partial(_call_loss, loss_fn, mb)
 
     # Megatron's schedules allocate a token counter on "cuda" by name (see megatron_compat).
