@@ -25,6 +25,7 @@ median (min-max); the CPU figure (the rank's own process time) moves less with t
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import statistics
 import subprocess
@@ -89,12 +90,14 @@ def cost_rank_main(a: argparse.Namespace) -> int:
                                     update=UpdateOptions(micro_batch_size=micro), optimizer=OptimizerOptions(lr=1e-5)))
     rows = _rows(b, p, r, w.spec.vocab_size)
     out: dict[str, list[tuple[float, float]]] = {"logprobs": [], "update": []}
+    # On a worker thread, as the server's GroupExecutor runs every operation.
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     for step in range(a.repeats + 1):
         exp = _experience(rows, step)
         for name, call in (("logprobs", lambda: w.compute_log_probs(rows, 1.0)),
                            ("update", lambda e=exp, s=step + 1: w.update(e, temperature=1.0, kl_coef=0.001, step=s))):
             t0, c0 = time.perf_counter(), time.process_time()
-            call()
+            pool.submit(call).result()
             out[name].append((time.perf_counter() - t0, time.process_time() - c0))
     for name, ts in out.items():
         print("COST", name, " ".join(f"{wall:.6f},{cpu:.6f}" for wall, cpu in ts[1:]), flush=True)

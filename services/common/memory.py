@@ -46,7 +46,7 @@ def release_free_memory() -> bool:
 
 
 # glibc mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 # Free memory at the top of the heap that glibc keeps instead of handing back (see keep_freed_memory).
 KEEP_FREE_BYTES = 1 << 30
 
@@ -58,9 +58,11 @@ def keep_freed_memory() -> bool:
     so every such tensor of a training step (the `[b, S, vocab]` logits and their softmax temporaries at W1's
     128-token responses) page-faults and zero-fills all its pages again on every micro-batch: measured 600k
     minor faults and ~2 s of system time per W1 update at 128 tokens, against 5k at 64 tokens, where the
-    same tensors stay under the threshold. Serving every block from the heap (M_MMAP_MAX 0) and keeping up
-    to KEEP_FREE_BYTES free at its top (M_TRIM_THRESHOLD) makes the step reuse its pages, as a caching
-    allocator does on a GPU. `release_free_memory` (malloc_trim) still hands them back on Offload.
+    same tensors stay under the threshold. Serving every block from the main heap (M_MMAP_MAX 0, one arena)
+    and keeping up to KEEP_FREE_BYTES free at its top (M_TRIM_THRESHOLD) makes the step reuse its pages, as a caching
+    allocator does on a GPU. `release_free_memory` (malloc_trim) still hands them back on Offload. Where
+    jemalloc is preloaded (the deploy images) glibc's malloc is not the one in use: this changes nothing there,
+    and jemalloc already reuses freed pages.
     """
     name = ctypes.util.find_library("c")
     mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None  # glibc only (absent from musl)
@@ -68,4 +70,7 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREE_BYTES))
+    # One arena: a thread's own arena (the trainer runs its operations on a worker thread) would still
+    # mmap its large blocks; the main heap honours the two settings above. Threads that allocated before
+    # this call keep their arena, so it is made before the process starts its threads.
+    return all(mallopt(k, v) for k, v in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, KEEP_FREE_BYTES)))
