@@ -205,7 +205,7 @@ def cost_main(a: argparse.Namespace, tmp: Path) -> int:
               4096: write_tiny_model(tmp / "v4096", vocab_size=4096)}
     codes = {"after": None} if not a.before else {"before": a.before, "after": None}
     res: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = {}
-    load0 = os.getloadavg()[0]
+    machine = _machine()
     rounds = 2
     per = max(1, a.repeats // rounds)
     for _ in range(rounds):  # alternate code versions and cases so drifting load hits all of them
@@ -214,7 +214,7 @@ def cost_main(a: argparse.Namespace, tmp: Path) -> int:
                 got = cost_times(models[vocab], case, code, per)
                 for k, v in got.items():
                     res.setdefault((case, label), {}).setdefault(k, []).extend(v)
-    print(f"Machine: {_machine()}; load average {os.getloadavg()[0]:.2f} at the end (started at {load0:.2f})\n")
+    print(f"Machine: {machine}; {os.getloadavg()[0]:.2f} at the end\n")
     print(f"One-rank trainer (TP 1, fp32, 1 thread), {len(next(iter(res.values()))['update'])} timed calls per "
           "setting after a warm-up call; cases: " + "; ".join(
               f"{c}: {b} rows x ({p} + {r}) tokens, vocabulary {v}, micro-batch {m} (update) / {f} (log-probs)"

@@ -30,6 +30,8 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 STOP = "__stop__"
+# How long a failed collective waits for the liveness watcher to attribute it to a dead rank.
+LIVENESS_GRACE_S = 2.0
 
 
 class GroupBrokenError(RuntimeError):
@@ -53,6 +55,7 @@ class Liveness:
         self._conns: dict[socket.socket, int] = {}
         self._client: socket.socket | None = None
         self._stop = threading.Event()
+        self._died = threading.Event()
 
     def start(self) -> None:
         """Collective: rank 0 listens (on MASTER_ADDR's host); the others connect to it."""
@@ -90,9 +93,14 @@ class Liveness:
                     if self._stop.is_set():
                         return
                     self.dead.add(peer)
+                    self._died.set()
                     logger.error("trainer rank %d died (its liveness connection closed)", peer)
                     if self._on_dead:
                         self._on_dead(peer)
+
+    def wait_for_death(self, timeout_s: float) -> bool:
+        """Whether a rank is known dead, waiting up to `timeout_s` for the watcher to see one."""
+        return self._died.wait(timeout_s)
 
     def close(self) -> None:
         self._stop.set()
@@ -177,6 +185,9 @@ class GroupExecutor:
             except OperationFailedError:
                 raise
             except Exception as e:  # a collective failed (for example a peer reset the connection)
+                # A dead peer reaches the collective and the liveness socket at about the same moment; on a
+                # busy machine the collective can win, so give the watcher a moment to name the rank.
+                self.liveness.wait_for_death(LIVENESS_GRACE_S)
                 self.broken = f"{op} failed in a collective: {e}"
                 self._check()
                 raise
