@@ -152,9 +152,12 @@ def response_logits_only(model, resp_pos: torch.Tensor) -> Iterator[bool]:
     idx = resp_pos.t()  # [R, b], Megatron's sequence-first layout
 
     def pre_hook(_module, args, kwargs):
-        hidden = args[0]
+        # GPTModel passes the hidden states positionally; `input_` is the layer's own name for them.
+        hidden = args[0] if args else kwargs["input_"]
         picked = hidden.gather(0, idx.to(hidden.device).unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        return (picked, *args[1:]), kwargs
+        if args:
+            return (picked, *args[1:]), kwargs
+        return args, {**kwargs, "input_": picked}
 
     handle = layer.register_forward_pre_hook(pre_hook, with_kwargs=True)
     try:
