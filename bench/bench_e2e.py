@@ -170,7 +170,7 @@ def run_rlfabric(w: Workload, work: Path, label: str, iterations: int, extra: li
         tokens = (m["prompt_length/mean"] + m["response_length/mean"]) * m["global_batch_size"] * \
             m["n_samples_per_prompt"]
         steps.append({"seconds": end - start, "tokens": tokens, **{k: v for k, v in m.items()
-                                                                   if k.startswith(("timing/", "staleness/"))},
+                                                                   if k.startswith(("timing/", "timeline/", "staleness/"))},
                       "reward": m["grpo/score/mean"]})
     return {"label": label, "steps": steps, "first_step_s": iteration_ends[0], "milestones": milestones,
             "peak_rss_bytes": peak, "wall_s": time.perf_counter() - t0}
@@ -307,6 +307,20 @@ def bench_vs_trl(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
                   REPO / "bench" / "results" / "e2e.md", summary=[*header, *ratios])
 
 
+def bench_rlfabric_only(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
+    """rlfabric's runs of the TRL comparison, printed with each phase's median start/end in the iteration."""
+    modes = {"sync": [], "pipelined": ["-o", "rlfabric.max_staleness=1"]}
+    for name in args.workloads:
+        for mode in args.modes:
+            load = os.getloadavg()[0]
+            r = run_rlfabric(loads[name], args.work, f"{name}-{mode}", args.iterations, modes[mode])
+            keys = sorted({k for s in r["steps"] for k in s if k.startswith("timeline/") and k.endswith("/start")})
+            timeline = ", ".join(f"{k.split('/')[1]} {med(r, k):.3f}-{med(r, k[:-5] + 'end'):.3f}" for k in keys)
+            print("\n".join([*describe(f"{name}-{mode} (load {load:.1f} before, {os.getloadavg()[0]:.1f} after)",
+                                        [r])[3:], f"timeline medians (s since the iteration's start): {timeline}"]),
+                  flush=True)
+
+
 def bench_scaling(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
     w = loads["W1"]
     shapes = [("1x", []), ("2x batch", ["-o", "megatron_training.global_batch_size=16", "-o", "rl_config.mini_batch_size=16"]),
@@ -414,7 +428,11 @@ def bench_overhead(args: argparse.Namespace) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", choices=("trl", "scaling", "learning", "overhead"), default="trl")
+    p.add_argument("--only", choices=("trl", "rlfabric", "scaling", "learning", "overhead"), default="trl",
+                   help="rlfabric: its side of the TRL comparison only (per-stage times and timeline, no file "
+                        "written): for before/after comparisons of one change")
+    p.add_argument("--modes", nargs="+", default=["sync", "pipelined"], choices=("sync", "pipelined"),
+                   help="with --only rlfabric: which modes to run")
     p.add_argument("--trl-python", default=None,
                    help="an interpreter with TRL (default: this one; without TRL the comparison is skipped)")
     p.add_argument("--workloads", nargs="+", default=["W1", "W2"], choices=("W1", "W2"))
@@ -429,6 +447,8 @@ def main() -> int:
     loads = prepare(args.work)
     if args.only == "scaling":
         bench_scaling(args, loads)
+    elif args.only == "rlfabric":
+        bench_rlfabric_only(args, loads)
     else:
         explicit, args.trl_python = args.trl_python is not None, args.trl_python or sys.executable
         if subprocess.run([args.trl_python, "-c", "import trl"], capture_output=True).returncode != 0:
