@@ -4,8 +4,8 @@ Samples waiting for a verifier share `Verifier.Verify` streams: a call carries i
 queued when it starts (ceil(queued / max_concurrency), within `_MIN/_MAX_REQUESTS_PER_CALL`), answers are
 matched by request id, and each request keeps its own deadline (the verifier's `timeout_s`, capped by the
 sample's deadline; an answer after it is a timeout). One stream per sample cost more than a fast verifier's
-verdicts (a burst of 64 regex checks took ~0.12 s that way, ~0.04 s batched: bench/RESULTS.md, "End to
-end"). At most `max_concurrency` calls run at once per verifier and worker (a thread pool of that size), so
+verdicts (a burst of 64 regex checks took ~0.12 s that way, 0.03-0.05 s batched: bench/RESULTS.md, "End
+to end"). At most `max_concurrency` calls run at once per verifier and worker (a thread pool of that size), so
 a slow verifier still gets that many streams side by side, and one slow verdict holds up only the few
 requests behind it in its stream (a simple server answers a stream's requests in turn). After
 `failure_threshold` consecutive failed verdicts the circuit opens: calls fail at once with `circuit_open`
