@@ -286,14 +286,17 @@ def write_section(title: str, lines: list[str], detail: Path, summary: list[str]
 
 
 def bench_vs_trl(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
-    header = [f"Machine: {machine_info(*PACKAGES)}; {args.iterations} steps per run, medians over steps 3..N.", ""]
+    header = [f"Machine: {machine_info(*PACKAGES)}; {args.iterations} steps per run, medians over steps 3..N; "
+              f"rlfabric trainer threads per rank: {args.trainer_threads}.", ""]
     body, ratios = [], []
     for name in args.workloads:
         w = loads[name]
         load_before = os.getloadavg()[0]
         trls = [run_trl(args.trl_python, w, args.work, args.iterations)]
-        sync = run_rlfabric(w, args.work, f"{name}-sync", args.iterations, [])
-        pipe = run_rlfabric(w, args.work, f"{name}-pipelined", args.iterations, ["-o", "rlfabric.max_staleness=1"])
+        threads = ["--trainer-threads", str(args.trainer_threads)]
+        sync = run_rlfabric(w, args.work, f"{name}-sync", args.iterations, threads)
+        pipe = run_rlfabric(w, args.work, f"{name}-pipelined", args.iterations,
+                            ["-o", "rlfabric.max_staleness=1", *threads])
         # On a busy machine TRL's default (one thread per core) can lose more to contention than one thread
         # does; the comparison is with whichever TRL was faster.
         trls.append(run_trl(args.trl_python, w, args.work, args.iterations, threads=1))
@@ -313,7 +316,8 @@ def bench_rlfabric_only(args: argparse.Namespace, loads: dict[str, Workload]) ->
     for name in args.workloads:
         for mode in args.modes:
             load = os.getloadavg()[0]
-            r = run_rlfabric(loads[name], args.work, f"{name}-{mode}", args.iterations, modes[mode])
+            r = run_rlfabric(loads[name], args.work, f"{name}-{mode}", args.iterations,
+                             [*modes[mode], "--trainer-threads", str(args.trainer_threads)])
             keys = sorted({k for s in r["steps"] for k in s if k.startswith("timeline/") and k.endswith("/start")})
             timeline = ", ".join(f"{k.split('/')[1]} {med(r, k):.3f}-{med(r, k[:-5] + 'end'):.3f}" for k in keys)
             print("\n".join([*describe(f"{name}-{mode} (load {load:.1f} before, {os.getloadavg()[0]:.1f} after)",
@@ -431,6 +435,8 @@ def main() -> int:
     p.add_argument("--only", choices=("trl", "rlfabric", "scaling", "learning", "overhead"), default="trl",
                    help="rlfabric: its side of the TRL comparison only (per-stage times and timeline, no file "
                         "written): for before/after comparisons of one change")
+    p.add_argument("--trainer-threads", type=int, default=1,
+                   help="`rlfabric up --trainer-threads` of the TRL comparison's runs (default 1)")
     p.add_argument("--modes", nargs="+", default=["sync", "pipelined"], choices=("sync", "pipelined"),
                    help="with --only rlfabric: which modes to run")
     p.add_argument("--trl-python", default=None,

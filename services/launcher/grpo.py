@@ -33,7 +33,8 @@ class GrpoStack:
     """One GRPO run's services on this host (see module doc) and the client that drives the run."""
 
     def __init__(self, stack: LocalStack, config_path: Path, overrides: list[str], cfg: Any, *,
-                 reward_workers: int = 1, reward_processes: int = 1, full_metrics: bool = False) -> None:
+                 reward_workers: int = 1, reward_processes: int = 1, full_metrics: bool = False,
+                 trainer_threads: int = 1) -> None:
         self.stack = stack
         self.config_path = Path(config_path).resolve()
         self.overrides = list(overrides)
@@ -41,6 +42,7 @@ class GrpoStack:
         self.reward_workers = reward_workers
         self.reward_processes = reward_processes
         self.full_metrics = full_metrics
+        self.trainer_threads = trainer_threads
         self.coordinator_address: str | None = None
         self.run_id: str | None = None
 
@@ -61,7 +63,8 @@ class GrpoStack:
         trainer_overrides = [a for o in self.overrides for a in ("--override", o)]
         roles = ["actor", "reference"] if self.cfg.derived.use_kl_loss else ["actor"]
         for role in roles:
-            stack.spawn(f"trainer-{role}", ["trainer", "serve", *cfg_args, *trainer_overrides, "--role", role, *url],
+            stack.spawn(f"trainer-{role}", ["trainer", "serve", *cfg_args, *trainer_overrides, "--role", role,
+                                            "--threads", str(self.trainer_threads), *url],
                         Expected(f"trainer-{role} (Megatron)", "trainer", role))
         stack.spawn("coordinator", ["coordinator", "serve", *url, "--runs-dir", str(stack.run_dir / "runs")],
                     Expected("coordinator", "coordinator"))

@@ -42,6 +42,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     serve = tr_sub.add_parser("serve", help="start one process per rank; rank 0 serves the Trainer gRPC API")
     add_group_arguments(serve)
     add_multi_host_arguments(serve)
+    serve.add_argument("--threads", type=int, default=1, metavar="N",
+                       help="torch intra-op threads of each rank (default 1: the services of one host share its "
+                            "cores; more helps a trainer that runs while the others wait, as in synchronous GRPO)")
     serve.set_defaults(func=_serve)
     rank = tr_sub.add_parser("rank", help="run one rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the "
                                           "environment, as `trainer serve` or torchrun set them)")

@@ -35,7 +35,7 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
         if isinstance(value, SecretFile):  # read from a file whose path (another key) is passed on instead
             continue
         if key in ("func", "command", "trainer_command", "log_level", "log_json", "world_size", "grace_s",
-                   "master_addr", "nnodes", "node_rank", "socket_ifname"):  # the last four reach ranks as env
+                   "master_addr", "nnodes", "node_rank", "socket_ifname", "threads"):  # the last five reach ranks as env
             continue
         if value is None or value is False or value == []:
             continue
@@ -50,6 +50,15 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def rank_env(args: argparse.Namespace, rank: int, world: int, local_rank: int, master_port: int) -> dict[str, str]:
+    """The environment of one rank: torch.distributed's variables, the collectives' interface, its threads."""
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
+               MASTER_ADDR=args.master_addr, MASTER_PORT=str(master_port), OMP_NUM_THREADS=str(args.threads))
+    if args.socket_ifname:
+        env.update(GLOO_SOCKET_IFNAME=args.socket_ifname, NCCL_SOCKET_IFNAME=args.socket_ifname)
+    return env
+
+
 def serve_group(args: argparse.Namespace) -> int:
     """Spawn every rank and supervise them; returns the group's exit code."""
     import socket
@@ -60,6 +69,9 @@ def serve_group(args: argparse.Namespace) -> int:
         server_security(args)  # refuse bad security flags here, once, rather than in every rank
     except ValueError as e:
         print(f"rlfabric trainer serve: {e}", file=sys.stderr)
+        return 2
+    if args.threads < 1:
+        print(f"rlfabric trainer serve: --threads must be at least 1, got {args.threads}", file=sys.stderr)
         return 2
     tp, pp = args.tp, args.pp
     if args.config and not (tp and pp):
@@ -84,11 +96,7 @@ def serve_group(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen] = []
     for local_rank in range(local):
         rank = args.node_rank * local + local_rank
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
-                   MASTER_ADDR=args.master_addr, MASTER_PORT=str(master_port))
-        if args.socket_ifname:
-            env.update(GLOO_SOCKET_IFNAME=args.socket_ifname, NCCL_SOCKET_IFNAME=args.socket_ifname)
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env = rank_env(args, rank, world, local_rank, master_port)
         fds = [store_socket.fileno()] if rank == 0 and store_socket else []
         procs.append(subprocess.Popen([*argv, "--master-listen-fd", str(fds[0])] if fds else argv, env=env,
                                       pass_fds=fds))

@@ -40,13 +40,21 @@ def test_advertised_address(args: argparse.Namespace, port: int, expected: str) 
     assert advertised_address(args, port) == expected
 
 
-def test_multi_host_flags_belong_to_trainer_serve_and_reach_ranks_as_environment() -> None:
-    from services.trainer.launch import rank_argv
+def test_multi_host_flags_belong_to_trainer_serve_and_reach_ranks_as_environment(monkeypatch) -> None:
+    from services.trainer.launch import rank_argv, rank_env
 
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what `rlfabric up` gives its children: the flag wins
     serve = build_parser().parse_args(["trainer", "serve", "--nnodes", "2", "--node-rank", "1", "--master-addr",
-                                       "10.0.0.2", "--socket-ifname", "eth0", "--advertise-interface", "eth0"])
+                                       "10.0.0.2", "--socket-ifname", "eth0", "--advertise-interface", "eth0",
+                                       "--threads", "2"])
     argv = rank_argv(serve)
     assert "--nnodes" not in argv and "--socket-ifname" not in argv and "--master-addr" not in argv
+    assert "--threads" not in argv
+    env = rank_env(serve, 3, 4, 1, 29500)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_ADDR"], env["MASTER_PORT"]) == (
+        "3", "4", "1", "10.0.0.2", "29500")
+    assert (env["GLOO_SOCKET_IFNAME"], env["OMP_NUM_THREADS"]) == ("eth0", "2")
+    assert rank_env(build_parser().parse_args(["trainer", "serve"]), 0, 1, 0, 1)["OMP_NUM_THREADS"] == "1"
     assert argv[argv.index("--advertise-interface") + 1] == "eth0"
     with pytest.raises(SystemExit):  # `trainer rank` takes them from the environment, not as (inert) flags
         build_parser().parse_args(["trainer", "rank", "--nnodes", "2"])
@@ -67,6 +75,7 @@ def test_bad_network_flags_are_named() -> None:
      "world size 3 is not divisible by --nnodes 2"),
     (["--nnodes", "2", "--world-size", "2", "--master-addr", "10.0.0.1"], "--master-port is required"),
     (["--nnodes", "2", "--world-size", "2", "--master-port", "1"], "--master-addr must be node 0's address"),
+    (["--threads", "0"], "--threads must be at least 1, got 0"),
 ])
 def test_trainer_serve_refuses_multi_host_flags_that_cannot_work(flags: list[str], message: str, capsys) -> None:
     args = build_parser().parse_args(["trainer", "serve", "--tp", "1", "--pp", "1", *flags])
