@@ -12,13 +12,11 @@ first call to them, and with it the stop, stays in progress until the listener c
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import pytest
 from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.common.processes import ServiceProcess, wait_until
 from services.common.redis_store import Registry, connect, start_private_redis
+from tests.console import ConsoleProcess
 
 TERMINAL = {coordinator_pb2.RUN_PHASE_STOPPED, coordinator_pb2.RUN_PHASE_FAILED, coordinator_pb2.RUN_PHASE_DONE}
 
@@ -49,34 +48,17 @@ def coordinator(tmp_path_factory, repo_root: Path):
         redis.stop()
 
 
-class Train:
+class Train(ConsoleProcess):
     """`rlfabric train` on the tiny config against `address`, its output collected on a thread."""
 
     def __init__(self, repo_root: Path, address: str, run_id: str, tiny_model_dir: Path, arith_prefix: Path) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "train", "configs/grpo_tiny_cpu.yaml", "--coordinator", address,
-             "--run-id", run_id, "-o", f"megatron_training.tokenizer_name_or_path={tiny_model_dir}",
-             "-o", f"megatron_training.data_path={arith_prefix}"],
-            cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONPATH": str(repo_root)})
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__("train", [
+            sys.executable, "-m", "services.cli", "train", "configs/grpo_tiny_cpu.yaml", "--coordinator", address,
+            "--run-id", run_id, "-o", f"megatron_training.tokenizer_name_or_path={tiny_model_dir}",
+            "-o", f"megatron_training.data_path={arith_prefix}"], repo_root)
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, pattern: str, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not re.search(pattern, self.output):
-            assert self.proc.poll() is None, f"train exited ({self.proc.returncode}) before {pattern!r}:\n{self.output}"
-            assert time.monotonic() < deadline, f"no {pattern!r} after {timeout_s}s:\n{self.output}"
-            time.sleep(0.1)
+    def wait_for(self, pattern: str, timeout_s: float = 120) -> re.Match:
+        return super().wait_for(pattern, timeout_s)
 
     def exit_code(self, timeout_s: float) -> int:
         try:

@@ -16,11 +16,12 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.console import ConsoleProcess
 
 pytestmark = pytest.mark.slow
 
@@ -46,39 +47,20 @@ def descendants(root: int) -> dict[int, str]:
     return {p: table[p][2] for p in found - {root} if p in table}
 
 
-class Up:
+class Up(ConsoleProcess):
     """`rlfabric up` on the tiny config, its output collected on a thread."""
 
     def __init__(self, repo_root: Path, tiny_model_dir: Path, arith_prefix: Path, run_dir: Path, *extra: str) -> None:
         self.run_dir = run_dir
-        args = [sys.executable, "-m", "services.cli", "up", "configs/grpo_tiny_cpu.yaml",
-                "-o", f"megatron_training.tokenizer_name_or_path={tiny_model_dir}",
-                "-o", f"megatron_training.data_path={arith_prefix}", "-o", f"actor_config.load={tiny_model_dir}",
-                "-o", f"actor_config.save={run_dir / 'ckpt'}", "-o", "megatron_training.save_interval=100",
-                "--run-dir", str(run_dir), *extra]
-        self.proc = subprocess.Popen(args, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(repo_root)})
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
+        super().__init__("up", [
+            sys.executable, "-m", "services.cli", "up", "configs/grpo_tiny_cpu.yaml",
+            "-o", f"megatron_training.tokenizer_name_or_path={tiny_model_dir}",
+            "-o", f"megatron_training.data_path={arith_prefix}", "-o", f"actor_config.load={tiny_model_dir}",
+            "-o", f"actor_config.save={run_dir / 'ckpt'}", "-o", "megatron_training.save_interval=100",
+            "--run-dir", str(run_dir), *extra], repo_root)
 
     def wait_for(self, pattern: str, timeout_s: float = 600) -> re.Match:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            match = re.search(pattern, self.output)
-            if match:
-                return match
-            assert self.proc.poll() is None, f"up exited ({self.proc.returncode}) before {pattern!r}:\n{self.output[-4000:]}"
-            time.sleep(0.2)
-        pytest.fail(f"no {pattern!r} after {timeout_s}s:\n{self.output[-4000:]}")
+        return super().wait_for(pattern, timeout_s)
 
     def child(self, needle: str) -> int:
         return next(p for p, cmd in descendants(self.proc.pid).items() if needle in cmd)
