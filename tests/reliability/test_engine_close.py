@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+# A vLLM engine of its own in a subprocess (~40 s): in `make soak`; the suite's teardown exercises close() too.
+pytestmark = pytest.mark.slow
+
 
 def test_close_is_bounded_while_the_engine_thread_is_busy_and_shuts_vllm_down_on_that_thread(
         tiny_model_dir: Path, tmp_path: Path, repo_root: Path) -> None:
