@@ -26,13 +26,13 @@ from typing import Any
 import grpc
 
 from rlfabric.v1 import rollout_pb2, trainer_pb2
+from services.common.config.sections import WEIGHT_TRANSPORTS
 from services.coordinator.errors import IterationError
 
 logger = logging.getLogger(__name__)
 GRPC = trainer_pb2.WEIGHT_TRANSPORT_GRPC_STREAM
 SHM = trainer_pb2.WEIGHT_TRANSPORT_SHM
 COLLECTIVE = trainer_pb2.WEIGHT_TRANSPORT_COLLECTIVE
-CHOICES = ("auto", "grpc", "collective")  # rlfabric.weight_transport
 
 
 def _host(address: str) -> str:
@@ -83,8 +83,8 @@ class WeightSync:
 
     def __init__(self, actor: Any, replicas: Sequence[Replica], hf_config: dict[str, Any], deadline_s: float,
                  actor_address: str | None = None, transport: str = "auto") -> None:
-        if transport not in CHOICES:
-            raise ValueError(f"weight transport {transport!r} is not one of {CHOICES}")
+        if transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight transport {transport!r} is not one of {WEIGHT_TRANSPORTS}")
         self.actor = actor
         # A replica that joins mid-run gets this one (auto: gRPC, its host unchecked).
         self.default_transport = COLLECTIVE if transport == "collective" else GRPC

@@ -42,6 +42,9 @@ _NO_MSPROBE = refused("MindStudio msprobe dumps are not available in rlfabric")
 _MSPROBE_ONLY = inert("only read with msprobe: true (refused)")
 
 
+# The values of rlfabric.weight_transport (validated in validation.py, chosen in coordinator/weight_sync.py).
+WEIGHT_TRANSPORTS = ("auto", "grpc", "collective")
+
 @dataclass(kw_only=True)
 class SamplingConfig:
     """vLLM sampling parameters (`generate_config.sampling_config`)."""
@@ -165,7 +168,7 @@ class FabricConfig:
     val_temperature: float = setting(
         0.0, "Sampling temperature of validation; 0 is greedy. Other sampling values are sampling_config's.",
         read(COORDINATOR_VALIDATION))
-    # MindSpeed-RL moves weights inside one Ray program; here they cross processes and hosts.
+    # MindSpeed-RL moves weights inside one Ray program; here they cross processes and hosts (WEIGHT_TRANSPORTS).
     weight_transport: str = setting(
         "auto", "How pushed weights reach the rollout replicas. auto: shared memory for replicas on the actor's "
                 "host, gRPC streams otherwise. grpc: gRPC streams for every replica. collective: one "

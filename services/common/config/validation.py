@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from services.common.config.algorithm import algorithm_rules
 from services.common.config.resume import resume_rule
 from services.common.config.rl import ADV_ESTIMATORS, KL_CTRL_TYPES, KL_PENALTIES
+from services.common.config.sections import WEIGHT_TRANSPORTS
 
 if TYPE_CHECKING:
     from services.common.config.resolved import RLFabricConfig
@@ -364,7 +365,7 @@ def pipelining(cfg: RLFabricConfig) -> Iterable[Problem]:
         yield Problem(("rlfabric.max_staleness", "rl_config.use_integrated_worker"),
                       "rlfabric.max_staleness: 1 overlaps generation with the update, which needs the rollout on "
                       "devices of its own; set use_integrated_worker: false or max_staleness: 0")
-    if fab.weight_transport not in ("auto", "grpc", "collective"):
+    if fab.weight_transport not in WEIGHT_TRANSPORTS:
         yield Problem(("rlfabric.weight_transport",),
                       f"rlfabric.weight_transport must be auto, grpc or collective, got {fab.weight_transport!r}")
     if not fab.importance_sampling_cap > 0:
