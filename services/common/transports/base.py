@@ -36,3 +36,13 @@ class WeightTransport(abc.ABC):
     @abc.abstractmethod
     def send(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, WeightAck | TargetFailure]:
         """Consume `named_tensors` (HF names, final dtype) once; return each target's outcome."""
+
+
+def checked_targets(targets: Iterable[str]) -> list[str]:
+    """The targets of one push as a list: at least one, no duplicates (each gets one stream and one outcome)."""
+    targets = list(targets)
+    if not targets:
+        raise ValueError("targets is empty: give at least one rollout endpoint (host:port)")
+    if len(set(targets)) != len(targets):
+        raise ValueError(f"targets has duplicates: {targets}")
+    return targets

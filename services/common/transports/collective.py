@@ -40,7 +40,7 @@ from rlfabric.v1 import common_pb2, rollout_pb2
 from services.common.checksum import chain, combine_checksums, data_checksum
 from services.common.client import DEFAULT_DEADLINE_S
 from services.common.tensors import dtype_code, dtype_name, itemsize
-from services.common.transports.base import TargetFailure, WeightAck, WeightTransport
+from services.common.transports.base import TargetFailure, WeightAck, WeightTransport, checked_targets
 from services.common.transports.grpc_stream import Progress, _no_progress, _TargetStream
 
 # 16 MiB as gRPC: a packed bucket is a fresh buffer on each side, and glibc serves up to 32 MiB from its heap,
@@ -179,11 +179,7 @@ class CollectiveTransport(WeightTransport):
     def __init__(self, targets: Sequence[str], *, bucket_bytes: int = 0, timeout_s: float = DEFAULT_DEADLINE_S,
                  token: str | None = None, on_progress: Progress | None = None, total_bytes: int = 0,
                  max_queued_buckets: int = 2, group_timeout_s: float | None = None) -> None:
-        if not targets:
-            raise ValueError("targets is empty: give at least one rollout endpoint (host:port)")
-        if len(set(targets)) != len(targets):
-            raise ValueError(f"targets has duplicates: {list(targets)}")
-        self.targets = list(targets)
+        self.targets = checked_targets(targets)
         self.bucket_bytes = bucket_bytes or DEFAULT_COLLECTIVE_BUCKET_BYTES
         self.timeout_s = timeout_s
         self.group_timeout_s = min(timeout_s, group_timeout_s or DEFAULT_GROUP_TIMEOUT_S)

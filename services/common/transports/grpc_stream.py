@@ -29,7 +29,7 @@ from services.common.checksum import chain, combine_checksums, data_checksum
 from services.common.client import DEFAULT_DEADLINE_S, make_channel
 from services.common.server import MAX_MESSAGE_BYTES
 from services.common.tensors import dtype_code
-from services.common.transports.base import TargetFailure, WeightAck, WeightTransport
+from services.common.transports.base import TargetFailure, WeightAck, WeightTransport, checked_targets
 from services.common.transports.wire import PackedChunk, serialize
 
 logger = logging.getLogger(__name__)
@@ -159,11 +159,7 @@ class GrpcStreamTransport(WeightTransport):
         max_queued_buckets: int = 2,
         tamper: Tamper | None = None,
     ) -> None:
-        if not targets:
-            raise ValueError("targets is empty: give at least one rollout endpoint (host:port)")
-        if len(set(targets)) != len(targets):
-            raise ValueError(f"targets has duplicates: {list(targets)}")
-        self.targets = list(targets)
+        self.targets = checked_targets(targets)
         self.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
         self.timeout_s = timeout_s
         self.token = token
