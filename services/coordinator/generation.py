@@ -213,8 +213,10 @@ class Generator:
         return out
 
     def generate(self, prompts: Sequence[GroupPrompt], weights_version: int, clock: PhaseClock,
-                 reference: LogProbStream | None = None) -> list[Group]:
-        """Every group of `prompts`, sampled at `weights_version` and scored, in prompt order."""
+                 reference: LogProbStream | None = None,
+                 on_generated: Callable[[], None] | None = None) -> list[Group]:
+        """Every group of `prompts`, sampled at `weights_version` and scored, in prompt order; `on_generated`
+        is called once every sample is in, before the scores are."""
         scores: dict[str, reward_pb2.ScoreResponse] = {}
         samples_q: queue.Queue = queue.Queue()
         reward = RequestStream("rule_reward", self.score, lambda r: scores.__setitem__(r.sample_id, r), clock)
@@ -224,6 +226,8 @@ class Generator:
             samples = self._receive(prompts, samples_q, reward, reference, weights_version, clock)
         finally:
             reward.close()
+        if on_generated is not None:
+            on_generated()
         for t in self._threads:
             t.join()
         reward.join()

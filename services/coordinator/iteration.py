@@ -15,7 +15,8 @@
 7. metrics: the seed's table, the iteration timeline, DAPO's counts.
 In integrated mode (`use_integrated_worker`) `placement.py` moves the services' memory between the phases.
 In pipelined mode (`rlfabric.max_staleness: 1`, `run_overlapped`) phase 1 of iteration k+1 runs on the
-replicas' current weights while phases 2-5 of iteration k run; phase 6 waits for both, so the update of k trains
+replicas' current weights while phases 2-5 of iteration k run; phase 6 waits for the update of k and for the last
+sample of k+1 (not for its scores or reference log-probs, which go on beside the push), so the update of k trains
 on samples one version behind the actor (fenced, and importance-weighted in the loss: `off_policy.py`).
 
 A sample that fails (for example a prompt longer than `max_model_len`) costs that sample: it scores 0,
@@ -25,6 +26,7 @@ keeps its place in its group for the normalisation, and contributes no tokens to
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -166,35 +168,58 @@ class GrpoIteration:
         return self._finish(rollout, parts, weights_version, rollout.start, time.perf_counter())
 
     def run_overlapped(self, rollout: Rollout, iteration: int, actor_version: int,
-                       prefetch: Callable[[], Rollout] | None) -> tuple[IterationResult, Rollout | None]:
+                       prefetch: Callable[[Callable[[], None]], Rollout] | None) -> tuple[IterationResult, Rollout | None]:
         """Pipelined mode: trains on `rollout` (sampled at most max_staleness versions behind the actor, which
-        holds `actor_version`) while `prefetch` generates the next iteration on the replicas' current weights;
-        the new version is pushed only once both are done, so no generation ever sees weights change under it.
-        Returns this iteration's result and the prefetched rollout."""
+        holds `actor_version`) while `prefetch` generates the next iteration on the replicas' current weights.
+
+        `prefetch(on_generated)` calls `on_generated` once its last sample is in, before its scores and
+        reference log-probs are: the new version is pushed as soon as both the update and the generation are
+        done, so no generation ever sees weights change under it, and the scoring and the reference pass of
+        the next iteration overlap the push. Returns this iteration's result and the prefetched rollout."""
         start = time.perf_counter()
+        released, generated = threading.Event(), []  # released: the last sample is in, or the prefetch ended
+
+        def on_generated() -> None:
+            generated.append(True)
+            released.set()
+
+        def generate_ahead() -> Rollout:
+            try:
+                return prefetch(on_generated)
+            finally:
+                released.set()
+
         with ThreadPoolExecutor(1, thread_name_prefix="prefetch") as pool:
-            ahead = pool.submit(prefetch) if prefetch is not None else None
+            ahead = pool.submit(generate_ahead) if prefetch is not None else None
             try:
                 parts = self._train(rollout, iteration, actor_version)
             except BaseException:
                 if ahead is not None:
                     wait([ahead])  # no generation may outlive a failed step; the update's error is the one raised
                 raise
+            if ahead is not None:
+                released.wait()
+                if not generated:
+                    ahead.result()  # the prefetch failed before its last sample: the step fails before any push
+            self.placement.after_update(rollout.clock, actor_version + 1)
             following = ahead.result() if ahead is not None else None
-        self.placement.after_update(rollout.clock, actor_version + 1)
         result = self._finish(rollout, parts, actor_version, start, time.perf_counter(),
                               also_busy=following.clock if following is not None else None)
         return result, following
 
     def rollout(self, next_batch: Callable[[], Any], iteration: int, weights_version: int,
-                data_batches: int = 0) -> Rollout:
-        """Phase 1: generate (and score, and stream to the reference) the iteration's prompts at `weights_version`."""
+                data_batches: int = 0, on_generated: Callable[[], None] | None = None) -> Rollout:
+        """Phase 1: generate (and score, and stream to the reference) the iteration's prompts at `weights_version`.
+
+        `on_generated` is called once the last sample is in and no more will be generated (before the scores
+        and the reference log-probs are)."""
         clock = PhaseClock()
         t0 = time.perf_counter()
         self.placement.enter_infer(clock, weights_version)
         ref_stream = self._reference_stream(clock)
         try:
-            gen = self._generate(next_batch, iteration, weights_version, data_batches, clock, ref_stream)
+            gen = self._generate(next_batch, iteration, weights_version, data_batches, clock, ref_stream,
+                                 on_generated)
         finally:
             if ref_stream is not None:
                 ref_stream.close()
@@ -232,12 +257,15 @@ class GrpoIteration:
     # -- phases, in order ---------------------------------------------------------------------------------
 
     def _generate(self, next_batch: Callable[[], Any], iteration: int, version: int, data_batches: int,
-                  clock: PhaseClock, ref_stream: LogProbStream | None) -> _Generated:
-        """One prompt batch; with DAPO dynamic sampling, batches until enough groups have a spread."""
+                  clock: PhaseClock, ref_stream: LogProbStream | None,
+                  on_generated: Callable[[], None] | None = None) -> _Generated:
+        """One prompt batch; with DAPO dynamic sampling, batches until enough groups have a spread (whether
+        another batch is needed depends on the scores, so there generation ends with the scoring)."""
         s = self.settings
         if not s.filter_groups_enable:
             batch = next_batch()
-            groups = self.generator.generate(self._group_prompts(batch, iteration), version, clock, ref_stream)
+            groups = self.generator.generate(self._group_prompts(batch, iteration), version, clock, ref_stream,
+                                             on_generated)
             return _Generated(groups, groups, [batch], len(groups))
         acc: GroupAccumulator[Group] = GroupAccumulator(
             s.filter_groups_train_batch_size, s.n_samples_per_prompt, s.filter_groups_max_batches, data_batches)
@@ -252,6 +280,8 @@ class GrpoIteration:
                 acc.add(groups, select_metric(self._verifier_scores(groups), s.filter_groups_metric))
             except DynamicSamplingExhaustedError as e:
                 raise IterationError(str(e)) from e
+        if on_generated is not None:
+            on_generated()
         taken = acc.take()
         return _Generated(generated, taken.groups, batches, taken.num_groups_kept)
 

@@ -68,8 +68,10 @@ class _Stepper:
                                                   loader.batches_per_epoch)
         prefetch = None
         if iteration < self.train_iters and not self.stop_event.is_set():
-            prefetch = functools.partial(self.loop.rollout, self.journaled(loader, iteration + 1), iteration + 1,
-                                         version, loader.batches_per_epoch)
+            next_batch = self.journaled(loader, iteration + 1)
+
+            def prefetch(on_generated: Callable[[], None]) -> Rollout:
+                return self.loop.rollout(next_batch, iteration + 1, version, loader.batches_per_epoch, on_generated)
         result, self.ahead = self.loop.run_overlapped(rollout, iteration, version, prefetch)
         return result, loader.consumed_batches - (len(self.ahead.gen.batches) if self.ahead else 0)
 

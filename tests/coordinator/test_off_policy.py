@@ -44,3 +44,65 @@ def test_a_sample_without_its_log_probs_is_refused() -> None:
     g.samples[0].response_log_probs.CopyFrom(to_proto(np.zeros(1, np.float32)))
     with pytest.raises(IterationError, match="log-prob of every sampled token"):
         behavior_log_probs([g])
+
+
+# --- when the pipelined step pushes (GrpoIteration.run_overlapped) ------------------------------------------
+
+
+class _Order:
+    """A GrpoIteration whose phases record when they run: the update (`_train`), the push (`after_update`)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from services.coordinator.iteration import GrpoIteration
+
+        self.events: list[str] = []
+        self.pushed = threading.Event()
+        loop = GrpoIteration.__new__(GrpoIteration)
+        loop._train = lambda rollout, iteration, version: self.events.append("update") or "parts"
+        loop._finish = lambda rollout, parts, version, t0, t1, also_busy=None: ("result", parts)
+        loop.placement = self
+        self.loop = loop
+
+    def after_update(self, clock, version: int) -> None:
+        self.events.append(f"push {version}")
+        self.pushed.set()
+
+
+def _rollout(label: str):
+    from services.coordinator.iteration import Rollout
+
+    return Rollout(gen=label, clock=None, start=0.0, weights_version=0, ref_stream=None)
+
+
+def test_pipelined_step_pushes_once_generated_while_the_next_scoring_goes_on() -> None:
+    order = _Order()
+
+    def prefetch(on_generated):
+        order.events.append("generated")
+        on_generated()
+        # Scoring and the reference pass of the next iteration: the push must not wait for them.
+        assert order.pushed.wait(10), "the push waited for the next iteration's scores"
+        order.events.append("scored")
+        return _rollout("next")
+
+    result, following = order.loop.run_overlapped(_rollout("this"), 3, 5, prefetch)
+    assert result == ("result", "parts") and following.gen == "next"
+    assert order.events.index("push 6") < order.events.index("scored")
+    assert {"update", "generated"} <= set(order.events[:order.events.index("push 6")])
+
+
+@pytest.mark.parametrize("fails_after_generation", [False, True], ids=["during-generation", "during-scoring"])
+def test_pipelined_step_with_a_failed_prefetch_fails(fails_after_generation: bool) -> None:
+    order = _Order()
+
+    def prefetch(on_generated):
+        if fails_after_generation:
+            on_generated()
+        raise IterationError("reward: no score for 1 samples")
+
+    with pytest.raises(IterationError, match="no score"):
+        order.loop.run_overlapped(_rollout("this"), 3, 5, prefetch)
+    # A rollout that failed before its last sample never sees new weights pushed for it.
+    assert ("push 6" in order.events) == fails_after_generation
