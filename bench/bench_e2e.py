@@ -316,8 +316,9 @@ def bench_rlfabric_only(args: argparse.Namespace, loads: dict[str, Workload]) ->
     for name in args.workloads:
         for mode in args.modes:
             load = os.getloadavg()[0]
+            overrides = [x for kv in args.override for x in ("-o", kv)]
             r = run_rlfabric(loads[name], args.work, f"{name}-{mode}", args.iterations,
-                             [*modes[mode], "--trainer-threads", str(args.trainer_threads)])
+                             [*modes[mode], *overrides, "--trainer-threads", str(args.trainer_threads)])
             keys = sorted({k for s in r["steps"] for k in s if k.startswith("timeline/") and k.endswith("/start")})
             timeline = ", ".join(f"{k.split('/')[1]} {med(r, k):.3f}-{med(r, k[:-5] + 'end'):.3f}" for k in keys)
             print("\n".join([*describe(f"{name}-{mode} (load {load:.1f} before, {os.getloadavg()[0]:.1f} after)",
@@ -443,6 +444,9 @@ def main() -> int:
                    help="an interpreter with TRL (default: this one; without TRL the comparison is skipped)")
     p.add_argument("--workloads", nargs="+", default=["W1", "W2"], choices=("W1", "W2"))
     p.add_argument("--iterations", type=int, default=12)
+    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --only rlfabric: a config override for every rlfabric run (repeatable), to compare "
+                        "a setting with the workload's own")
     p.add_argument("--learning-iterations", type=int, default=100)
     p.add_argument("--work", type=Path, default=Path("/tmp/rlfabric-bench-e2e"))
     args = p.parse_args()

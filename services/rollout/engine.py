@@ -19,6 +19,12 @@ Choices:
   in host memory (they already live there), so both levels behave the same on CPU.
 - vLLM settings that come from the environment (in-process engine core, cache root, CPU KV-cache size)
   are set from `EngineOptions` (vllm_args.py); users set none of them.
+- Admission window: a client sends a batch of groups as a stream, and their samples reach the engine thread
+  one by one. When the engine goes from idle to generating, it waits for the rest of the batch (while the
+  next sample arrives within ADMISSION_GAP_S, at most ADMISSION_WINDOW_S in all) before its first step, so
+  the batch starts together: a sample that missed the first step finishes one step after the others and
+  adds a whole step to the batch (measured on the demo's 8 x 8 x 8-token rollout: 9.0 steps on average
+  instead of 8). A lone request waits ADMISSION_GAP_S at most.
 - A weight update never takes the served version backwards (checked here, where updates are applied,
   because several servicers may share one engine).
 
@@ -54,6 +60,9 @@ from services.rollout.vllm_args import configure_environment, engine_args, sampl
 from services.rollout.weights import StagedUpdate, WeightsVersionBehindError, read_checkpoint_specs
 
 logger = logging.getLogger(__name__)
+
+ADMISSION_GAP_S = 0.002  # see "Admission window" above
+ADMISSION_WINDOW_S = 0.02
 
 
 class EngineUnavailableError(RuntimeError):
@@ -205,11 +214,13 @@ class RolloutEngine:
 
     def _loop(self) -> None:
         while True:
+            idle = not self._active
             try:
                 # Block while idle; while generating, only drain what is already queued.
-                item = self._commands.get(block=not self._active)
+                item = self._commands.get(block=idle)
             except queue.Empty:
                 item = ()
+            window_end = None
             while item != ():
                 if item is None:
                     self._shutdown()
@@ -219,16 +230,30 @@ class RolloutEngine:
                     future.set_result(fn())
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     future.set_exception(e)
-                try:
-                    item = self._commands.get_nowait()
-                except queue.Empty:
-                    item = ()
+                if window_end is None and idle and self._active:
+                    window_end = time.monotonic() + ADMISSION_WINDOW_S
+                item = self._next_command(window_end)
             if self._active:
                 try:
                     self._step()
                 except Exception as e:
                     logger.exception("engine step failed")
                     self._abort(list(self._active), f"engine step failed: {e}")
+
+    def _next_command(self, window_end: float | None) -> Any:
+        """The next queued command, or () when none is; within an admission window (`window_end`), waits
+        up to ADMISSION_GAP_S for one."""
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            pass
+        remaining = window_end - time.monotonic() if window_end is not None else 0.0
+        if remaining <= 0:
+            return ()
+        try:
+            return self._commands.get(timeout=min(ADMISSION_GAP_S, remaining))
+        except queue.Empty:
+            return ()
 
     def _shutdown(self) -> None:  # on the engine thread, after every command queued before close()
         self._abort(list(self._active), "the engine is shutting down")
