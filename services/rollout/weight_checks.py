@@ -1,12 +1,15 @@
 """The checks of a weight update's bytes on the replica, run next to the stream (services/rollout/weights.py).
 
 Each tensor gets its checksum (services/common/checksum.py) and a finiteness check, one vectorised sum each
-(a float sum: NaN and inf survive it; a non-finite sum sends to the exact check), and a cast when its dtype is
-not the engine's; then the bucket checksum is compared with the sent one. A streamed bucket (bytes kept out
-of the message, or in shared memory) is checked on one verifier thread while the servicer goes on reading
-the stream (torch's sums release the GIL, so the checks use the second core); a streamed apply takes each
-tensor as soon as it passed (`Verified`), so the engine's copy of one tensor overlaps the checks of the
-next. The error classes carry the status-code name the servicer answers with.
+(a float sum: NaN and inf survive it; a non-finite sum sends to the exact check), taken step by step so that
+both read the tensor in one pass over memory, and a cast when its dtype is not the engine's; then the bucket
+checksum is compared with the sent one. A streamed bucket (bytes kept out of the message, or in shared
+memory) is checked on one verifier thread while the servicer goes on reading the stream (torch's sums release
+the GIL, so the checks use the second core); a streamed apply takes each tensor as soon as it passed
+(`Verified`), so the engine's copy of one tensor overlaps the checks of the next, and checks a tensor itself
+when the verifier has not reached it yet (rather than idling: the bucket reaches both at once). Either way
+no tensor reaches the engine before its finiteness check passed, and the bucket's checksum covers every
+tensor the engine took. The error classes carry the status-code name the servicer answers with.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.checksum import chain, fold, word_sum
+from services.common.checksum import CHUNK_BYTES, chain, fold, tensor_word_sum
 
 # Checks the bytes of streamed buckets next to the stream (torch's sums release the GIL): one thread, so the
 # checks of one stream run in bucket order.
@@ -63,20 +66,29 @@ class ParamSpec:
 
 
 def _checksum_and_finite(tensor: torch.Tensor) -> tuple[int, bool]:
-    """The tensor's checksum (services/common/checksum.py) and whether every value may be finite: one
-    vectorised int64 sum and one float sum, each several times faster than the copy the update makes. A float
-    sum that is not finite (NaN, inf, or finite values whose sum overflowed) sends the caller to the exact check."""
+    """The tensor's checksum (services/common/checksum.py) and whether every value may be finite: an int64
+    sum and a float sum of each `CHUNK_BYTES` step in turn, so the float sum reads the step from cache, not
+    memory (one pass over memory for both checks). A step whose float sum is not finite (NaN, inf, or finite
+    values whose sum overflowed) sends the caller to the exact check; the steps after it are only summed."""
     flat = tensor.reshape(-1)
-    raw = flat.view(torch.uint8).numpy()
     acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
-    return fold(word_sum(raw), raw.nbytes), math.isfinite(float(flat.sum(dtype=acc)))
+    step = CHUNK_BYTES // flat.element_size()
+    total, finite = 0, True
+    for i in range(0, flat.numel(), step):
+        part = flat[i:i + step]
+        total += tensor_word_sum(part.view(torch.uint8))
+        finite = finite and math.isfinite(float(part.sum(dtype=acc)))
+    return fold(total, flat.numel() * flat.element_size()), finite
 
 
 class Verification:
     """The checks of one bucket's bytes: each tensor's checksum and finiteness (and a cast to the engine's
-    dtype), then the bucket checksum. `run` works through the tensors in order, on the verifier thread or the
-    caller's; `result` waits for all of them; `take` hands them over one by one as they pass (`Verified`).
-    A checksum mismatch wins over a bad value: after a non-finite tensor the others are still summed."""
+    dtype), then the bucket checksum. Tensors are claimed in order by whoever works on the bucket: `run` (the
+    verifier thread, or the caller's) claims them all; `tensor(i)`, the engine's side of a streamed apply
+    (`take`, `Verified`), checks tensor i itself when no one has claimed it yet instead of waiting, so the
+    engine never idles behind the verifier and copies the bytes it just read while they are in cache.
+    `result` waits for all of them. A checksum mismatch wins over a bad value, and the first bad tensor in
+    order is the one reported: after a non-finite tensor the others are still summed."""
 
     def __init__(self, index: int, version: int, sent: int, views: list[tuple[str, torch.Tensor]],
                  expected: Mapping[str, ParamSpec]) -> None:
@@ -84,40 +96,62 @@ class Verification:
         self._views, self._expected = views, expected
         self._shapes = [(name, tuple(t.shape)) for name, t in views]
         self._out: list[tuple[str, torch.Tensor] | None] = [None] * len(views)
+        self._sums: list[int] = [0] * len(views)
+        self._bad: list[BaseException | None] = [None] * len(views)
         self._ready = [threading.Event() for _ in views]
+        self._lock = threading.Lock()
+        self._next = 0  # the first tensor nobody has claimed
+        self._checked = 0
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._taken = False
+        if not views:
+            self._finish()
 
     def run(self) -> None:
-        if self._done.is_set():
-            return
-        try:
-            sums, bad = [], None
-            for i, (name, tensor) in enumerate(self._views):
-                checksum, finite = _checksum_and_finite(tensor)
-                sums.append(checksum)
-                if bad is None:
-                    try:
-                        self._out[i] = (name, self._checked(name, tensor, finite))
-                        self._ready[i].set()
-                    except WeightUpdateError as e:
-                        bad = e
-            actual = chain(sums)
-            if actual != self.sent:
-                raise WeightDataLossError(f"bucket {self.index} of version {self.version}: checksum {actual:#010x} "
-                                          f"!= sent {self.sent:#010x}; resend the update")
-            if bad is not None:
-                raise bad
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for this bucket
-            self._error = e
-        finally:
-            self._views = []
-            self._done.set()
-            for ready in self._ready:
-                ready.set()
+        """Checks every tensor nobody has claimed yet (the others are being checked elsewhere)."""
+        while (i := self._claim()) is not None:
+            self._check(i)
 
-    def _checked(self, name: str, tensor: torch.Tensor, finite: bool) -> torch.Tensor:
+    def _claim(self) -> int | None:
+        with self._lock:
+            if self._next >= len(self._ready):
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def _check(self, i: int) -> None:
+        name, tensor = self._views[i]
+        try:
+            checksum, finite = _checksum_and_finite(tensor)
+            self._sums[i] = checksum
+            self._out[i] = (name, self._checked_tensor(name, tensor, finite))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for this bucket
+            self._bad[i] = e  # a bad value's bytes were summed all the same: the checksum still decides first
+        with self._lock:
+            self._checked += 1
+            last = self._checked == len(self._ready)
+        if last:
+            self._finish()
+        else:
+            self._ready[i].set()
+
+    def _finish(self) -> None:
+        actual = chain(self._sums)
+        bad = next((e for e in self._bad if e is not None), None)
+        if bad is not None and not isinstance(bad, WeightUpdateError):
+            self._error = bad  # the checks themselves failed: no checksum to compare
+        elif actual != self.sent:
+            self._error = WeightDataLossError(f"bucket {self.index} of version {self.version}: checksum "
+                                              f"{actual:#010x} != sent {self.sent:#010x}; resend the update")
+        else:
+            self._error = bad
+        self._views = []
+        self._done.set()
+        for ready in self._ready:
+            ready.set()
+
+    def _checked_tensor(self, name: str, tensor: torch.Tensor, finite: bool) -> torch.Tensor:
         where = f"bucket {self.index}: parameter {name!r}"
         if not finite:
             _require_finite(tensor, where)
@@ -135,6 +169,7 @@ class Verification:
 
     def result(self) -> list[tuple[str, torch.Tensor]]:
         """The verified tensors (none once taken); raises the bucket's failure."""
+        self.run()  # what nobody has claimed yet is checked here rather than waited for
         self._done.wait()
         if self._error is not None:
             raise self._error
@@ -146,10 +181,17 @@ class Verification:
         return taken
 
     def tensor(self, i: int) -> tuple[str, torch.Tensor]:
+        """Tensor i once it passed (called in order); checks it here if nobody has claimed it yet."""
+        with self._lock:
+            mine = self._next == i
+            if mine:
+                self._next += 1
+        if mine:
+            self._check(i)
         self._ready[i].wait()
         item = self._out[i]
         if item is None:
-            self.result()  # raises the failure
+            self.result()  # raises the failure (a bad value once every tensor was summed)
             raise AssertionError("a tensor without a failure is never missing")
         self._out[i] = None  # handed over: the bucket keeps no reference
         return item

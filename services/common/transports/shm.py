@@ -1,13 +1,14 @@
 """Same-host weight transport: tensors written once into POSIX shared memory, references on the wire.
 
 The sender (trainer rank 0) writes each tensor once into a segment file under /dev/shm and computes its
-checksum once over the bytes that landed (services/common/checksum.py: a vectorised pass several times
-faster than the copy), and streams the same `Rollout.UpdateWeights` buckets and commit as the gRPC
-transport, except that each bucket carries a `SharedMemoryRef` (segment path, id, offsets) instead of the
+checksum over the bytes that landed, step by step while each step is still in cache
+(services/common/checksum.py `copy_word_sum`: the sum adds about a fifth of the copy's time), and streams
+the same `Rollout.UpdateWeights` buckets and commit as the gRPC transport, except that each bucket carries a `SharedMemoryRef` (segment path, id, offsets) instead of the
 bytes. The replica maps the segment (`SegmentCache`) and the engine copies each bucket straight from the
 mapping into its parameters while the trainer writes the next one (no protobuf copy, no staging copy); a
 verifier thread checks each tensor (checksum, finiteness) just before the engine takes it, on the other
-core (services/rollout/weight_checks.py); the commit then checks completeness and the chained checksum.
+core, and the engine checks a tensor itself when the verifier has not reached it yet
+(services/rollout/weight_checks.py); the commit then checks completeness and the chained checksum.
 Buckets default to 64 MiB (each is one engine call on the replica).
 
 Segment lifetime (no /dev/shm leak):
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 
 from rlfabric.v1 import common_pb2, rollout_pb2
-from services.common.checksum import chain, fold, word_sum
+from services.common.checksum import chain, copy_word_sum, fold
 from services.common.tensors import dtype_code
 from services.common.transports.base import TargetFailure, WeightAck
 from services.common.transports.grpc_stream import GrpcStreamTransport
@@ -118,9 +119,7 @@ class Segment:
         if offset + n > self.size:
             raise ValueError(f"segment of {self.size} bytes cannot hold {n} bytes at offset {offset}: the "
                              "sender's total_bytes understated the tensors it was given")
-        dst = self.array[offset:offset + n]
-        torch.from_numpy(dst).copy_(src)
-        return fold(word_sum(dst), n)
+        return fold(copy_word_sum(torch.from_numpy(self.array[offset:offset + n]), src), n)
 
 
 _LOCK = threading.Lock()
