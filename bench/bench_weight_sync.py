@@ -20,6 +20,7 @@ faults; its time is reported as "cold"). Ratios are throughput over the ceiling 
 (ceiling seconds / sync seconds); the median and the best of the repeats are reported.
 
     .venv/bin/python bench/bench_weight_sync.py [--repeats 3] [--hidden 1024] [--layers 12] [--bucket-mib 16]
+        [--paths bare grpc]  (only some paths; default all)
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 SINK = "/bench.Sink/Stream"
 
 
-def _sender(hf_dir: str, replica: str, sink: str, repeats: int, bucket: int) -> dict:
+def _sender(hf_dir: str, replica: str, sink: str, repeats: int, bucket: int, only: list[str] | None = None) -> dict:
     import grpc
     import torch
 
@@ -90,14 +91,21 @@ def _sender(hf_dir: str, replica: str, sink: str, repeats: int, bucket: int) -> 
     paths = {"memcpy": memcpy, "memcpy into /dev/shm": memcpy_shm, "shm": lambda: push(ShmTransport),
              "bare gRPC stream": bare, "grpc": lambda: push(GrpcStreamTransport),
              "collective": lambda: push(CollectiveTransport)}
+    if only:
+        paths = {name: fn for name, fn in paths.items() if name.split()[0] in only}
     memcpy()
     memcpy_shm()
     t0 = time.perf_counter()
-    push(ShmTransport)
-    cold = {"shm (cold, first push)": time.perf_counter() - t0}
-    push(GrpcStreamTransport)
-    push(CollectiveTransport)
-    bare()
+    cold = {}
+    if "shm" in paths:
+        push(ShmTransport)
+        cold = {"shm (cold, first push)": time.perf_counter() - t0}
+    if "grpc" in paths:
+        push(GrpcStreamTransport)
+    if "collective" in paths:
+        push(CollectiveTransport)
+    if "bare gRPC stream" in paths:
+        bare()
     runs = []
     for _ in range(repeats):
         run = {}
@@ -128,7 +136,7 @@ def _sink_server(options):
     return server, f"127.0.0.1:{port}"
 
 
-def _replica_and_sender(hf_dir: Path, work: Path, repeats: int, bucket: int) -> dict:
+def _replica_and_sender(hf_dir: Path, work: Path, repeats: int, bucket: int, only: list[str] | None = None) -> dict:
     from services.common.server import GRPC_OPTIONS
     from services.rollout.engine import RolloutEngine
     from services.rollout.options import EngineOptions, SamplingOptions
@@ -142,7 +150,7 @@ def _replica_and_sender(hf_dir: Path, work: Path, repeats: int, bucket: int) -> 
     try:
         proc = subprocess.run(
             [sys.executable, __file__, "--sender", json.dumps([str(hf_dir), server.address, sink_address, repeats,
-                                                                bucket])],
+                                                                bucket, only])],
             capture_output=True, text=True, timeout=3600,
             env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
         if proc.returncode != 0:
@@ -171,6 +179,8 @@ def _report(result: dict, label: str) -> list[str]:
                                  ("shm", "memcpy into /dev/shm", "(context) shm weight sync vs memcpy into /dev/shm"),
                                  ("grpc", "bare gRPC stream", "grpc weight sync vs bare gRPC stream"),
                                  ("collective", "grpc", "(context) collective weight sync vs grpc weight sync")]:
+        if sync not in runs[0] or ceiling not in runs[0]:
+            continue
         ratios = [r[ceiling][0] / r[sync][0] for r in runs]
         lines.append(f"{words}: {statistics.median(ratios):.2f}x (median of {len(runs)}; best "
                      f"{max(ratios):.2f}x; per repeat {', '.join(f'{x:.2f}' for x in ratios)})")
@@ -184,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--bucket-mib", type=int, default=16, help="bucket size of both transports and the bare stream")
+    p.add_argument("--paths", nargs="+", choices=["memcpy", "shm", "bare", "grpc", "collective"],
+                   help="time only these paths (default: all; 'memcpy' is both memcpy paths, 'bare' the bare stream)")
     p.add_argument("--sender", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.sender:
@@ -202,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                                   num_key_value_heads=max(2, args.hidden // 256),
                                   intermediate_size=args.hidden * 11 // 4)
         (root / "work").mkdir()
-        result = _replica_and_sender(hf_dir, root / "work", args.repeats, args.bucket_mib << 20)
+        result = _replica_and_sender(hf_dir, root / "work", args.repeats, args.bucket_mib << 20, args.paths)
     label = f"Qwen2 h{args.hidden}, {args.layers} layers, vocabulary {args.vocab}"
     print(f"Machine: {machine}; load average at the end {os.getloadavg()[0]:.2f}; bucket {args.bucket_mib} MiB\n")
     print("\n".join(_report(result, label)))

@@ -85,9 +85,11 @@ class RolloutServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateWeights(self, request_iterator, context):
-        """A stream of weight buckets followed by one commit. Tensors are staged, then applied into the
-        running engine atomically at the commit; the reply acknowledges the version and a checksum of
-        what was applied. Errors (nothing applied, the old version keeps serving): DATA_LOSS on a
+        """A stream of weight buckets followed by one commit. Tensors are verified, then applied into the
+        running engine atomically: as they arrive, with a backup of what they overwrite that a failed
+        stream restores (the replica refuses Generate while the stream runs), or at the commit; the reply
+        acknowledges the version and a checksum of what was applied. Errors (the old weights and version
+        keep serving, bitwise): DATA_LOSS on a
         checksum mismatch or missing bucket; INVALID_ARGUMENT for unknown names, wrong shapes, non-float
         dtypes or non-finite values (naming the tensor); FAILED_PRECONDITION for a version below the one
         held (versions only move forward) or while asleep in a sleep mode that moved the weights;

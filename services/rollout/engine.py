@@ -13,7 +13,11 @@ Choices:
   distribution it was sampled from (after temperature, top-k/top-p); at temperature 0 it equals the
   model's log-softmax.
 - A weight update aborts the samples in flight (they would otherwise mix two versions); they come back
-  with finish reason "abort". The prefix cache is reset after every update.
+  with finish reason "abort". The prefix cache is reset after every update. A streamed update comes in
+  pieces, during which the engine refuses to generate; pieces applied with `backup` (gRPC buckets) first
+  copy the vLLM parameters they write into (the whole fused qkv / gate_up parameter, host buffers reused
+  across pushes: one model's worth of host memory), and `restore_weights` puts them back when the push
+  fails, so the engine again serves its previous weights and version, bitwise.
 - Sleep: vLLM's sleep mode where the platform has it (CUDA/Ascend). vLLM-CPU has none (its worker ignores
   sleep), so on CPU `sleep` frees the KV-cache storage and `wake` re-allocates and zeroes it; weights stay
   in host memory (they already live there), so both levels behave the same on CPU.
@@ -86,6 +90,10 @@ class RolloutEngine:
         self.options = options
         self._version = 0
         self._weights_error: str | None = None
+        # While a push applies pieces with a backup: the refusal to generate from before it (see _restore_weights).
+        self._before_push: tuple[str | None] | None = None
+        # One update at a time, whichever servicer streams it (several servers may share one engine).
+        self.update_lock = threading.Lock()
         self._sleeping = False
         self._kv_released_bytes = 0
         self._active: dict[str, _InFlight] = {}
@@ -158,10 +166,28 @@ class RolloutEngine:
             if request_ids:
                 self._call(functools.partial(self._abort, list(request_ids), None), wait=False)
 
-    def update_weights(self, update: StagedUpdate, *, first: bool = True, last: bool = True) -> float:
+    def update_weights(self, update: StagedUpdate, *, first: bool = True, last: bool = True,
+                       backup: bool = False) -> float:
         """Applies a verified update between two steps; returns the apply time in seconds. A streamed update
-        (shm) comes in pieces, `first` to `last`: between them the engine refuses to generate."""
-        return self._call(functools.partial(self._apply_weights, update, first, last))
+        comes in pieces, `first` to `last`: between them the engine refuses to generate. With `backup`
+        (gRPC buckets) each piece first saves the values it overwrites, so `restore_weights` can undo the
+        pieces of a push that fails before its `last`."""
+        return self._call(functools.partial(self._apply_weights, update, first, last, backup))
+
+    def update_weights_async(self, update: StagedUpdate, *, first: bool, last: bool, backup: bool) -> Future:
+        """`update_weights` without waiting: pieces queued in order are applied in order, and the caller reads
+        the next piece meanwhile; the future holds the apply time or the failure."""
+        future: Future = Future()
+        with self._close_lock:
+            if self._closed:
+                raise EngineUnavailableError("the engine is closed")
+            self._commands.put((functools.partial(self._apply_weights, update, first, last, backup), future))
+        return future
+
+    def restore_weights(self) -> int:
+        """Undoes the pieces applied with `backup` since the last complete update: the parameters, the
+        refusal to generate and the version are as before that push (bitwise). Returns the parameters restored."""
+        return self._call(self._restore_weights)
 
     def sleep(self, level: int = 1) -> float:
         """Releases memory (see module docstring); idempotent. Returns seconds taken."""
@@ -349,9 +375,14 @@ class RolloutEngine:
         except Exception:
             logger.exception("sample callback failed for %s", result.request_id)
 
-    def _apply_weights(self, update: StagedUpdate, first: bool = True, last: bool = True) -> float:
+    def _apply_weights(self, update: StagedUpdate, first: bool = True, last: bool = True,
+                       backup: bool = False) -> float:
         started = time.monotonic()
         if first:
+            if backup:
+                # What `_restore_weights` returns to, set before any check: pieces queued behind a refused first
+                # one are still applied (with their backup), then undone.
+                self._before_push = (self._weights_error,)
             if self._sleeping and self.sleep_mode_native:
                 # vLLM's sleep mode has moved or discarded the device weights; writing them now would be lost.
                 raise EngineUnavailableError("the replica is asleep; call Wake before UpdateWeights")
@@ -362,7 +393,10 @@ class RolloutEngine:
                             f"weights changed from version {self._version} to {update.version} during generation; "
                             "regenerate at the new version")
         try:
-            if update.tensors:
+            if update.tensors and backup:
+                self._engine.apply_model(functools.partial(worker_ops.load_weights_with_backup, update.names,
+                                                           update.tensors))
+            elif update.tensors:
                 self._engine.apply_model(functools.partial(worker_ops.load_weights, update.tensors))
         except Exception as e:
             # Some tensors may have been written: refuse to serve until a complete update lands.
@@ -374,6 +408,9 @@ class RolloutEngine:
             self._weights_error = (f"the weight update to version {update.version} did not complete; the weights "
                                    "are inconsistent until a complete UpdateWeights succeeds")
             return time.monotonic() - started
+        if self._before_push is not None:
+            self._engine.apply_model(worker_ops.drop_backup)
+            self._before_push = None
         # Cached prefixes were computed with the old weights.
         self._engine.reset_prefix_cache()
         self._version = update.version
@@ -384,6 +421,17 @@ class RolloutEngine:
         logger.info("weights version %d applied: %d tensors, %d bytes in %.3f s", update.version,
                     update.num_tensors or len(update.tensors), update.num_bytes, seconds)
         return seconds
+
+    def _restore_weights(self) -> int:
+        if self._before_push is None:
+            return 0  # no piece was applied with a backup (or the push completed)
+        restored = self._engine.apply_model(worker_ops.restore_backup)
+        restored = sum(restored) if isinstance(restored, list) else restored
+        # Nothing generated since the push began (it refused to), so the prefix cache still matches these weights.
+        (self._weights_error,), self._before_push = self._before_push, None
+        logger.info("weight update failed midway: restored %d parameters, still serving version %d", restored,
+                    self._version)
+        return restored
 
     def _sleep(self, level: int) -> float:
         if self._sleeping:

@@ -9,9 +9,16 @@ than the bound runs alone; `max_samples_per_group` (default 4 x max_num_seqs) re
 that they would hold the engine for many rounds. When the stream ends early (client cancel, deadline,
 error), the unfinished samples are aborted in the engine.
 
-`UpdateWeights` stages and verifies buckets (weights.py) before the engine sees any tensor; updates are
-serialised. Error codes follow protos/rlfabric/v1/rollout.proto; client values are quoted through
-services/common/status.py.
+`UpdateWeights` stages and verifies buckets (weights.py) before the engine sees any of their tensors;
+updates are serialised per engine (`RolloutEngine.update_lock`). gRPC buckets (bytes kept as views of the
+message) are queued on the engine thread as they arrive, at most `_APPLIES_AHEAD` ahead of the stream, each
+applied after saving the values it overwrites, so the copy into the engine overlaps the transfer and only
+a few received messages are alive at once (their memory is reused rather than faulted in afresh). A
+stream that fails before its commit completes (refused bucket, bad checksum, cancelled, no commit) gets
+the backup restored before its error is answered: the replica serves its previous weights bitwise, at its
+previous version; during the stream it refuses `Generate` (the coordinator never generates on a replica
+it is pushing to). Shared-memory buckets are applied the same way without a backup. Error codes follow
+protos/rlfabric/v1/rollout.proto; client values are quoted through services/common/status.py.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
@@ -43,6 +51,9 @@ from services.rollout.weights import WeightStager, WeightUpdateError
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "rlfabric.v1.Rollout"
+# gRPC buckets queued on the engine ahead of the one being read: enough to keep the engine busy while the next
+# message arrives, few enough that the received messages' memory is recycled.
+_APPLIES_AHEAD = 2
 
 _FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -255,7 +266,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.defaults = defaults
         self.admission = Admission(max_in_flight_samples or 2 * engine.options.max_num_seqs)
         self.max_samples_per_group = max_samples_per_group or 4 * engine.options.max_num_seqs
-        self._update_lock = threading.Lock()
 
     def Generate(self, request_iterator, context):
         stream = _GenerateStream(self)
@@ -279,9 +289,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             metrics.STREAMS.dec()
 
     def UpdateWeights(self, request_iterator, context):
-        stager = WeightStager(self.engine.expected_weights, held_version=self.engine.weights_version)
+        engine = self.engine
+        stager = WeightStager(engine.expected_weights, held_version=engine.weights_version)
         staged = None
-        streamed = False  # shm buckets are applied as they arrive, under the update lock for the whole stream
+        # Buckets whose bytes the servicer keeps out of the message (gRPC views, shared memory) are applied as
+        # they arrive, under the engine's update lock for the rest of the stream; gRPC ones with a backup.
+        streamed: str | None = None  # "shm" or "grpc" once the first bucket was handed to the engine
+        pending: list[Future] = []  # gRPC buckets queued on the engine thread, in order
         try:
             try:
                 for chunk in request_iterator:
@@ -289,12 +303,22 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                     if kind == "bucket":
                         if chunk.bucket.version == 0:
                             raise WeightUpdateError("bucket.version must be >= 1 (0 means 'as loaded from disk')")
-                        stager.add_bucket(chunk.bucket, getattr(chunk, "data", None))
-                        if chunk.bucket.HasField("shm"):
-                            if not streamed:
-                                self._update_lock.acquire()
-                            self._apply(context, stager.take(chunk.bucket.index), first=not streamed, last=False)
-                            streamed = True
+                        data = getattr(chunk, "data", None)
+                        stager.add_bucket(chunk.bucket, data)
+                        mode = "shm" if chunk.bucket.HasField("shm") else "grpc" if data is not None else None
+                        if mode is None:
+                            continue  # bytes inside the message or a collective's: applied at the commit
+                        if streamed is None:
+                            engine.update_lock.acquire()
+                        elif mode != streamed:
+                            raise WeightUpdateError("a stream carries shared-memory buckets or gRPC buckets, not both")
+                        first, streamed = streamed is None, mode
+                        taken = stager.take(chunk.bucket.index)
+                        if mode == "shm":
+                            self._apply(context, lambda u=taken, f=first: engine.update_weights(u, first=f, last=False))
+                        else:
+                            pending.append(engine.update_weights_async(taken, first=first, last=False, backup=True))
+                            self._settle(context, pending, _APPLIES_AHEAD)
                     elif kind == "commit":
                         staged = stager.commit(chunk.commit)
                         break
@@ -302,14 +326,19 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                         raise WeightUpdateError("a WeightUpdateChunk must carry a bucket or a commit")
                 if staged is None:
                     raise WeightUpdateError("the stream ended without a WeightCommit: nothing was applied")
+                self._settle(context, pending, 0)
                 if streamed:
-                    self._apply(context, staged, first=False, last=True)
+                    self._apply(context, lambda: engine.update_weights(staged, first=False, last=True))
                 else:
-                    with self._update_lock:
-                        self._apply(context, staged, first=True, last=True)
+                    with engine.update_lock:
+                        self._apply(context, lambda: engine.update_weights(staged, first=True, last=True))
+            except BaseException:
+                if streamed == "grpc":
+                    self._restore(pending)  # before the caller hears of the failure
+                raise
             finally:
                 if streamed:
-                    self._update_lock.release()
+                    engine.update_lock.release()
         except WeightUpdateError as e:
             abort(context, getattr(grpc.StatusCode, e.code), str(e))
         duration = time.monotonic() - stager.started_at
@@ -318,15 +347,30 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                                            num_tensors=staged.num_tensors, num_bytes=staged.num_bytes,
                                            duration_s=duration)
 
-    def _apply(self, context, update, *, first: bool, last: bool) -> None:
+    def _settle(self, context, pending: list[Future], ahead: int) -> None:
+        """Waits for queued bucket applies until at most `ahead` remain (raising the first failure): the
+        received messages they hold stay few, so their memory is reused rather than faulted in afresh."""
+        while len(pending) > ahead:
+            self._apply(context, pending[0].result)
+            pending.pop(0)
+
+    def _restore(self, pending: list[Future]) -> None:
+        for future in pending:
+            future.exception()  # every queued piece has run (or failed) before the backup goes back
         try:
-            self.engine.update_weights(update, first=first, last=last)
+            self.engine.restore_weights()
+        except Exception:  # the engine closed meanwhile: it serves nothing
+            logger.exception("restoring the weights after a failed update failed")
+
+    def _apply(self, context, apply: Callable[[], Any]) -> None:
+        try:
+            apply()
         except EngineUnavailableError as e:
             abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except WeightUpdateError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to the caller; the engine refuses to serve
-            abort(context, grpc.StatusCode.INTERNAL, f"applying version {update.version} failed: {e}")
+            abort(context, grpc.StatusCode.INTERNAL, f"applying the weight update failed: {e}")
 
     def Sleep(self, request, context):
         level = request.level or 1

@@ -1,20 +1,24 @@
-"""Weight updates for a rollout replica: stage buckets, verify them, hand over one complete update.
+"""Weight updates for a rollout replica: stage buckets, verify them, hand them to the engine.
 
 `WeightStager` receives the buckets of one UpdateWeights stream. Each bucket is checked (its checksum, its
 version against the one served, names known to the engine, shapes as the engine expects them, finite
 values); the commit then checks that every bucket arrived and passed, and that the combined checksum
-matches. Only a fully verified `StagedUpdate` ever reaches the engine, so a bad stream leaves the served
-weights untouched; except that the servicer applies shared-memory buckets one by one (`take`), so the
-replica's copy overlaps the trainer's writes, and a stream that fails midway leaves the engine refusing to
-generate until a complete update lands. No gRPC and no vLLM here: errors carry the status-code name the
-servicer should answer with.
+matches. Buckets whose bytes stay out of the message (gRPC views, shared memory) are handed to the engine
+one by one as they arrive (`take`), so the replica's copy overlaps the transfer; the engine only ever gets
+tensors that passed their checks, and the version moves only at a verified commit. A gRPC stream that fails
+midway leaves the served weights bitwise as they were (the engine backs up what each bucket overwrites and
+restores it: engine.py `restore_weights`); a shared-memory one leaves the engine refusing to generate until
+a complete update lands. Buckets with their bytes inside the message (and collective buckets) are applied
+together at the commit. No gRPC and no vLLM here: errors carry the status-code name the servicer should
+answer with.
 
 Staged tensors are views, not copies: over the message bytes (gRPC transport) or over the shared-memory
 segment the bucket names (shm transport, services/common/transports/shm.py), so the engine's
-`load_weights` is the one copy into the parameters; only a dtype other than the engine's is cast. The
-checks of the bytes (weight_checks.py) of a streamed bucket run on a verifier thread while the stream goes
-on: names, shapes and versions are refused at once, a bad checksum or value at the next bucket, the commit,
-or (shared memory) while the engine takes the bucket, before the bad tensor.
+`load_weights` is the one copy into the parameters (plus, over gRPC, the backup of the values it
+overwrites); only a dtype other than the engine's is cast. The checks of the bytes (weight_checks.py) of a
+streamed bucket run on a verifier thread while the stream goes on: names, shapes and versions are refused
+at once, a bad checksum or value at the next bucket, the commit, or while the engine takes the bucket,
+before the bad tensor.
 
 Names are the HF checkpoint names the engine's `load_weights` accepts (`model.layers.0.self_attn.q_proj
 .weight`, ...), with full (unsharded) shapes; the engine fuses and shards them itself.
@@ -79,6 +83,7 @@ class StagedUpdate:
     num_bytes: int
     started_at: float = field(default_factory=time.monotonic)
     num_tensors: int = 0  # all tensors of the update, including those a streamed apply took before the commit
+    names: list[str] = field(default_factory=list)  # a taken bucket's tensor names, known before its bytes pass
 
 
 class WeightStager:
@@ -211,7 +216,7 @@ class WeightStager:
         return StagedUpdate(commit.version, tensors, combined, self._num_bytes, self.started_at, len(self._names))
 
     def take(self, index: int) -> StagedUpdate:
-        """Bucket `index`, handed over for a streamed apply while the verifier works on it: iterating its
+        """Bucket `index` (shared memory or gRPC views), handed over for a streamed apply while the verifier works on it: iterating its
         `tensors` yields each tensor once it passed its checks and raises the bucket's failure instead of the
         first bad tensor (or after the last one, for a checksum mismatch); `commit` re-raises it. The bucket
         keeps only its checksum and outcome."""
@@ -219,7 +224,8 @@ class WeightStager:
         tensors = pending.take()
         num_bytes = sum(self._expected[name].dtype.itemsize * math.prod(shape) for name, shape in pending.shapes())
         assert self._version is not None
-        return StagedUpdate(self._version, tensors, checksum, num_bytes, self.started_at, len(tensors))
+        return StagedUpdate(self._version, tensors, checksum, num_bytes, self.started_at, len(tensors),
+                            [name for name, _ in pending.shapes()])
 
 
 def make_bucket(version: int, index: int, tensors: Mapping[str, torch.Tensor]) -> common_pb2.WeightBucket:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import socket
+import time
 
+import grpc
 import pytest
 import torch
 import transformers
-from weight_sync_helpers import PROMPTS, hf_greedy_all, rollout_greedy, serve_rollout
+from weight_sync_helpers import PROMPTS, engine_parameters, hf_greedy_all, rollout_greedy, serve_rollout
 
 from rlfabric.v1 import rollout_pb2
 from services.common.checksum import combine_checksums
@@ -87,3 +89,90 @@ def test_refuses_bad_targets():
         GrpcStreamTransport([])
     with pytest.raises(ValueError, match="duplicates"):
         GrpcStreamTransport(["a:1", "a:1"])
+
+
+def _assert_unchanged(engine, stub, version: int, params: dict, tokens: list) -> None:
+    """The replica serves exactly what it served before the failed push: version, every parameter bitwise,
+    and the same greedy generations."""
+    assert engine.unavailable_reason() is None
+    assert _version(stub) == version
+    now = engine_parameters(engine)
+    assert now.keys() == params.keys()
+    assert [n for n in params if not torch.equal(now[n], params[n])] == []
+    assert rollout_greedy(stub, PROMPTS) == tokens
+
+
+def _other_weights(model_dir, delta: float) -> dict[str, torch.Tensor]:
+    """The model's weights, every one changed (each test its own `delta`, so no test pushes what an earlier one
+    may have left applied): applied, any of them would show in the parameters."""
+    return {name: t + delta for name, t in load_hf_state(model_dir).items()}
+
+
+def test_push_refused_in_a_late_bucket_leaves_the_served_weights_bitwise(rollout_engine, rollout_server,
+                                                                        rollout_stub, tiny_model_dir):
+    state = _other_weights(tiny_model_dir, 0.01)
+    before, params, tokens = _version(rollout_stub), engine_parameters(rollout_engine), rollout_greedy(rollout_stub,
+                                                                                                        PROMPTS)
+    address = rollout_server[0].address
+    n = len(list(GrpcStreamTransport([address], bucket_bytes=256 << 10).buckets(before + 1, iter(state.items()))))
+    assert n > 4
+    applied = []
+
+    def tamper(_target, chunk):
+        if chunk.HasField("bucket") and chunk.bucket.index == n - 2:
+            deadline = time.monotonic() + 30
+            while not applied and time.monotonic() < deadline:  # earlier buckets reach the engine first
+                if "did not complete" in (rollout_engine.unavailable_reason() or ""):
+                    applied.append(chunk.bucket.index)
+                time.sleep(0.01)
+            return _flip_first_byte(chunk)
+        return chunk
+
+    transport = GrpcStreamTransport([address], bucket_bytes=256 << 10, timeout_s=60, max_queued_buckets=1,
+                                    tamper=tamper)
+    out = transport.send(before + 1, iter(state.items()))[address]
+    assert isinstance(out, TargetFailure) and out.code == "DATA_LOSS", out
+    assert applied  # the replica had applied buckets of the push before the bad one
+    _assert_unchanged(rollout_engine, rollout_stub, before, params, tokens)
+
+
+@pytest.mark.parametrize("end", ["cancel", "no_commit"])
+def test_push_cut_after_some_buckets_leaves_the_served_weights_bitwise(rollout_engine, rollout_server, rollout_stub,
+                                                                      tiny_model_dir, end):
+    import threading
+
+    from services.common.client import make_channel
+    from services.common.transports.wire import serialize
+
+    state = _other_weights(tiny_model_dir, 0.02 if end == "cancel" else 0.03)
+    before, params, tokens = _version(rollout_stub), engine_parameters(rollout_engine), rollout_greedy(rollout_stub,
+                                                                                                        PROMPTS)
+    address = rollout_server[0].address
+    buckets = [serialize(c) for c, _ in GrpcStreamTransport([address], bucket_bytes=256 << 10).buckets(
+        before + 1, iter(state.items()))]
+    release = threading.Event()
+
+    def requests():
+        yield from buckets[:4]  # no commit
+        if end == "cancel":
+            release.wait(30)
+
+    with make_channel(address) as channel:
+        update = channel.stream_unary("/rlfabric.v1.Rollout/UpdateWeights", request_serializer=lambda b: b,
+                                      response_deserializer=rollout_pb2.WeightUpdateAck.FromString)
+        call = update.future(requests(), timeout=60)
+        if end == "cancel":
+            deadline = time.monotonic() + 30
+            while "did not complete" not in (rollout_engine.unavailable_reason() or ""):  # buckets were applied
+                assert time.monotonic() < deadline and not call.done()
+                time.sleep(0.01)
+            call.cancel()
+            release.set()
+            while rollout_engine.unavailable_reason() is not None:  # the replica restores after the cancel
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        else:
+            with pytest.raises(grpc.RpcError) as e:
+                call.result()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "WeightCommit" in e.value.details()
+    _assert_unchanged(rollout_engine, rollout_stub, before, params, tokens)

@@ -12,7 +12,7 @@ if str(_TESTS / "rollout") not in sys.path:
 
 from rollout_helpers import generate, group_request, hf_greedy, tokens  # noqa: E402
 
-__all__ = ["PROMPTS", "assert_engine_holds", "hf_greedy_all", "restore_checkpoint_weights", "rollout_greedy",
+__all__ = ["PROMPTS", "assert_engine_holds", "engine_parameters", "hf_greedy_all", "restore_checkpoint_weights", "rollout_greedy",
            "rollout_version", "serve_rollout"]
 
 PROMPTS = [[5, 99, 1200, 7, 3000, 42], [17, 18, 19, 20], [4000, 3, 3, 812, 90, 91, 92, 2048]]
@@ -61,14 +61,19 @@ def _parameter_copies(model) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def assert_engine_holds(engine, hf_state: dict) -> None:
-    """Bitwise: every vLLM parameter equals the HF tensors it is built from (qkv / gate_up fused on dim 0)."""
+def engine_parameters(engine) -> dict:
+    """Copies of the engine's own (fused) parameters, read on its thread."""
     import functools
 
+    params = engine._call(functools.partial(engine._engine.apply_model, _parameter_copies))
+    return params[0] if isinstance(params, list) else params
+
+
+def assert_engine_holds(engine, hf_state: dict) -> None:
+    """Bitwise: every vLLM parameter equals the HF tensors it is built from (qkv / gate_up fused on dim 0)."""
     import torch
 
-    params = engine._call(functools.partial(engine._engine.apply_model, _parameter_copies))
-    params = params[0] if isinstance(params, list) else params
+    params = engine_parameters(engine)
     fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     checked = 0
     for name, value in params.items():

@@ -6,8 +6,9 @@ source bytes), then one `WeightCommit` carrying the combined checksum. Every tar
 shared by all streams, and at most `max_queued_buckets` wait per target, so the sender holds a few buckets,
 never the whole model. A target's acknowledgement must name the version and the combined checksum that were
 sent. A target that fails (refuses a bucket, drops the connection) or misses the deadline is reported as a
-`TargetFailure` and its stream is cancelled; the receiver applies nothing without a verified commit, and
-the other targets go on.
+`TargetFailure` and its stream is cancelled; that receiver keeps serving its previous weights and version
+(it applies buckets as they arrive but restores them unless the commit verifies: services/rollout/server.py),
+and the other targets go on.
 
 Limits: one tensor must fit in one gRPC message (services/common/server.py MAX_MESSAGE_BYTES). Same-host
 replicas get the shared-memory transport (shm.py), which reuses these streams for references only.

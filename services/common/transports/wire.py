@@ -10,7 +10,8 @@ concatenated, so a message serialized without field N followed by field N's byte
 
 The receiver's side is the mirror image: `decode_chunk`, the UpdateWeights request deserializer
 (`receiving_views` installs it), parses a bucket's small fields with protobuf and keeps each tensor's bytes as
-a view of the received request, so the only copy on the replica is the engine's own `load_weights`.
+a view of the received request, so the only copies on the replica are the engine's own `load_weights` and
+the backup of the values it overwrites (services/rollout/server.py).
 """
 
 from __future__ import annotations
