@@ -20,7 +20,8 @@ faults; its time is reported as "cold"). Ratios are throughput over the ceiling 
 (ceiling seconds / sync seconds); the median and the best of the repeats are reported.
 
     .venv/bin/python bench/bench_weight_sync.py [--repeats 3] [--hidden 1024] [--layers 12] [--bucket-mib 16]
-        [--paths bare grpc]  (only some paths; default all)
+        [--paths bare grpc]  (only some paths; default all)  [--trainer-malloc]  (the sender reuses freed memory,
+        as the CPU trainer rank that sends does; default: glibc's defaults)
 """
 
 from __future__ import annotations
@@ -42,7 +43,12 @@ REPO = Path(__file__).resolve().parents[1]
 SINK = "/bench.Sink/Stream"
 
 
-def _sender(hf_dir: str, replica: str, sink: str, repeats: int, bucket: int, only: list[str] | None = None) -> dict:
+def _sender(hf_dir: str, replica: str, sink: str, repeats: int, bucket: int, only: list[str] | None = None,
+            trainer_malloc: bool = False) -> dict:
+    if trainer_malloc:  # before any thread starts (see memory.keep_freed_memory)
+        from services.common.memory import keep_freed_memory
+
+        keep_freed_memory()
     import grpc
     import torch
 
@@ -136,7 +142,8 @@ def _sink_server(options):
     return server, f"127.0.0.1:{port}"
 
 
-def _replica_and_sender(hf_dir: Path, work: Path, repeats: int, bucket: int, only: list[str] | None = None) -> dict:
+def _replica_and_sender(hf_dir: Path, work: Path, repeats: int, bucket: int, only: list[str] | None = None,
+                        trainer_malloc: bool = False) -> dict:
     from services.common.server import GRPC_OPTIONS
     from services.rollout.engine import RolloutEngine
     from services.rollout.options import EngineOptions, SamplingOptions
@@ -150,7 +157,7 @@ def _replica_and_sender(hf_dir: Path, work: Path, repeats: int, bucket: int, onl
     try:
         proc = subprocess.run(
             [sys.executable, __file__, "--sender", json.dumps([str(hf_dir), server.address, sink_address, repeats,
-                                                                bucket, only])],
+                                                                bucket, only, trainer_malloc])],
             capture_output=True, text=True, timeout=3600,
             env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
         if proc.returncode != 0:
@@ -196,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-mib", type=int, default=16, help="bucket size of both transports and the bare stream")
     p.add_argument("--paths", nargs="+", choices=["memcpy", "shm", "bare", "grpc", "collective"],
                    help="time only these paths (default: all; 'memcpy' is both memcpy paths, 'bare' the bare stream)")
+    p.add_argument("--trainer-malloc", action="store_true",
+                   help="the sender process keeps freed memory for reuse, as every CPU trainer rank does "
+                        "(megatron_compat.apply_cpu_patches -> memory.keep_freed_memory)")
     p.add_argument("--sender", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.sender:
@@ -214,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                                   num_key_value_heads=max(2, args.hidden // 256),
                                   intermediate_size=args.hidden * 11 // 4)
         (root / "work").mkdir()
-        result = _replica_and_sender(hf_dir, root / "work", args.repeats, args.bucket_mib << 20, args.paths)
+        result = _replica_and_sender(hf_dir, root / "work", args.repeats, args.bucket_mib << 20, args.paths,
+                                     args.trainer_malloc)
     label = f"Qwen2 h{args.hidden}, {args.layers} layers, vocabulary {args.vocab}"
     print(f"Machine: {machine}; load average at the end {os.getloadavg()[0]:.2f}; bucket {args.bucket_mib} MiB\n")
     print("\n".join(_report(result, label)))

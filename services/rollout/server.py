@@ -317,7 +317,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                         if mode == "shm":
                             self._apply(context, lambda u=taken, f=first: engine.update_weights(u, first=f, last=False))
                         else:
-                            pending.append(engine.update_weights_async(taken, first=first, last=False, backup=True))
+                            self._apply(context, lambda u=taken, f=first: pending.append(
+                                engine.update_weights_async(u, first=f, last=False, backup=True)))
                             self._settle(context, pending, _APPLIES_AHEAD)
                     elif kind == "commit":
                         staged = stager.commit(chunk.commit)
@@ -328,7 +329,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                     raise WeightUpdateError("the stream ended without a WeightCommit: nothing was applied")
                 self._settle(context, pending, 0)
                 if streamed:
-                    self._apply(context, lambda: engine.update_weights(staged, first=False, last=True))
+                    # Tensors left for the commit (bytes inside their message) get the backup too.
+                    self._apply(context, lambda: engine.update_weights(staged, first=False, last=True,
+                                                                       backup=streamed == "grpc"))
                 else:
                     with engine.update_lock:
                         self._apply(context, lambda: engine.update_weights(staged, first=True, last=True))
