@@ -58,7 +58,9 @@ class _Backup:
             param = self.params[name]
             buf = self.buffers.get(name)
             if buf is None or buf.shape != param.shape or buf.dtype != param.dtype:
-                buf = self.buffers[name] = torch.empty(param.shape, dtype=param.dtype, device="cpu")
+                # Pinned for device parameters: the copy to the host then runs at the link's full speed.
+                buf = self.buffers[name] = torch.empty(param.shape, dtype=param.dtype, device="cpu",
+                                                       pin_memory=param.is_cuda)
             buf.copy_(param.detach())
             self.saved.add(name)
 
