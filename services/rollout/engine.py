@@ -61,7 +61,12 @@ from services.rollout.samples import (
     SampleResult,
 )
 from services.rollout.vllm_args import configure_environment, engine_args, sampling_params
-from services.rollout.weights import StagedUpdate, WeightsVersionBehindError, read_checkpoint_specs
+from services.rollout.weights import (
+    StagedUpdate,
+    WeightsVersionBehindError,
+    WeightUpdateError,
+    read_checkpoint_specs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -402,7 +407,10 @@ class RolloutEngine:
             # Some tensors may have been written: refuse to serve until a complete update lands.
             self._weights_error = (f"the weight update to version {update.version} failed midway ({e}); "
                                    "the weights are inconsistent until a complete UpdateWeights succeeds")
-            logger.exception("weight update to version %d failed", update.version)
+            if isinstance(e, WeightUpdateError):  # a bucket refused by its checks: the caller hears why
+                logger.info("weight update to version %d refused while applying: %s", update.version, e)
+            else:
+                logger.exception("weight update to version %d failed", update.version)
             raise
         if not last:
             self._weights_error = (f"the weight update to version {update.version} did not complete; the weights "
