@@ -20,8 +20,8 @@ faults; its time is reported as "cold"). Ratios are throughput over the ceiling 
 (ceiling seconds / sync seconds); the median and the best of the repeats are reported.
 
     .venv/bin/python bench/bench_weight_sync.py [--repeats 3] [--hidden 1024] [--layers 12] [--bucket-mib 16]
-        [--paths bare grpc]  (only some paths; default all)  [--trainer-malloc]  (the sender reuses freed memory,
-        as the CPU trainer rank that sends does; default: glibc's defaults)
+        [--paths bare grpc]  (only some paths; default all)  [--no-trainer-malloc]  (the sender keeps glibc's
+        defaults instead of reusing freed memory as the CPU trainer rank that sends does)
 """
 
 from __future__ import annotations
@@ -203,9 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-mib", type=int, default=16, help="bucket size of both transports and the bare stream")
     p.add_argument("--paths", nargs="+", choices=["memcpy", "shm", "bare", "grpc", "collective"],
                    help="time only these paths (default: all; 'memcpy' is both memcpy paths, 'bare' the bare stream)")
-    p.add_argument("--trainer-malloc", action="store_true",
+    p.add_argument("--trainer-malloc", action=argparse.BooleanOptionalAction, default=True,
                    help="the sender process keeps freed memory for reuse, as every CPU trainer rank does "
-                        "(megatron_compat.apply_cpu_patches -> memory.keep_freed_memory)")
+                        "(megatron_compat.apply_cpu_patches -> memory.keep_freed_memory); default on, so the "
+                        "sender is the trainer's; --no-trainer-malloc: glibc's defaults")
     p.add_argument("--sender", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.sender:

@@ -51,7 +51,7 @@ from services.rollout.weights import WeightStager, WeightUpdateError
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "rlfabric.v1.Rollout"
-# gRPC buckets queued on the engine ahead of the one being read: enough to keep the engine busy while the next
+# Streamed buckets (gRPC, shared memory) queued on the engine ahead of the one being read: enough to keep the engine busy while the next
 # message arrives, few enough that the received messages' memory is recycled.
 _APPLIES_AHEAD = 2
 
@@ -314,12 +314,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                             raise WeightUpdateError("a stream carries shared-memory buckets or gRPC buckets, not both")
                         first, streamed = streamed is None, mode
                         taken = stager.take(chunk.bucket.index)
-                        if mode == "shm":
-                            self._apply(context, lambda u=taken, f=first: engine.update_weights(u, first=f, last=False))
-                        else:
-                            self._apply(context, lambda u=taken, f=first: pending.append(
-                                engine.update_weights_async(u, first=f, last=False, backup=True)))
-                            self._settle(context, pending, _APPLIES_AHEAD)
+                        self._apply(context, lambda u=taken, f=first, m=mode: pending.append(
+                            engine.update_weights_async(u, first=f, last=False, backup=m == "grpc")))
+                        self._settle(context, pending, _APPLIES_AHEAD)
                     elif kind == "commit":
                         staged = stager.commit(chunk.commit)
                         break
