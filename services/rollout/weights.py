@@ -216,10 +216,10 @@ class WeightStager:
         return StagedUpdate(commit.version, tensors, combined, self._num_bytes, self.started_at, len(self._names))
 
     def take(self, index: int) -> StagedUpdate:
-        """Bucket `index` (shared memory or gRPC views), handed over for a streamed apply while the verifier works on it: iterating its
-        `tensors` yields each tensor once it passed its checks and raises the bucket's failure instead of the
-        first bad tensor (or after the last one, for a checksum mismatch); `commit` re-raises it. The bucket
-        keeps only its checksum and outcome."""
+        """Bucket `index` (shared memory or gRPC views), handed over for a streamed apply while the verifier
+        works on it: iterating its `tensors` yields each tensor once it passed its checks and raises the
+        bucket's failure instead of the first bad tensor (or after the last one, for a checksum mismatch);
+        `commit` re-raises it. The bucket keeps only its checksum and outcome."""
         checksum, pending = self._buckets[index]
         tensors = pending.take()
         num_bytes = sum(self._expected[name].dtype.itemsize * math.prod(shape) for name, shape in pending.shapes())
