@@ -5,6 +5,7 @@ vLLM is imported inside the functions, so importing this module stays cheap.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from typing import Any
@@ -19,6 +20,10 @@ def configure_environment(options: EngineOptions) -> None:
     cache_root = options.cache_root or os.path.join(tempfile.gettempdir(), f"rlfabric-vllm-cache-{os.getuid()}")
     os.environ["VLLM_CACHE_ROOT"] = cache_root
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(options.cpu_kv_cache_gib))
+    # vLLM's loggers keep their own level (INFO unless VLLM_LOGGING_LEVEL says otherwise), set when vLLM is first
+    # imported: follow the service's (`--log-level`, WARNING by default), so that a quiet service does not log
+    # a vLLM line per weight update.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", logging.getLevelName(logging.getLogger().getEffectiveLevel()))
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
 
