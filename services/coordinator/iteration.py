@@ -177,10 +177,11 @@ class GrpoIteration:
         done, so no generation ever sees weights change under it, and the scoring and the reference pass of
         the next iteration overlap the push. Returns this iteration's result and the prefetched rollout."""
         start = time.perf_counter()
-        released, generated = threading.Event(), []  # released: the last sample is in, or the prefetch ended
+        # released: the last sample is in (generated), or the prefetch ended without it
+        generated, released = threading.Event(), threading.Event()
 
         def on_generated() -> None:
-            generated.append(True)
+            generated.set()
             released.set()
 
         def generate_ahead() -> Rollout:
@@ -199,7 +200,7 @@ class GrpoIteration:
                 raise
             if ahead is not None:
                 released.wait()
-                if not generated:
+                if not generated.is_set():
                     ahead.result()  # the prefetch failed before its last sample: the step fails before any push
             self.placement.after_update(rollout.clock, actor_version + 1)
             following = ahead.result() if ahead is not None else None

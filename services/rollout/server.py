@@ -295,7 +295,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         # Buckets whose bytes the servicer keeps out of the message (gRPC views, shared memory) are applied as
         # they arrive, under the engine's update lock for the rest of the stream; gRPC ones with a backup.
         streamed: str | None = None  # "shm" or "grpc" once the first bucket was handed to the engine
-        pending: list[Future] = []  # gRPC buckets queued on the engine thread, in order
+        pending: list[Future] = []  # streamed buckets queued on the engine thread, in order
         try:
             try:
                 for chunk in request_iterator:
@@ -333,8 +333,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                     with engine.update_lock:
                         self._apply(context, lambda: engine.update_weights(staged, first=True, last=True))
             except BaseException:
+                for future in pending:
+                    future.exception()  # every queued piece has run (or failed) before the lock is released
                 if streamed == "grpc":
-                    self._restore(pending)  # before the caller hears of the failure
+                    self._restore()  # before the caller hears of the failure
                 raise
             finally:
                 if streamed:
@@ -354,9 +356,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             self._apply(context, pending[0].result)
             pending.pop(0)
 
-    def _restore(self, pending: list[Future]) -> None:
-        for future in pending:
-            future.exception()  # every queued piece has run (or failed) before the backup goes back
+    def _restore(self) -> None:
         try:
             self.engine.restore_weights()
         except Exception:  # the engine closed meanwhile: it serves nothing

@@ -83,7 +83,8 @@ class StagedUpdate:
     num_bytes: int
     started_at: float = field(default_factory=time.monotonic)
     num_tensors: int = 0  # all tensors of the update, including those a streamed apply took before the commit
-    names: list[str] = field(default_factory=list)  # a taken bucket's tensor names, known before its bytes pass
+    # The names of `tensors`, known before a taken bucket's bytes pass (what a backup must cover).
+    names: list[str] = field(default_factory=list)
 
 
 class WeightStager:
@@ -213,7 +214,8 @@ class WeightStager:
             raise WeightDataLossError(
                 f"version {commit.version}: combined checksum {combined:#010x} != commit's {commit.checksum:#010x}"
             )
-        return StagedUpdate(commit.version, tensors, combined, self._num_bytes, self.started_at, len(self._names))
+        return StagedUpdate(commit.version, tensors, combined, self._num_bytes, self.started_at, len(self._names),
+                            [name for name, _ in tensors])
 
     def take(self, index: int) -> StagedUpdate:
         """Bucket `index` (shared memory or gRPC views), handed over for a streamed apply while the verifier

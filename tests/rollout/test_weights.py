@@ -43,6 +43,7 @@ def test_stager_accepts_buckets_in_any_order_and_returns_the_values() -> None:
     staged = stager.commit(_commit(3, buckets))
     assert staged.version == 3
     assert [n for n, _ in staged.tensors] == ["a.weight", "b.bias"]
+    assert staged.names == ["a.weight", "b.bias"]  # what a backed-up apply saves first
     assert torch.equal(dict(staged.tensors)["a.weight"], t["a.weight"])
     assert staged.num_bytes == (6 + 3) * 4
     assert staged.checksum == combine_checksums([b.checksum for b in buckets])

@@ -45,6 +45,7 @@ _MSPROBE_ONLY = inert("only read with msprobe: true (refused)")
 # The values of rlfabric.weight_transport (validated in validation.py, chosen in coordinator/weight_sync.py).
 WEIGHT_TRANSPORTS = ("auto", "grpc", "collective")
 
+
 @dataclass(kw_only=True)
 class SamplingConfig:
     """vLLM sampling parameters (`generate_config.sampling_config`)."""

@@ -367,7 +367,8 @@ def pipelining(cfg: RLFabricConfig) -> Iterable[Problem]:
                       "devices of its own; set use_integrated_worker: false or max_staleness: 0")
     if fab.weight_transport not in WEIGHT_TRANSPORTS:
         yield Problem(("rlfabric.weight_transport",),
-                      f"rlfabric.weight_transport must be auto, grpc or collective, got {fab.weight_transport!r}")
+                      f"rlfabric.weight_transport must be {', '.join(WEIGHT_TRANSPORTS[:-1])} or "
+                      f"{WEIGHT_TRANSPORTS[-1]}, got {fab.weight_transport!r}")
     if not fab.importance_sampling_cap > 0:
         yield Problem(("rlfabric.importance_sampling_cap",),
                       f"rlfabric.importance_sampling_cap must be > 0, got {fab.importance_sampling_cap}")

@@ -3,8 +3,8 @@
 The sender (trainer rank 0) writes each tensor once into a segment file under /dev/shm and computes its
 checksum over the bytes that landed, step by step while each step is still in cache
 (services/common/checksum.py `copy_word_sum`: the sum adds about a fifth of the copy's time), and streams
-the same `Rollout.UpdateWeights` buckets and commit as the gRPC transport, except that each bucket carries a `SharedMemoryRef` (segment path, id, offsets) instead of the
-bytes. The replica maps the segment (`SegmentCache`) and the engine copies each bucket straight from the
+the same `Rollout.UpdateWeights` buckets and commit as the gRPC transport, except that each bucket carries a
+`SharedMemoryRef` (segment path, id, offsets) instead of the bytes. The replica maps the segment (`SegmentCache`) and the engine copies each bucket straight from the
 mapping into its parameters while the trainer writes the next one (no protobuf copy, no staging copy); a
 verifier thread checks each tensor (checksum, finiteness) just before the engine takes it, on the other
 core, and the engine checks a tensor itself when the verifier has not reached it yet
