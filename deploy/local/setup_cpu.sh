@@ -8,7 +8,9 @@ PY=${PYTHON:-python3.11}
 VENV=.venv
 CONSTRAINTS=requirements/constraints-cpu.txt
 STAMP=$VENV/.setup-stamp
-want=$(cat pyproject.toml "$CONSTRAINTS" deploy/local/setup_cpu.sh | sha256sum | cut -d' ' -f1)
+# setup.py and the C source too: the editable install builds the extension in place (services/common/*.so).
+want=$(cat pyproject.toml setup.py services/common/_wordcopy.c "$CONSTRAINTS" deploy/local/setup_cpu.sh \
+       | sha256sum | cut -d' ' -f1)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
    && "$VENV/bin/python" -c "import vllm, megatron.core, grpc, redis, mathruler, math_verify" 2>/dev/null; then
@@ -23,6 +25,9 @@ else
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   "$VENV/bin/python" -W ignore -c "import vllm, megatron.core, grpc, redis, mathruler, math_verify" 2>/dev/null \
     || { echo "setup: the installed stack does not import" >&2; exit 1; }
+  "$VENV/bin/python" -c 'import services.common._wordcopy' 2>/dev/null \
+    || echo "setup: WARNING: the weight-sync copy kernels did not build (no C compiler?); weight sync runs" \
+            "on its slower torch path (services/common/checksum.py)" >&2
   echo "$want" > "$STAMP"
   echo "setup: installed the CPU stack into $VENV"
 fi

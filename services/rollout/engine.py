@@ -400,9 +400,9 @@ class RolloutEngine:
         try:
             if update.tensors and backup:
                 self._engine.apply_model(functools.partial(worker_ops.load_weights_with_backup, update.names,
-                                                           update.tensors))
+                                                           update.tensors, first=first))
             elif update.tensors:
-                self._engine.apply_model(functools.partial(worker_ops.load_weights, update.tensors))
+                self._engine.apply_model(functools.partial(worker_ops.load_weights, update.tensors, first=first))
         except Exception as e:
             # Some tensors may have been written: refuse to serve until a complete update lands.
             self._weights_error = (f"the weight update to version {update.version} failed midway ({e}); "

@@ -9,16 +9,17 @@ than the bound runs alone; `max_samples_per_group` (default 4 x max_num_seqs) re
 that they would hold the engine for many rounds. When the stream ends early (client cancel, deadline,
 error), the unfinished samples are aborted in the engine.
 
-`UpdateWeights` stages and verifies buckets (weights.py) before the engine sees any of their tensors;
-updates are serialised per engine (`RolloutEngine.update_lock`). gRPC buckets (bytes kept as views of the
-message) are queued on the engine thread as they arrive, at most `_APPLIES_AHEAD` ahead of the stream, each
-applied after saving the values it overwrites, so the copy into the engine overlaps the transfer and only
-a few received messages are alive at once (their memory is reused rather than faulted in afresh). A
-stream that fails before its commit completes (refused bucket, bad checksum, cancelled, no commit) gets
-the backup restored before its error is answered: the replica serves its previous weights bitwise, at its
-previous version; during the stream it refuses `Generate` (the coordinator never generates on a replica
-it is pushing to). Shared-memory buckets are applied the same way without a backup. Error codes follow
-protos/rlfabric/v1/rollout.proto; client values are quoted through services/common/status.py.
+`UpdateWeights` stages buckets (weights.py); updates are serialised per engine (`RolloutEngine.update_lock`).
+gRPC buckets (bytes kept as views of the message) are queued on the engine thread as they arrive, at most
+`_APPLIES_AHEAD` ahead of the stream, each checked as it is applied after saving the values it overwrites,
+so the copy into the engine overlaps the transfer and only a few received messages are alive at once (their
+memory is reused rather than faulted in afresh). A stream that fails before its commit completes (refused
+bucket, bad checksum, cancelled, no commit) gets the backup restored before its error is answered: the
+replica serves its previous weights bitwise, at its previous version; during the stream it refuses
+`Generate` (the coordinator never generates on a replica it is pushing to). Shared-memory buckets are
+applied the same way without a backup (a failed push leaves the replica refusing to generate until a
+complete one lands). Error codes follow protos/rlfabric/v1/rollout.proto; client values are quoted through
+services/common/status.py.
 """
 
 from __future__ import annotations
@@ -318,6 +319,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                             engine.update_weights_async(u, first=f, last=False, backup=m == "grpc")))
                         self._settle(context, pending, _APPLIES_AHEAD)
                     elif kind == "commit":
+                        # The engine first finishes the buckets it holds: their checks are its own (shared
+                        # memory), and those it has not claimed would otherwise be read here a second time.
+                        self._settle(context, pending, 0)
                         staged = stager.commit(chunk.commit)
                         break
                     else:

@@ -1,15 +1,16 @@
-"""The checks of a weight update's bytes on the replica, run next to the stream (services/rollout/weights.py).
+"""The checks of a weight update's bytes on the replica (services/rollout/weights.py).
 
-Each tensor gets its checksum (services/common/checksum.py) and a finiteness check, one vectorised sum each
-(a float sum: NaN and inf survive it; a non-finite sum sends to the exact check), taken step by step so that
-both read the tensor in one pass over memory, and a cast when its dtype is not the engine's; then the bucket
-checksum is compared with the sent one. A streamed bucket (bytes kept out of the message, or in shared
-memory) is checked on one verifier thread while the servicer goes on reading the stream (torch's sums release
-the GIL, so the checks use the second core); a streamed apply takes each tensor as soon as it passed
-(`Verified`), so the engine's copy of one tensor overlaps the checks of the next, and checks a tensor itself
-when the verifier has not reached it yet (rather than idling: the bucket reaches both at once). Either way
-no tensor reaches the engine before its finiteness check passed, and the bucket's checksum covers every
-tensor the engine took. The error classes carry the status-code name the servicer answers with.
+Each tensor gets its checksum (services/common/checksum.py) and a finiteness check in one pass over its bytes
+(natively both at once; otherwise an int64 and a float sum per cache-sized step, a non-finite float sum
+sending to the exact check), and a cast when its dtype is not the engine's; then the bucket checksum is
+compared with the sent one. A streamed bucket (bytes kept out of the message, or in shared memory) is
+checked by the engine as it applies it (`Verified`): a tensor whose place in the parameters the engine
+knows is copied there with the checks riding along (`Verification.place`: one read of the bytes for
+checks and copy); any other is checked, then handed to vLLM's loader while its bytes are in cache. So a
+checked tensor that fails has landed in a streamed apply, which then fails midway (undone from the gRPC
+backup, or refused until a complete update for shared memory), and the bucket's checksum covers every tensor
+the engine took. Other buckets are checked whole before the engine sees any tensor. The error classes carry
+the status-code name the servicer answers with.
 """
 
 from __future__ import annotations
@@ -17,16 +18,11 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from services.common.checksum import CHUNK_BYTES, chain, fold, tensor_word_sum
-
-# Checks the bytes of streamed buckets next to the stream (torch's sums release the GIL): one thread, so the
-# checks of one stream run in bucket order.
-VERIFIER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-verify")
+from services.common.checksum import chain, copy_word_sum_and_finite, fold, word_sum_and_finite
 
 
 class WeightUpdateError(Exception):
@@ -66,29 +62,26 @@ class ParamSpec:
 
 
 def _checksum_and_finite(tensor: torch.Tensor) -> tuple[int, bool]:
-    """The tensor's checksum (services/common/checksum.py) and whether every value may be finite: an int64
-    sum and a float sum of each `CHUNK_BYTES` step in turn, so the float sum reads the step from cache, not
-    memory (one pass over memory for both checks). A step whose float sum is not finite (NaN, inf, or finite
-    values whose sum overflowed) sends the caller to the exact check; the steps after it are only summed."""
-    flat = tensor.reshape(-1)
-    acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
-    step = CHUNK_BYTES // flat.element_size()
-    total, finite = 0, True
-    for i in range(0, flat.numel(), step):
-        part = flat[i:i + step]
-        total += tensor_word_sum(part.view(torch.uint8))
-        finite = finite and math.isfinite(float(part.sum(dtype=acc)))
-    return fold(total, flat.numel() * flat.element_size()), finite
+    """The tensor's checksum (services/common/checksum.py) and whether every value is surely finite (False:
+    the caller checks exactly), in one pass over memory."""
+    total, finite = word_sum_and_finite(tensor)
+    return fold(total, tensor.numel() * tensor.element_size()), finite
+
+
+def _copy_checksum_and_finite(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, bool]:
+    """`_checksum_and_finite` of the bytes of `src` as they land in `dst` (contiguous, same dtype and size):
+    the checks ride along with the copy instead of reading the tensor from memory once more before it."""
+    total, finite = copy_word_sum_and_finite(dst, src)
+    return fold(total, dst.numel() * dst.element_size()), finite
 
 
 class Verification:
     """The checks of one bucket's bytes: each tensor's checksum and finiteness (and a cast to the engine's
     dtype), then the bucket checksum. Tensors are claimed in order by whoever works on the bucket: `run` (the
-    verifier thread, or the caller's) claims them all; `tensor(i)`, the engine's side of a streamed apply
-    (`take`, `Verified`), checks tensor i itself when no one has claimed it yet instead of waiting, so the
-    engine never idles behind the verifier and copies the bytes it just read while they are in cache.
-    `result` waits for all of them. A checksum mismatch wins over a bad value, and the first bad tensor in
-    order is the one reported: after a non-finite tensor the others are still summed."""
+    caller's thread) claims all that are left; `tensor(i)` and `place(i)`, the engine's side of a streamed
+    apply (`take`, `Verified`), claim one at a time as the engine reaches it. `result` waits for all of
+    them. A checksum mismatch wins over a bad value, and the first bad tensor in order is the one reported:
+    after a non-finite tensor the others are still summed."""
 
     def __init__(self, index: int, version: int, sent: int, views: list[tuple[str, torch.Tensor]],
                  expected: Mapping[str, ParamSpec]) -> None:
@@ -120,12 +113,18 @@ class Verification:
             self._next += 1
             return self._next - 1
 
-    def _check(self, i: int) -> None:
+    def _check(self, i: int, into: torch.Tensor | None = None) -> None:
         name, tensor = self._views[i]
         try:
-            checksum, finite = _checksum_and_finite(tensor)
-            self._sums[i] = checksum
-            self._out[i] = (name, self._checked_tensor(name, tensor, finite))
+            if into is None:
+                checksum, finite = _checksum_and_finite(tensor)
+                self._sums[i] = checksum
+                self._out[i] = (name, self._checked_tensor(name, tensor, finite))
+            else:  # copied in place while checked (`place`): nothing is handed over
+                checksum, finite = _copy_checksum_and_finite(into, tensor)
+                self._sums[i] = checksum
+                if not finite:
+                    _require_finite(into, f"bucket {self.index}: parameter {name!r}", applied=True)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits for this bucket
             self._bad[i] = e  # a bad value's bytes were summed all the same: the checksum still decides first
         with self._lock:
@@ -180,6 +179,26 @@ class Verification:
         self._taken = True
         return taken
 
+    def place(self, i: int, into: torch.Tensor) -> bool:
+        """Copies tensor i (called in order) into `into` while checking it, when nobody has claimed it yet and
+        `into` (a contiguous view of the engine's parameter) has its dtype and size: one pass over the bytes
+        for both the checks and the engine's copy. False: not placed, take it with `tensor(i)`. A tensor that
+        fails its checks has already landed (the caller's update fails midway: restored from its backup, or
+        refused until a complete update lands); its failure is raised once every tensor was summed."""
+        with self._lock:
+            if self._next != i:
+                return False
+            name, tensor = self._views[i]
+            if (tensor.dtype != into.dtype or tensor.dtype != self._expected[name].dtype
+                    or tensor.numel() != into.numel() or not into.is_contiguous()):
+                return False
+            self._next += 1
+        self._check(i, into)
+        if self._bad[i] is not None:
+            self.result()
+            raise AssertionError("a failed tensor always fails its bucket")
+        return True
+
     def tensor(self, i: int) -> tuple[str, torch.Tensor]:
         """Tensor i once it passed (called in order); checks it here if nobody has claimed it yet."""
         with self._lock:
@@ -215,13 +234,31 @@ class Verified:
                 yield pending.tensor(i)
             pending.result()  # a checksum mismatch surfaces after the last tensor
 
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self._pending.shapes()] if self._pending is not None else []
+
+    def placing(self, destinations: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Iterates like the bucket itself, except that each tensor with a view of the engine's parameter in
+        `destinations` is copied there while it is checked (`Verification.place`) and not yielded."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        names = [name for name, _ in pending.shapes()]
+        for i in range(self._n):
+            into = destinations.get(names[i])
+            if into is None or not pending.place(i, into):
+                yield pending.tensor(i)
+        pending.result()
+
     def __reduce__(self):
         # Executors in other processes get the plain list (pickling waits for the checks).
         return list, (list(iter(self)),)
 
 
-def _require_finite(tensor: torch.Tensor, where: str) -> None:
-    """Refuses NaN / inf values (see module docstring for why a sum)."""
+def _require_finite(tensor: torch.Tensor, where: str, applied: bool = False) -> None:
+    """Refuses NaN / inf values (see module docstring for why a sum); `applied`: they already landed in the
+    engine's parameter (`Verification.place`)."""
     if math.isfinite(float(tensor.sum(dtype=torch.float64 if tensor.dtype == torch.float64 else torch.float32))):
         return
     bad = (~torch.isfinite(tensor)).reshape(-1).nonzero()
@@ -229,4 +266,4 @@ def _require_finite(tensor: torch.Tensor, where: str) -> None:
         return  # finite values whose float32 sum overflowed
     first = int(bad[0])
     raise WeightUpdateError(f"{where} has {len(bad)} non-finite values (the first, {tensor.reshape(-1)[first].item()}, "
-                            f"at flat index {first}); nothing was applied")
+                            f"at flat index {first})" + ("" if applied else "; nothing was applied"))

@@ -4,8 +4,8 @@
 version against the one served, names known to the engine, shapes as the engine expects them, finite
 values); the commit then checks that every bucket arrived and passed, and that the combined checksum
 matches. Buckets whose bytes stay out of the message (gRPC views, shared memory) are handed to the engine
-one by one as they arrive (`take`), so the replica's copy overlaps the transfer; the engine only ever gets
-tensors that passed their checks, and the version moves only at a verified commit. A gRPC stream that fails
+one by one as they arrive (`take`), so the replica's copy overlaps the transfer, and the engine checks their
+bytes as it copies them (weight_checks.py); the version moves only at a verified commit. A gRPC stream that fails
 midway leaves the served weights bitwise as they were (the engine backs up what each bucket overwrites and
 restores it: engine.py `restore_weights`); a shared-memory one leaves the engine refusing to generate until
 a complete update lands. Buckets with their bytes inside the message (and collective buckets) are applied
@@ -14,11 +14,10 @@ answer with.
 
 Staged tensors are views, not copies: over the message bytes (gRPC transport) or over the shared-memory
 segment the bucket names (shm transport, services/common/transports/shm.py), so the engine's
-`load_weights` is the one copy into the parameters (plus, over gRPC, the backup of the values it
-overwrites); only a dtype other than the engine's is cast. The checks of the bytes (weight_checks.py) of a
-streamed bucket run on a verifier thread while the stream goes on: names, shapes and versions are refused
-at once, a bad checksum or value at the next bucket, the commit, or while the engine takes the bucket,
-before the bad tensor.
+copy into the parameters (the engine's, with the checks riding along, or vLLM's `load_weights`) is the one
+copy (plus, over gRPC, the backup of the values it overwrites); only a dtype other than the engine's is
+cast. Names, shapes and versions are refused as a bucket arrives, a bad checksum or value while the engine
+applies the bucket.
 
 Names are the HF checkpoint names the engine's `load_weights` accepts (`model.layers.0.self_attn.q_proj
 .weight`, ...), with full (unsharded) shapes; the engine fuses and shards them itself.
@@ -45,7 +44,6 @@ from services.common.tensors import TensorDecodeError, dtype_name, itemsize
 from services.common.transports.collective import CollectiveError, CollectiveReceiver
 from services.common.transports.shm import SegmentCache, SegmentOpenError
 from services.rollout.weight_checks import (
-    VERIFIER,
     ParamSpec,
     Verification,
     Verified,
@@ -105,9 +103,9 @@ class WeightStager:
         """Checks and stages one bucket; raises WeightUpdateError / WeightDataLossError.
 
         `data`: the tensors' bytes when the receiver kept them out of the message (wire.ReceivedChunk). The
-        bytes of a streamed bucket (`data` given, or shared memory) are verified on the verifier thread while
-        the stream goes on; `take`, `commit` and every later `add_bucket` surface its failure. Other buckets
-        (and retries) are verified here, before this returns."""
+        bytes of a streamed bucket (`data` given, or shared memory) are verified by whoever takes it (`take`:
+        the engine, as it applies it); `commit` and every later `add_bucket` surface its failure. Other
+        buckets (and retries) are verified here, before this returns."""
         if self._version is None:
             if bucket.version < self._held_version:
                 raise WeightsVersionBehindError(bucket.version, self._held_version)
@@ -129,8 +127,8 @@ class WeightStager:
         if data is None and not bucket.HasField("shm"):  # bytes in the message, or a collective's (checked here)
             pending.run()
             pending.result()
-        else:
-            VERIFIER.submit(pending.run)
+        # A streamed bucket is checked by the engine as it copies each tensor in (`take`): one pass over the
+        # bytes; `commit` checks what the engine did not reach.
         for name, tensor in views:
             self._names[name] = bucket.index
             self._num_bytes += tensor.numel() * self._expected[name].dtype.itemsize
@@ -206,8 +204,8 @@ class WeightStager:
             raise WeightDataLossError(f"version {commit.version}: buckets {missing} of {commit.num_buckets} never arrived")
         if extra:
             raise WeightUpdateError(f"buckets {extra} exceed the commit's num_buckets={commit.num_buckets}")
-        # Every bucket's bytes must have matched its sent checksum (waits for the verifier), so the sent
-        # checksums are the received ones.
+        # Every bucket's bytes must have matched its sent checksum (checks what the engine did not take), so
+        # the sent checksums are the received ones.
         tensors = [item for i in range(commit.num_buckets) for item in self._buckets[i][1].result()]
         combined = combine_checksums([self._buckets[i][0] for i in range(commit.num_buckets)])
         if combined != commit.checksum:
@@ -218,10 +216,10 @@ class WeightStager:
                             [name for name, _ in tensors])
 
     def take(self, index: int) -> StagedUpdate:
-        """Bucket `index` (shared memory or gRPC views), handed over for a streamed apply while the verifier
-        works on it: iterating its `tensors` yields each tensor once it passed its checks and raises the
-        bucket's failure instead of the first bad tensor (or after the last one, for a checksum mismatch);
-        `commit` re-raises it. The bucket keeps only its checksum and outcome."""
+        """Bucket `index` (shared memory or gRPC views), handed over for a streamed apply that checks it as it
+        goes (weight_checks.Verified): the bucket's failure is raised at its first bad tensor (or after the
+        last one, for a checksum mismatch); `commit` re-raises it. The bucket keeps only its checksum and
+        outcome."""
         checksum, pending = self._buckets[index]
         tensors = pending.take()
         num_bytes = sum(self._expected[name].dtype.itemsize * math.prod(shape) for name, shape in pending.shapes())

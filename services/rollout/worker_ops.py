@@ -14,12 +14,162 @@ def parameter_shapes(model: Any) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
-def load_weights(tensors: list[tuple[str, Any]], model: Any) -> int:
+def load_weights(tensors: Any, model: Any, first: bool = True) -> int:
+    """Loads named HF tensors through the model's own `load_weights`. A streamed bucket (weight_checks.Verified,
+    in this process) has the tensors whose place in the parameters is known copied there while they are
+    checked (`_Placements`); the rest go through vLLM's loader, which is watched to learn their places.
+    `first`: the first piece of an update, when the places are checked against the parameters (nothing else
+    runs on the engine between the pieces of one update)."""
     import torch
 
     with torch.no_grad():
-        loaded = model.load_weights(iter(tensors))
-    return len(loaded) if loaded is not None else len(tensors)
+        placing = getattr(tensors, "placing", None)
+        if placing is None:
+            loaded = model.load_weights(iter(tensors))
+            return len(loaded) if loaded is not None else len(tensors)
+        places = _Placements.of(model)
+        names = tensors.names
+        views = places.current(recheck=first)
+        stream = placing(views)
+        if not places.knows(names):
+            with places.learning() as learn:
+                model.load_weights(learn.watch(stream))
+        elif all(n in views for n in names):
+            # Every tensor has its place: vLLM's loader (a walk over the modules per call) only gets what a
+            # dtype other than the engine's kept out of place.
+            rest = list(stream)
+            if rest:
+                model.load_weights(iter(rest))
+        else:
+            model.load_weights(stream)
+        return len(names)
+
+
+class _Placements:
+    """Where vLLM's loader puts each whole HF tensor: one contiguous view of one parameter per name, with the
+    tensor's dtype and size (TP 1: q/k/v and gate/up are row ranges of the fused parameter). Learnt by
+    watching real loads (`learning`), never written by hand, so a placed copy writes exactly what the loader
+    wrote. A name whose loading did anything else (a slice of the tensor, a cast, a transpose, another
+    write to a parameter, two copies) stays with the loader. Forgotten when any parameter moves (sleep and
+    wake, a device copy)."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self._views: dict[str, Any] = {}
+        self._unplaceable: set[str] = set()
+        self._where = self._locations()
+
+    @classmethod
+    def of(cls, model: Any) -> _Placements:
+        places = getattr(model, "_rlfabric_placements", None)
+        if places is None:
+            places = model._rlfabric_placements = cls(model)
+        return places
+
+    def _locations(self) -> tuple[tuple[int, int], ...]:
+        # Each Parameter object and its storage: vLLM may swap in new Parameter objects (weight processing,
+        # sleep and wake) as well as move their data.
+        return tuple((id(p), p.data_ptr()) for p in self._model.parameters())
+
+    def current(self, recheck: bool = True) -> dict[str, Any]:
+        """The known views, after dropping them all if a parameter moved since they were learnt (`recheck`)."""
+        if not recheck:
+            return self._views
+        where = self._locations()
+        if where != self._where:
+            self._views.clear()
+            self._unplaceable.clear()
+            self._where = where
+        return self._views
+
+    def knows(self, names: list[str]) -> bool:
+        return all(n in self._views or n in self._unplaceable for n in names)
+
+    def learning(self) -> _LearnPlacements:
+        return _LearnPlacements(self)
+
+    def learnt(self, loaded: list[str], copies: dict[str, list[Any]], partial: set[str], other_writes: bool) -> None:
+        for name in loaded:
+            views = copies.get(name, [])
+            if other_writes or name in partial or len(views) != 1 or views[0].device.type != "cpu":
+                self._unplaceable.add(name)
+            else:
+                self._views[name] = views[0]
+
+
+class _LearnPlacements:
+    """A torch function mode over one `load_weights` call that records, per yielded tensor, the parameter
+    views it is copied into whole (see `_Placements`)."""
+
+    def __init__(self, places: _Placements) -> None:
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        storages = {p.untyped_storage().data_ptr() for p in places._model.parameters()}
+        sources: list[tuple[str, Any]] = []
+        copies: dict[str, list[Any]] = {}
+        partial: set[str] = set()
+        loaded: list[str] = []
+        flags = {"other_writes": False}
+
+        def source_of(src: Any) -> tuple[str, Any] | None:
+            """The yielded tensor whose bytes `src` views (whole or in part), if any."""
+            at = src.data_ptr()
+            for name, tensor in sources:
+                start = tensor.data_ptr()
+                if start <= at < start + tensor.numel() * tensor.element_size():
+                    return name, tensor
+            return None
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                target = _written(func, args, kwargs)
+                if target is not None and target.numel() and target.untyped_storage().data_ptr() in storages:
+                    src = args[1] if func.__name__ == "copy_" and len(args) > 1 else None
+                    found = source_of(src) if isinstance(src, torch.Tensor) and src.numel() else None
+                    if found is None:
+                        flags["other_writes"] = True  # a write nobody can attribute: trust nothing of this load
+                    elif (src.data_ptr() == found[1].data_ptr() and src.numel() == found[1].numel()
+                          and src.is_contiguous() and target.is_contiguous() and target.dtype == src.dtype):
+                        copies.setdefault(found[0], []).append(target.detach())
+                    else:
+                        partial.add(found[0])  # a slice, a transpose or a cast of it
+                return func(*args, **kwargs)
+
+        self._places, self._mode = places, _Mode()
+        self._sources, self._copies, self._partial, self._loaded, self._flags = (
+            sources, copies, partial, loaded, flags)
+
+    def watch(self, stream):
+        for name, tensor in stream:
+            self._loaded.append(name)
+            if tensor.numel():
+                self._sources.append((name, tensor))
+            yield name, tensor
+
+    def __enter__(self) -> _LearnPlacements:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        self._mode.__exit__(kind, value, tb)
+        if kind is None:
+            self._places.learnt(self._loaded, self._copies, self._partial, self._flags["other_writes"])
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The tensor a torch call writes into (in-place methods, item assignment, `out=`), or None."""
+    import torch
+
+    out = kwargs.get("out")
+    if isinstance(out, torch.Tensor):
+        return out
+    name = getattr(func, "__name__", "")
+    if args and isinstance(args[0], torch.Tensor) and (
+            name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))):
+        return args[0]
+    return None
 
 
 class _Backup:
@@ -65,7 +215,7 @@ class _Backup:
             self.saved.add(name)
 
 
-def load_weights_with_backup(names: list[str], tensors: Any, model: Any) -> int:
+def load_weights_with_backup(names: list[str], tensors: Any, model: Any, first: bool = True) -> int:
     """`load_weights` after saving the current values of every parameter that loading `names` writes into."""
     import torch
 
@@ -74,7 +224,7 @@ def load_weights_with_backup(names: list[str], tensors: Any, model: Any) -> int:
         backup = model._rlfabric_backup = _Backup(model)
     with torch.no_grad():
         backup.save(list(names))
-    return load_weights(tensors, model)
+    return load_weights(tensors, model, first)
 
 
 def restore_backup(model: Any) -> int:

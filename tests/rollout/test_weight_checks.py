@@ -64,7 +64,7 @@ def _three(bad_at: int | None = None) -> dict[str, torch.Tensor]:
 
 def test_a_taken_bucket_nobody_verifies_is_checked_by_its_reader_in_order() -> None:
     tensors = _three()
-    taken = _verification(tensors).take()  # no verifier thread: the engine's side does every check
+    taken = _verification(tensors).take()  # the engine's side does every check
     assert [(name, t.tolist()) for name, t in taken] == [(name, t.tolist()) for name, t in tensors.items()]
 
 
@@ -83,7 +83,7 @@ def test_a_checksum_mismatch_wins_over_a_bad_value_whoever_checks() -> None:
 
 
 @pytest.mark.parametrize("verifier_first", [True, False])
-def test_the_verifier_and_the_reader_share_the_checks_without_doing_one_twice(verifier_first: bool) -> None:
+def test_the_commit_and_the_reader_share_the_checks_without_doing_one_twice(verifier_first: bool) -> None:
     pending = _verification(_three())
     calls = []
     original = weight_checks._checksum_and_finite
@@ -106,3 +106,36 @@ def test_the_verifier_and_the_reader_share_the_checks_without_doing_one_twice(ve
     assert taken == ["w0", "w1", "w2"]
     assert len(calls) == 3
     assert pending.result() == []  # taken: nothing kept, and no failure
+
+
+def test_placed_tensors_land_in_their_destinations_checked_and_the_rest_are_yielded() -> None:
+    tensors = _three()
+    into = {"w0": torch.zeros(5), "w2": torch.zeros(5)}
+    pending = _verification(tensors)
+    yielded = [(name, t.tolist()) for name, t in pending.take().placing(into)]
+    assert yielded == [("w1", tensors["w1"].tolist())]
+    assert torch.equal(into["w0"], tensors["w0"]) and torch.equal(into["w2"], tensors["w2"])
+    assert pending.result() == []  # every tensor passed, none kept
+
+
+def test_a_placed_non_finite_tensor_fails_the_bucket_after_landing() -> None:
+    into = {"w1": torch.zeros(5)}
+    with pytest.raises(WeightUpdateError, match=r"parameter 'w1' has 1 non-finite values .* flat index 4\)$"):
+        list(_verification(_three(bad_at=1)).take().placing(into))
+    assert into["w1"][4] == float("inf")  # it landed: the caller's update fails midway (backup or refusal)
+
+
+def test_a_placed_bucket_with_a_wrong_checksum_fails_after_its_last_tensor() -> None:
+    tensors = _three()
+    into = {name: torch.zeros(5) for name in tensors}
+    with pytest.raises(WeightDataLossError, match="checksum"):
+        list(_verification(tensors, sent_flip=1).take().placing(into))
+    assert all(torch.equal(into[name], t) for name, t in tensors.items())
+
+
+def test_a_destination_of_another_dtype_or_size_is_not_placed() -> None:
+    tensors = _three()
+    into = {"w0": torch.zeros(5, dtype=torch.float64), "w1": torch.zeros(4), "w2": torch.zeros(10)[::2]}
+    yielded = [name for name, _ in _verification(tensors).take().placing(into)]
+    assert yielded == ["w0", "w1", "w2"]
+    assert not any(t.any() for t in into.values())

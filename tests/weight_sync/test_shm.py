@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from weight_sync_helpers import assert_engine_holds, restore_checkpoint_weights
+from weight_sync_helpers import assert_engine_holds, placed_names, restore_checkpoint_weights
 
 from rlfabric.v1 import rollout_pb2
 from services.common.transports import ShmTransport, TargetFailure, WeightAck, shm
@@ -52,6 +52,9 @@ def test_push_is_bitwise_reuses_its_segment_and_leaves_no_name(replica, tiny_mod
         assert _ours() == []  # the name is gone; both sides keep their mapping
         segment_ids.add(transport.segment.id)
     assert len(segment_ids) == 1  # the second push rewrote the mapped segment instead of faulting in a new one
+    # vLLM's loader put every tensor whole into its parameter, so the second push copied them all itself
+    # (checks riding along) and still holds them bitwise.
+    assert placed_names(engine) == set(state)
 
 
 def test_a_failed_push_leaves_the_replica_refusing_to_serve_until_a_complete_one(replica, tiny_model_dir):

@@ -69,6 +69,19 @@ def engine_parameters(engine) -> dict:
     return params[0] if isinstance(params, list) else params
 
 
+def _placed(model) -> set[str]:
+    places = getattr(model, "_rlfabric_placements", None)
+    return set(places.current()) if places is not None else set()
+
+
+def placed_names(engine) -> set[str]:
+    """The HF names whose streamed tensors the engine copies itself (services/rollout/worker_ops.py _Placements)."""
+    import functools
+
+    names = engine._call(functools.partial(engine._engine.apply_model, _placed))
+    return names[0] if isinstance(names, list) else names
+
+
 def assert_engine_holds(engine, hf_state: dict) -> None:
     """Bitwise: every vLLM parameter equals the HF tensors it is built from (qkv / gate_up fused on dim 0)."""
     import torch

@@ -1,15 +1,15 @@
 """Same-host weight transport: tensors written once into POSIX shared memory, references on the wire.
 
-The sender (trainer rank 0) writes each tensor once into a segment file under /dev/shm and computes its
-checksum over the bytes that landed, step by step while each step is still in cache
-(services/common/checksum.py `copy_word_sum`: the sum adds about a fifth of the copy's time), and streams
-the same `Rollout.UpdateWeights` buckets and commit as the gRPC transport, except that each bucket carries a
-`SharedMemoryRef` (segment path, id, offsets) instead of the bytes. The replica maps the segment (`SegmentCache`) and the engine copies each bucket straight from the
-mapping into its parameters while the trainer writes the next one (no protobuf copy, no staging copy); a
-verifier thread checks each tensor (checksum, finiteness) just before the engine takes it, on the other
-core, and the engine checks a tensor itself when the verifier has not reached it yet
-(services/rollout/weight_checks.py); the commit then checks completeness and the chained checksum.
-Buckets default to 64 MiB (each is one engine call on the replica).
+The sender (trainer rank 0) writes each tensor once into a segment file under /dev/shm, its checksum summed
+in the same pass (services/common/checksum.py `copy_word_sum`), and streams the same
+`Rollout.UpdateWeights` buckets and commit as the gRPC transport, except that each bucket carries a
+`SharedMemoryRef` (segment path, id, offsets) instead of the bytes. The replica maps the segment
+(`SegmentCache`) and the engine copies each bucket straight from the mapping into its parameters while the
+trainer writes the next one (no protobuf copy, no staging copy), checking each tensor (checksum,
+finiteness) in the same pass (services/rollout/weight_checks.py); the commit then checks completeness and the
+chained checksum. Both copies store around the cache, so the two run side by side at the speed of one
+(`_wordcopy.c`). Buckets default to 64 MiB (each is one engine call on the replica; smaller ones measured
+slower).
 
 Segment lifetime (no /dev/shm leak):
 - the segment's name exists only while a push runs: the sender unlinks it when the push ends, whatever the
