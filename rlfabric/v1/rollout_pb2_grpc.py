@@ -85,9 +85,10 @@ class RolloutServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateWeights(self, request_iterator, context):
-        """A stream of weight buckets followed by one commit. Tensors are verified, then applied into the
-        running engine atomically: as they arrive, with a backup of what they overwrite that a failed
-        stream restores (the replica refuses Generate while the stream runs), or at the commit; the reply
+        """A stream of weight buckets followed by one commit. Tensors are verified and applied into the
+        running engine atomically: as they arrive (each verified while it is copied in), with a backup of
+        what they overwrite that a failed stream restores (the replica refuses Generate while the stream
+        runs), or verified first and applied at the commit; the reply
         acknowledges the version and a checksum of what was applied. Errors (the old weights and version
         keep serving, bitwise): DATA_LOSS on a
         checksum mismatch or missing bucket; INVALID_ARGUMENT for unknown names, wrong shapes, non-float
@@ -95,7 +96,7 @@ class RolloutServicer:
         held (versions only move forward) or while asleep in a sleep mode that moved the weights;
         INTERNAL when the engine failed while applying (the replica then refuses Generate until a
         complete update lands). Buckets that carry a `SharedMemoryRef` (the shm transport) are applied as
-        they arrive instead, each after its own checks: a stream that fails after the first such bucket
+        they arrive without a backup: a stream that fails after the first such bucket
         leaves the replica refusing Generate until a complete update lands; FAILED_PRECONDITION when the
         replica cannot map the segment (not the sender's host). Buckets that carry a `CollectiveRef` (the
         collective transport) receive their bytes by broadcast in that group and are staged like the others;

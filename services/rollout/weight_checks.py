@@ -26,7 +26,8 @@ from services.common.checksum import chain, copy_word_sum_and_finite, fold, word
 
 
 class WeightUpdateError(Exception):
-    """A rejected update; `code` is the gRPC status name to answer with (nothing was applied)."""
+    """A rejected update; `code` is the gRPC status name to answer with (what a streamed update applied
+    before is restored or fenced by the servicer)."""
 
     code = "INVALID_ARGUMENT"
 

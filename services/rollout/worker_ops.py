@@ -49,9 +49,9 @@ class _Placements:
     """Where vLLM's loader puts each whole HF tensor: one contiguous view of one parameter per name, with the
     tensor's dtype and size (TP 1: q/k/v and gate/up are row ranges of the fused parameter). Learnt by
     watching real loads (`learning`), never written by hand, so a placed copy writes exactly what the loader
-    wrote. A name whose loading did anything else (a slice of the tensor, a cast, a transpose, another
-    write to a parameter, two copies) stays with the loader. Forgotten when any parameter moves (sleep and
-    wake, a device copy)."""
+    wrote. A name whose loading did anything else (copied a slice or a transpose, copied twice, into device
+    memory) stays with the loader, and so does every name of a load that wrote a parameter from anything
+    else (a fill, a cast, arithmetic). Forgotten when any parameter moves (sleep and wake, re-processing)."""
 
     def __init__(self, model: Any) -> None:
         self._model = model
@@ -126,15 +126,16 @@ class _LearnPlacements:
                 kwargs = kwargs or {}
                 target = _written(func, args, kwargs)
                 if target is not None and target.numel() and target.untyped_storage().data_ptr() in storages:
-                    src = args[1] if func.__name__ == "copy_" and len(args) > 1 else None
+                    src = args[1] if getattr(func, "__name__", "") == "copy_" and len(args) > 1 else None
                     found = source_of(src) if isinstance(src, torch.Tensor) and src.numel() else None
                     if found is None:
-                        flags["other_writes"] = True  # a write nobody can attribute: trust nothing of this load
+                        # A write from no yielded tensor (a fill, a cast copy, arithmetic): trust nothing of this load.
+                        flags["other_writes"] = True
                     elif (src.data_ptr() == found[1].data_ptr() and src.numel() == found[1].numel()
                           and src.is_contiguous() and target.is_contiguous() and target.dtype == src.dtype):
                         copies.setdefault(found[0], []).append(target.detach())
                     else:
-                        partial.add(found[0])  # a slice, a transpose or a cast of it
+                        partial.add(found[0])  # a slice or a transpose of it
                 return func(*args, **kwargs)
 
         self._places, self._mode = places, _Mode()

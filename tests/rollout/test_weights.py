@@ -154,8 +154,9 @@ def test_streamed_buckets_are_checked_next_to_the_stream_and_a_bad_one_fails_the
     staged = stager.commit(_commit(1, [good.bucket]))
     assert [n for n, _ in staged.tensors] == ["a.weight", "b.bias"]
     assert all(torch.equal(v, t[n]) for n, v in staged.tensors)
-    # The last byte of the message is the last byte of b.bias: only its checksum can tell.
-    bad = _received(1, t, flip=-1)
+    # The message ends with b.bias's bytes, then the bucket checksum (a key and five varint bytes): its last
+    # byte of data changed, only the checksum can tell.
+    bad = _received(1, t, flip=-7)
     stager = WeightStager(SPECS)
     stager.add_bucket(bad.bucket, bad.data)  # checked on the verifier thread: the stream goes on
     with pytest.raises(WeightDataLossError, match="bucket 0 of version 1: checksum"):
@@ -187,7 +188,7 @@ def test_a_taken_bucket_yields_each_tensor_once_checked_and_never_a_bad_one() ->
         stager.commit(_commit(2, [chunk.bucket]))  # and the commit refuses the update
     # A checksum mismatch is only known after the bucket's last tensor: the taken bucket raises then.
     stager = WeightStager(SPECS)
-    bad = _received(2, _tensors(), flip=-1)
+    bad = _received(2, _tensors(), flip=-7)  # the last data byte (see above)
     stager.add_bucket(bad.bucket, bad.data)
     with pytest.raises(WeightDataLossError, match="checksum"):
         list(stager.take(0).tensors)

@@ -62,9 +62,7 @@ def test_large_messages_filled_in_place_parse_as_the_full_messages():
     tensors = {"big": torch.randn(3 << 20, generator=gen), "small": torch.randn(7, generator=gen)}  # 12 MiB + 28 B
     (chunk, _), = list(GrpcStreamTransport(["x:1"], bucket_bytes=64 << 20).buckets(5, iter(tensors.items())))
     payload = serialize(chunk)
-    assert len(payload) >= wire._HUGE_FROM  # the in-place path, not b"".join
-    assert payload == b"".join(  # the same bytes as the plain join of the same parts
-        [bytes(p) for p in _parts(chunk)])
+    assert len(payload) >= wire._HUGE_FROM  # pages advised as huge
     parsed = rollout_pb2.WeightUpdateChunk.FromString(payload)
     assert parsed == chunk.materialize()
     source = {n: t.view(torch.uint8).numpy().tobytes() for n, t in tensors.items()}
@@ -73,15 +71,42 @@ def test_large_messages_filled_in_place_parse_as_the_full_messages():
     assert rollout_pb2.WeightUpdateChunk.FromString(payload) == parsed
 
 
-def _parts(chunk) -> list:
-    """The parts `encode` joins, collected by running it with the join swapped for a recorder."""
-    from services.common.transports import wire
+def _chunk(tensors: dict[str, torch.Tensor]):
+    (chunk, _), = list(GrpcStreamTransport(["x:1"]).buckets(2, iter(tensors.items())))
+    return chunk
 
-    seen: list = []
-    real = wire._concat
-    wire._concat = lambda parts: seen.extend(parts) or b""
-    try:
-        chunk.encode()
-    finally:
-        wire._concat = real
-    return seen
+
+def test_the_checksum_taken_while_encoding_is_the_one_of_the_bytes_and_goes_last_as_five_bytes():
+    gen = torch.Generator().manual_seed(2)
+    tensors = {"w": torch.randn(999, generator=gen), "odd": torch.randn(3, generator=gen).to(torch.float16)}
+    chunk = _chunk(tensors)
+    payload = serialize(chunk)  # nothing read the checksum before: the copy took it
+    parsed = rollout_pb2.WeightUpdateChunk.FromString(payload)
+    assert parsed.bucket.checksum == bucket_checksum(parsed.bucket.tensors) == chunk.bucket.checksum
+    from services.common.transports.wire import _padded_varint
+    assert payload.endswith(b"\x20" + _padded_varint(parsed.bucket.checksum))
+    # Every value fits five bytes, small ones too (the continuation bits pad them), and parses back.
+    from rlfabric.v1 import common_pb2
+    for value in (0, 1, 127, 128, 1 << 28, (1 << 32) - 1):
+        assert common_pb2.WeightBucket.FromString(b"\x20" + _padded_varint(value)).checksum == value
+        assert len(_padded_varint(value)) == 5
+
+
+def test_a_checksum_read_or_set_before_encoding_is_the_one_sent():
+    tensors = {"w": torch.arange(64, dtype=torch.float32)}
+    honest = _chunk(tensors)
+    assert rollout_pb2.WeightUpdateChunk.FromString(serialize(honest)).bucket.checksum == honest.bucket.checksum
+    tampered = _chunk(tensors)
+    tampered.bucket.checksum ^= 0xFF  # as a test corrupting the sent checksum does
+    parsed = rollout_pb2.WeightUpdateChunk.FromString(serialize(tampered))
+    assert parsed.bucket.checksum == honest.bucket.checksum ^ 0xFF
+
+
+def test_encoding_without_the_native_copy_gives_the_same_bytes(monkeypatch):
+    from services.common import checksum
+
+    gen = torch.Generator().manual_seed(3)
+    tensors = {"a": torch.randn(5000, generator=gen), "b": torch.randn(3, 5, generator=gen).to(torch.bfloat16)}
+    native = serialize(_chunk(tensors))
+    monkeypatch.setattr(checksum, "_wordcopy", None)
+    assert serialize(_chunk(tensors)) == native

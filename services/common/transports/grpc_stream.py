@@ -1,12 +1,13 @@
 """The default weight transport: `Rollout.UpdateWeights` client streams of checksummed buckets, one per target.
 
 Tensors are packed, in the order given, into `WeightBucket`s of about `bucket_bytes` (default 16 MiB; a
-larger tensor travels alone), each with its checksum (services/common/checksum.py, computed once from the
-source bytes), then one `WeightCommit` carrying the combined checksum. Every target gets its own concurrent stream; a bucket is packed once and
-shared by all streams, and at most `max_queued_buckets` wait per target, so the sender holds a few buckets,
-never the whole model. A target's acknowledgement must name the version and the combined checksum that were
-sent. A target that fails (refuses a bucket, drops the connection) or misses the deadline is reported as a
-`TargetFailure` and its stream is cancelled; that receiver keeps serving its previous weights and version
+larger tensor travels alone), each with its checksum (services/common/checksum.py, taken from the source
+bytes while they are copied into the message: wire.py), then one `WeightCommit` carrying the combined
+checksum. Every target gets its own concurrent stream; a bucket is packed once and shared by all streams,
+and at most `max_queued_buckets` wait per target, so the sender holds a few buckets, never the whole model.
+A target's acknowledgement must name the version and the combined checksum that were sent. A target that
+fails (refuses a bucket, drops the connection) or misses the deadline is reported as a `TargetFailure` and
+its stream is cancelled; that receiver keeps serving its previous weights and version
 (it applies buckets as they arrive but restores them unless the commit verifies: services/rollout/server.py),
 and the other targets go on.
 
@@ -26,7 +27,7 @@ import grpc
 import torch
 
 from rlfabric.v1 import common_pb2, rollout_pb2
-from services.common.checksum import chain, combine_checksums, data_checksum
+from services.common.checksum import combine_checksums
 from services.common.client import DEFAULT_DEADLINE_S, make_channel
 from services.common.server import MAX_MESSAGE_BYTES
 from services.common.tensors import dtype_code
@@ -52,9 +53,8 @@ def _no_progress(_target: str, _sent: int, _total: int, _done: bool, _checksum: 
     pass
 
 
-def _append(chunk: PackedChunk, name: str, tensor: torch.Tensor) -> int:
-    """Adds `tensor` (metadata in the message, bytes as a view: wire.py); returns its checksum, computed
-    here once on the source bytes."""
+def _append(chunk: PackedChunk, name: str, tensor: torch.Tensor) -> None:
+    """Adds `tensor`: metadata in the message, bytes as a view (wire.py)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     raw = flat.view(torch.uint8).numpy()
     named = chunk.message.bucket.tensors.add()
@@ -62,7 +62,6 @@ def _append(chunk: PackedChunk, name: str, tensor: torch.Tensor) -> int:
     named.tensor.dtype = dtype_code(flat.dtype)
     named.tensor.shape.extend(tensor.shape)
     chunk.views.append(raw)
-    return data_checksum(raw)
 
 
 class _TargetStream:
@@ -171,24 +170,23 @@ class GrpcStreamTransport(WeightTransport):
 
     def buckets(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[
             tuple[rollout_pb2.WeightUpdateChunk, int]]:
-        """Checksummed bucket chunks of about `bucket_bytes` and their payload sizes, in index order."""
-        chunk, size, index, sums = None, 0, 0, []
+        """Bucket chunks of about `bucket_bytes` and their payload sizes, in index order (a chunk's checksum is
+        taken as it is encoded, or when its `bucket` is read)."""
+        chunk, size, index = None, 0, 0
         for name, tensor in named_tensors:
             nbytes = tensor.numel() * tensor.element_size()
             if nbytes > _MAX_TENSOR_BYTES:
                 raise ValueError(f"tensor {name!r} has {nbytes} bytes, more than one gRPC message carries "
                                  f"({_MAX_TENSOR_BYTES}); use another transport for this model")
             if chunk is not None and size + nbytes > self.bucket_bytes:
-                chunk.bucket.checksum = chain(sums)
                 yield chunk, size
-                chunk, size, index, sums = None, 0, index + 1, []
+                chunk, size, index = None, 0, index + 1
             if chunk is None:
                 chunk = PackedChunk(rollout_pb2.WeightUpdateChunk(), [])
-                chunk.bucket.version, chunk.bucket.index = version, index
-            sums.append(_append(chunk, name, tensor))
+                chunk.message.bucket.version, chunk.message.bucket.index = version, index
+            _append(chunk, name, tensor)
             size += nbytes
         if chunk is not None:
-            chunk.bucket.checksum = chain(sums)
             yield chunk, size
 
     def send(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, WeightAck | TargetFailure]:
@@ -201,10 +199,11 @@ class GrpcStreamTransport(WeightTransport):
                                              on_progress=self.on_progress))
             checksums: list[int] = []
             for chunk, size in self.buckets(version, named_tensors):
-                checksums.append(chunk.bucket.checksum)
                 # Serialized here, once for every target (the streams pass the bytes through), and before the
-                # next bucket is packed; the tamper hook (tests) needs the message.
-                self._offer(streams, chunk if self.tamper else serialize(chunk), size, deadline)
+                # next bucket is packed; the encoding takes the checksum. The tamper hook (tests) needs the message.
+                item = chunk if self.tamper else serialize(chunk)
+                checksums.append(chunk.bucket.checksum)
+                self._offer(streams, item, size, deadline)
                 if not any(s.alive() for s in streams):
                     break  # every target failed: stop packing (the caller drains its iterator)
             checksum = combine_checksums(checksums)

@@ -3,10 +3,11 @@
 Packing a bucket the protobuf way copies every byte three times before gRPC copies it once more
 (`tobytes`, setting the `data` field, `SerializeToString`). A `PackedChunk` keeps the metadata in a
 `WeightUpdateChunk` without `data` and the bytes as views of the source tensors; `encode()` writes the
-wire format of the full message in one `b"".join`, so each byte is copied once before gRPC takes it.
-The encoding relies on protobuf's rules: fields may appear in any order and repeated message fields are
-concatenated, so a message serialized without field N followed by field N's bytes parses as one message
-(tests/weight_sync/test_wire.py checks the bytes against protobuf's own encoding).
+wire format of the full message into one new bytes object, so each byte is copied once before gRPC takes
+it, and that copy also takes the bytes' checksums (the sender reads them once). The encoding relies on
+protobuf's rules: fields may appear in any order and repeated message fields are concatenated, so a
+message serialized without field N followed by field N's bytes parses as one message
+(tests/weight_sync/test_wire.py checks what protobuf parses from it).
 
 The receiver's side is the mirror image: `decode_chunk`, the UpdateWeights request deserializer
 (`receiving_views` installs it), parses a bucket's small fields with protobuf and keeps each tensor's bytes as
@@ -23,8 +24,10 @@ from typing import Any
 
 import grpc
 import numpy as np
+import torch
 
 from rlfabric.v1 import common_pb2, rollout_pb2
+from services.common.checksum import chain, copy_word_sum, data_checksum, fold
 
 _LEN = 2  # wire type of length-delimited fields
 
@@ -50,14 +53,24 @@ def _field(field: int, payload_len: int) -> bytes:
 
 @dataclasses.dataclass
 class PackedChunk:
-    """A bucket chunk: `message` has every field but the tensors' `data`, which `views` hold (uint8 arrays)."""
+    """A bucket chunk: `message` has every field but the tensors' `data`, which `views` hold (uint8 arrays).
+
+    The bucket's checksum is taken by `encode` while it copies the bytes into the message (one pass over them),
+    or from the views when `bucket` is read first (then `encode` sends that value, as set)."""
 
     message: rollout_pb2.WeightUpdateChunk
     views: list[np.ndarray]
+    _summed: bool = dataclasses.field(default=False, repr=False)
 
     @property
     def bucket(self) -> common_pb2.WeightBucket:
+        if not self._summed:
+            self._set_checksum(chain(data_checksum(view) for view in self.views))
         return self.message.bucket
+
+    def _set_checksum(self, checksum: int) -> None:
+        self.message.bucket.checksum = checksum
+        self._summed = True
 
     def HasField(self, name: str) -> bool:  # noqa: N802 - the protobuf spelling, so callers treat both alike
         return self.message.HasField(name)
@@ -65,58 +78,80 @@ class PackedChunk:
     def materialize(self) -> rollout_pb2.WeightUpdateChunk:
         """The full protobuf message (copies the bytes; for tests and the tamper hook)."""
         full = rollout_pb2.WeightUpdateChunk()
-        full.CopyFrom(self.message)
+        full.bucket.CopyFrom(self.bucket)
         for named, view in zip(full.bucket.tensors, self.views, strict=True):
             named.tensor.data = view.tobytes()
         return full
 
     def encode(self) -> bytes:
-        """The serialized full message, with one copy of the tensor bytes."""
+        """The serialized full message, with one copy of the tensor bytes that also takes their checksums.
+
+        The bucket's `checksum` field is written last, after the bytes it covers (protobuf reads fields in any
+        order), as a varint padded to its full five bytes so that the message's length is known before the
+        checksum is: parsers accept such varints (the wire format allows up to ten bytes)."""
+        bucket = self.message.bucket
         head = common_pb2.WeightBucket()
-        head.CopyFrom(self.message.bucket)
+        head.CopyFrom(bucket)
         del head.tensors[:]
+        head.ClearField("checksum")
         parts: list = [head.SerializeToString()]
-        for named, view in zip(self.message.bucket.tensors, self.views, strict=True):
+        for named, view in zip(bucket.tensors, self.views, strict=True):
             tensor_head = named.tensor.SerializeToString()  # dtype and shape; `data` is empty
             tensor_len = len(tensor_head) + len(_field(3, view.nbytes)) + view.nbytes
             name = common_pb2.NamedTensor(name=named.name).SerializeToString()
             named_len = len(name) + len(_field(2, tensor_len)) + tensor_len
-            parts += [_field(3, named_len), name, _field(2, tensor_len), tensor_head, _field(3, view.nbytes),
-                      memoryview(view)]
+            parts += [_field(3, named_len), name, _field(2, tensor_len), tensor_head, _field(3, view.nbytes), view]
+        parts.append(bytes(len(_CHECKSUM_KEY) + _CHECKSUM_VARINT))  # filled in once the bytes are summed
         bucket_len = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
-        return _concat([_field(1, bucket_len), *parts])
+        out, dst, sums = _fill([_field(1, bucket_len), *parts])
+        if not self._summed:
+            self._set_checksum(chain(fold(total, view.nbytes) for total, view in zip(sums, self.views, strict=True)))
+        dst[-_CHECKSUM_VARINT - len(_CHECKSUM_KEY):] = np.frombuffer(
+            _CHECKSUM_KEY + _padded_varint(bucket.checksum), dtype=np.uint8)
+        return out
 
 
-# Messages of at least this size are written into fresh bytes objects backed by transparent huge pages.
+_CHECKSUM_KEY = _varint(4 << 3)  # WeightBucket.checksum, a varint (wire type 0)
+_CHECKSUM_VARINT = 5  # bytes of a uint32 varint at its longest
+
+
+def _padded_varint(n: int) -> bytes:
+    """`n` (< 2**32) as a five-byte varint: continuation bits on the first four bytes, whatever their value."""
+    return bytes([(n >> 7 * i & 0x7F) | 0x80 for i in range(4)] + [n >> 28])
+
+
+# Messages of at least this size get their pages advised as transparent huge pages.
 _HUGE_FROM = 4 << 20
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
 
-def _concat(parts: list) -> bytes:
-    """`b"".join(parts)`, except that a large message's pages are faulted in 2 MiB at a time.
+def _fill(parts: list) -> tuple[bytes, np.ndarray, list[int]]:
+    """A new bytes object holding `parts` in order (bytes, and uint8 arrays copied with their word sums taken on
+    the way: checksum.copy_word_sum), a writable view of it for the caller's last touches, and the arrays' sums.
 
-    Every bucket is a new message of 16 MiB or more, and glibc hands most of them out as fresh pages: faulting
-    them 4 KiB at a time cost the sender more system time than the copy (40k faults per push of 575 MB). So
-    a large message is created empty (`PyBytes_FromStringAndSize(NULL, n)`, which the C API lets its creator
-    fill before anyone else sees the object), its pages are advised as huge (THP in `madvise` mode, as here
-    and on most distributions; elsewhere the advice does nothing), and the parts are copied in.
-    """
+    The object is created empty (`PyBytes_FromStringAndSize(NULL, n)`, which the C API lets its creator fill
+    before anyone else sees it). Every bucket is a new message of 16 MiB or more, and glibc hands most of them
+    out as fresh pages: faulting them 4 KiB at a time cost the sender more system time than the copy (40k
+    faults per push of 575 MB), so a large message's pages are advised as huge (THP in `madvise` mode, as here
+    and on most distributions; elsewhere the advice does nothing)."""
     total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
-    if total < _HUGE_FROM or _LIBC is None:
-        return b"".join(parts)
     out = _new_bytes(None, total)
     addr = _bytes_data(out)
-    start, end = -(-addr // _HUGE_PAGE) * _HUGE_PAGE, (addr + total) // _HUGE_PAGE * _HUGE_PAGE
-    if end > start:
-        _LIBC.madvise(start, end - start, _MADV_HUGEPAGE)  # a hint: failure only means 4 KiB pages
-    dst = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(addr))
-    at = 0
+    if total >= _HUGE_FROM and _LIBC is not None:
+        start, end = -(-addr // _HUGE_PAGE) * _HUGE_PAGE, (addr + total) // _HUGE_PAGE * _HUGE_PAGE
+        if end > start:
+            _LIBC.madvise(start, end - start, _MADV_HUGEPAGE)  # a hint: failure only means 4 KiB pages
+    dst = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(addr)) if total else np.empty(0, np.uint8)
+    at, sums = 0, []
     for part in parts:
-        n = len(part) if isinstance(part, bytes) else part.nbytes
-        dst[at:at + n] = np.frombuffer(part, dtype=np.uint8)
-        at += n
-    return out
+        if isinstance(part, bytes):
+            dst[at:at + len(part)] = np.frombuffer(part, dtype=np.uint8)
+            at += len(part)
+        else:
+            sums.append(copy_word_sum(torch.from_numpy(dst[at:at + part.nbytes]), torch.from_numpy(part)))
+            at += part.nbytes
+    return out, dst, sums
 
 
 def _libc() -> ctypes.CDLL | None:
