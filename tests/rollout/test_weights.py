@@ -12,6 +12,7 @@ from rollout_helpers import generate, group_request, hf_greedy, hf_token_log_pro
 
 from rlfabric.v1 import common_pb2, rollout_pb2
 from services.common.checksum import combine_checksums
+from services.common.transports.wire import CHECKSUM_TRAILER_BYTES
 from services.rollout.weights import (
     ParamSpec,
     WeightDataLossError,
@@ -133,6 +134,10 @@ def test_mixed_versions_and_duplicate_names_are_refused() -> None:
         stager.add_bucket(make_bucket(1, 1, {"a.weight": t["a.weight"]}))
 
 
+# The offset, from the end of an encoded bucket, of its last tensor's last byte.
+_LAST_DATA_BYTE = -CHECKSUM_TRAILER_BYTES - 1
+
+
 def _received(version: int, tensors: dict[str, torch.Tensor], flip: int | None = None):
     """One bucket as the replica receives it over gRPC: tensor bytes kept as views (wire.ReceivedChunk),
     optionally with the byte at offset `flip` of the serialized message inverted."""
@@ -154,9 +159,9 @@ def test_streamed_buckets_are_checked_next_to_the_stream_and_a_bad_one_fails_the
     staged = stager.commit(_commit(1, [good.bucket]))
     assert [n for n, _ in staged.tensors] == ["a.weight", "b.bias"]
     assert all(torch.equal(v, t[n]) for n, v in staged.tensors)
-    # The message ends with b.bias's bytes, then the bucket checksum (a key and five varint bytes): its last
+    # The message ends with b.bias's bytes, then the bucket checksum (wire.CHECKSUM_TRAILER_BYTES): its last
     # byte of data changed, only the checksum can tell.
-    bad = _received(1, t, flip=-7)
+    bad = _received(1, t, flip=_LAST_DATA_BYTE)
     stager = WeightStager(SPECS)
     stager.add_bucket(bad.bucket, bad.data)  # checked on the verifier thread: the stream goes on
     with pytest.raises(WeightDataLossError, match="bucket 0 of version 1: checksum"):
@@ -188,7 +193,7 @@ def test_a_taken_bucket_yields_each_tensor_once_checked_and_never_a_bad_one() ->
         stager.commit(_commit(2, [chunk.bucket]))  # and the commit refuses the update
     # A checksum mismatch is only known after the bucket's last tensor: the taken bucket raises then.
     stager = WeightStager(SPECS)
-    bad = _received(2, _tensors(), flip=-7)  # the last data byte (see above)
+    bad = _received(2, _tensors(), flip=_LAST_DATA_BYTE)
     stager.add_bucket(bad.bucket, bad.data)
     with pytest.raises(WeightDataLossError, match="checksum"):
         list(stager.take(0).tensors)

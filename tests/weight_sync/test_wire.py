@@ -83,8 +83,9 @@ def test_the_checksum_taken_while_encoding_is_the_one_of_the_bytes_and_goes_last
     payload = serialize(chunk)  # nothing read the checksum before: the copy took it
     parsed = rollout_pb2.WeightUpdateChunk.FromString(payload)
     assert parsed.bucket.checksum == bucket_checksum(parsed.bucket.tensors) == chunk.bucket.checksum
-    from services.common.transports.wire import _padded_varint
-    assert payload.endswith(b"\x20" + _padded_varint(parsed.bucket.checksum))
+    from services.common.transports.wire import _CHECKSUM_KEY, CHECKSUM_TRAILER_BYTES, _padded_varint
+    assert _CHECKSUM_KEY == b"\x20"  # field 4, varint
+    assert payload[-CHECKSUM_TRAILER_BYTES:] == _CHECKSUM_KEY + _padded_varint(parsed.bucket.checksum)
     # Every value fits five bytes, small ones too (the continuation bits pad them), and parses back.
     from rlfabric.v1 import common_pb2
     for value in (0, 1, 127, 128, 1 << 28, (1 << 32) - 1):

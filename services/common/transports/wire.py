@@ -101,18 +101,19 @@ class PackedChunk:
             name = common_pb2.NamedTensor(name=named.name).SerializeToString()
             named_len = len(name) + len(_field(2, tensor_len)) + tensor_len
             parts += [_field(3, named_len), name, _field(2, tensor_len), tensor_head, _field(3, view.nbytes), view]
-        parts.append(bytes(len(_CHECKSUM_KEY) + _CHECKSUM_VARINT))  # filled in once the bytes are summed
+        parts.append(bytes(CHECKSUM_TRAILER_BYTES))  # filled in once the bytes are summed
         bucket_len = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
         out, dst, sums = _fill([_field(1, bucket_len), *parts])
         if not self._summed:
             self._set_checksum(chain(fold(total, view.nbytes) for total, view in zip(sums, self.views, strict=True)))
-        dst[-_CHECKSUM_VARINT - len(_CHECKSUM_KEY):] = np.frombuffer(
-            _CHECKSUM_KEY + _padded_varint(bucket.checksum), dtype=np.uint8)
+        dst[-CHECKSUM_TRAILER_BYTES:] = np.frombuffer(_CHECKSUM_KEY + _padded_varint(bucket.checksum), dtype=np.uint8)
         return out
 
 
 _CHECKSUM_KEY = _varint(4 << 3)  # WeightBucket.checksum, a varint (wire type 0)
 _CHECKSUM_VARINT = 5  # bytes of a uint32 varint at its longest
+# What an encoded bucket ends with after its last tensor's bytes: the checksum's key and padded varint.
+CHECKSUM_TRAILER_BYTES = len(_CHECKSUM_KEY) + _CHECKSUM_VARINT
 
 
 def _padded_varint(n: int) -> bytes:
@@ -142,7 +143,7 @@ def _fill(parts: list) -> tuple[bytes, np.ndarray, list[int]]:
         start, end = -(-addr // _HUGE_PAGE) * _HUGE_PAGE, (addr + total) // _HUGE_PAGE * _HUGE_PAGE
         if end > start:
             _LIBC.madvise(start, end - start, _MADV_HUGEPAGE)  # a hint: failure only means 4 KiB pages
-    dst = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(addr)) if total else np.empty(0, np.uint8)
+    dst = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(addr))  # never empty: a bucket has a header
     at, sums = 0, []
     for part in parts:
         if isinstance(part, bytes):
