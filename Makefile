@@ -2,14 +2,16 @@
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup proto lint test soak bench lock clean help up ps logs down scale-reward scale-rollout demo
+.PHONY: setup proto lint test soak bench lock clean help up train ps logs down scale-reward scale-rollout demo
 
 help:
 	@echo "make setup   create .venv with the pinned CPU stack (idempotent)"
 	@echo "make test    lint + the default test suite (what CI runs)"
 	@echo "make demo    GRPO that learns, on this machine in under 10 min: warm-up, every service, before/after, charts"
 	@echo "make up [CONFIG=configs/x.yaml] [REWARD_WORKERS=N] [ROLLOUT_REPLICAS=N] [ARGS='-o k=v ...']"
-	@echo "              Redis + every service, detached (rlfabric system up); then: rlfabric train CONFIG"
+	@echo "              Redis + every service, detached (rlfabric system up); the default config's tiny model"
+	@echo "              and data are made in runs/tiny_cpu first"
+	@echo "make train [ARGS='-o k=v ...']                          a run on the system make up started (its config)"
 	@echo "make ps | logs [SERVICE=...] | down                    the running system (SYSTEM_DIR=runs/system)"
 	@echo "make scale-reward N=3 | scale-rollout N=2              add or drain reward workers / rollout replicas"
 	@echo "make up TARGET=k8s [OVERLAY=cpu|cuda|ascend]           apply deploy/k8s"
@@ -20,7 +22,8 @@ help:
 setup:
 	@bash deploy/local/setup_cpu.sh
 
-CONFIG ?= configs/grpo_tiny_cpu.yaml
+DEFAULT_CONFIG := configs/grpo_tiny_cpu.yaml
+CONFIG ?= $(DEFAULT_CONFIG)
 ARGS ?=
 REWARD_WORKERS ?= 1
 ROLLOUT_REPLICAS ?= 1
@@ -28,6 +31,7 @@ SYSTEM_DIR ?= runs/system
 SERVICE ?=
 RLF := .venv/bin/rlfabric
 
+# The default config names the tiny model and data of runs/tiny_cpu: `up` makes them once, as `demo` makes its own.
 up:
 ifeq ($(TARGET),k8s)
 	@# make up TARGET=k8s [OVERLAY=cpu|cuda|ascend] [KUBECTL=...]: secrets if missing, then the rendered overlay
@@ -36,9 +40,15 @@ ifeq ($(TARGET),k8s)
 	  $(or $(KUBECTL),.venv/bin/kubectl) kustomize --load-restrictor LoadRestrictionsNone deploy/k8s/overlays/$(or $(OVERLAY),cpu) > "$$manifest" && \
 	  $(or $(KUBECTL),.venv/bin/kubectl) apply -f "$$manifest"
 else
+ifeq ($(CONFIG),$(DEFAULT_CONFIG))
+	bash examples/grpo/tiny_assets.sh
+endif
 	$(RLF) system up $(CONFIG) --reward-workers $(REWARD_WORKERS) --rollout-replicas $(ROLLOUT_REPLICAS) \
 	  --dir $(SYSTEM_DIR) $(ARGS)
 endif
+
+train:
+	$(RLF) train --system-dir $(SYSTEM_DIR) $(ARGS)
 
 ps:
 	$(RLF) system ps --dir $(SYSTEM_DIR)

@@ -5,10 +5,14 @@ custom verifier): `rlfabric up` and `rlfabric eval` (services/launcher/stack.py)
 tests and benchmarks for trainer groups (`start_trainer_group`). Each child gets its own session, so `stop` ends its whole process group (a
 trainer group's ranks included).
 
-Children die with their parent: each one asks the kernel for SIGKILL when the process that started it dies
-(`PR_SET_PDEATHSIG`), and `Reaper` (a small watchdog process holding a pipe from the parent) kills every
+Two policies, one per launcher (docs/architecture.md, "Process lifetimes"):
+- Attached (`rlfabric up`, `rlfabric eval`, tests): children die with their parent. Each one asks the kernel for
+  SIGKILL when the process that started it dies (`PR_SET_PDEATHSIG`), and `Reaper` (a small watchdog process holding a pipe from the parent) kills every
 child's process group (grandchildren included: a trainer's ranks, vLLM's engine core, reward pool slots) and
 Redis once that pipe closes, which is how a SIGKILLed `rlfabric up` still leaves no process or port behind.
+- Detached (`rlfabric system up`, i.e. `make up`, and `system scale`): children outlive the command that started
+  them (own session, no parent-death signal, no reaper, stdin from /dev/null); they end by `system down` or by
+  their own failure.
 `ChildWatcher` polls the children on a thread, so a dead one is named while the run is in the middle of an
 iteration, not after it.
 """
@@ -40,18 +44,29 @@ _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
-def die_with_parent() -> Callable[[], None]:
-    """A `preexec_fn` for a child that must not outlive the process (thread) starting it, even a SIGKILLed one."""
+def die_with_parent(own_session: bool = True) -> Callable[[], None]:
+    """A `preexec_fn` for a child that must not outlive the process (thread) starting it, even a SIGKILLed one.
+
+    `own_session`: the child leads a new session and process group (so `stop` ends the whole group); False
+    keeps it in its parent's group (a trainer's ranks, which `system down` ends with their leader's group).
+    """
     parent = os.getpid()
 
     def preexec() -> None:
-        os.setsid()  # own session: `stop` ends the whole group
+        if own_session:
+            os.setsid()
         if _prctl is not None:
             _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:  # the parent died before the request above took effect
             os.kill(os.getpid(), signal.SIGKILL)
 
     return preexec
+
+
+def detach() -> None:
+    """A `preexec_fn` for a child that outlives the process starting it: its own session (and process group,
+    so `stop` and `system down` end the whole group), and no parent-death signal."""
+    os.setsid()
 
 
 def tail(path: Path, lines: int = 30) -> str:
@@ -63,7 +78,10 @@ def tail(path: Path, lines: int = 30) -> str:
 
 @dataclass
 class ServiceProcess:
-    """One child: `rlfabric ARGS...`, or any `command` (argv) when given; stdout and stderr go to `log_path`."""
+    """One child: `rlfabric ARGS...`, or any `command` (argv) when given; stdout and stderr go to `log_path`.
+
+    `detached`: the child outlives this process (see the module docstring); else it dies with it.
+    """
 
     name: str
     args: list[str]
@@ -71,6 +89,7 @@ class ServiceProcess:
     env: dict[str, str] = field(default_factory=dict)
     command: list[str] | None = None
     proc: subprocess.Popen | None = None
+    detached: bool = False
 
     def start(self) -> ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,14 +97,14 @@ class ServiceProcess:
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
         argv = self.command or [sys.executable, "-m", "services.cli", *self.args]
         try:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         preexec_fn=die_with_parent())
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, preexec_fn=detach if self.detached else die_with_parent())
         except OSError as e:
             raise ServiceStartError(f"{self.name}: cannot run {' '.join(argv)!r}: {e}") from e
         finally:
             log.close()
         logger.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(argv))
-        if Reaper.active is not None:
+        if Reaper.active is not None and not self.detached:
             Reaper.active.add_group(self.proc.pid)
         return self
 

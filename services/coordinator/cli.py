@@ -32,7 +32,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=_serve)
 
     tr = subparsers.add_parser("train", help="start a GRPO run on a coordinator and stream its metrics")
-    tr.add_argument("config", type=Path, help="MindSpeed-RL GRPO YAML")
+    tr.add_argument("config", type=Path, nargs="?", default=None,
+                    help="MindSpeed-RL GRPO YAML (default: the config and overrides `rlfabric system up` started "
+                         "the system in --system-dir with; -o then adds to those overrides)")
     tr.add_argument("-o", "--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="dotted override, repeatable")
     tr.add_argument("--coordinator", default=None,
@@ -90,6 +92,14 @@ def _train(args: argparse.Namespace) -> int:
     from services.common.security import configure_client
     from services.coordinator.follow import FINISHED_OK, start_and_follow
 
+    if args.config is None:
+        from services.launcher.system import SystemStateError, system_run_config
+
+        try:
+            system_run_config(args)
+        except SystemStateError as e:
+            print(f"error: no CONFIG given and {e}", file=sys.stderr)
+            return 2
     if not args.coordinator:
         from services.launcher.system import SystemStateError, system_client_args
 

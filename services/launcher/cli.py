@@ -90,7 +90,7 @@ def _tls_choice(args: argparse.Namespace):
 
 
 def _up(args: argparse.Namespace) -> int:
-    from services.common.config import ConfigError, check_model_files, load_config
+    from services.common.config import ConfigError, check_run_files, load_config
     from services.common.security import resolve_secrets
 
     if args.trainer_threads < 1:
@@ -98,7 +98,7 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     try:
         cfg = load_config(args.config, args.override)
-        check_model_files(cfg)  # the model block against the config.json the services load, before any starts
+        check_run_files(cfg)  # every missing file and model-block mismatch named before anything starts
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2

@@ -55,6 +55,9 @@ class LocalStack:
         tls: None (plaintext), "generate", or (cert, key, ca) PEM paths every service serves and trusts.
     """
 
+    # Children die with the process that started them (services/common/processes.py); SystemStack's outlive it.
+    detached = False
+
     def __init__(self, run_dir: Path, *, redis_url: str | None = None, startup_timeout_s: float = 600.0,
                  verifiers: Sequence[custom.CustomVerifier] = (), out: TextIO | None = None,
                  auth_token: str | None = None, tls: str | tuple[Path, Path, Path] | None = None) -> None:
@@ -127,7 +130,7 @@ class LocalStack:
         """Starts `rlfabric ARGS` as child `name` with the stack's security flags appended (`args` is a
         `serve` command); `expect` is the registration that says it is ready."""
         proc = ServiceProcess(name, [*args, *self.security_args()], self.logs_dir / f"{name}.log",
-                              env=env or {}).start()
+                              env=env or {}, detached=self.detached).start()
         self.processes.append(proc)
         if expect is not None:
             self.expected.append(expect)

@@ -90,6 +90,13 @@ def system_client_args(args) -> None:
         args.auth_token_file = state["token_file"]
 
 
+def system_run_config(args) -> None:
+    """`rlfabric train` without CONFIG: the config the system was started with, its overrides before the given."""
+    state = read_state(args.system_dir)
+    args.config = Path(state["config"])
+    args.override = [*state.get("overrides", []), *args.override]
+
+
 def configure_client_from(state: dict) -> None:
     """This process's calls (health, Info) carry the system's token."""
     from services.common import client
@@ -141,8 +148,8 @@ def port_open(address: str) -> bool:
 
 
 def group_members(pgids: set[int]) -> list[int]:
-    """Pids of live processes in the process groups `pgids` (a trainer's ranks, vLLM's engine core, a reward
-    worker's verifier processes...)."""
+    """Pids of live processes in the process groups or sessions `pgids` (every service leads both: a trainer's
+    ranks, vLLM's engine core, a reward worker's verifier processes... whether or not their leader still runs)."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -151,22 +158,26 @@ def group_members(pgids: set[int]) -> list[int]:
             fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[0] != "Z" and int(fields[2]) in pgids:
+        if fields[0] != "Z" and (int(fields[2]) in pgids or int(fields[3]) in pgids):
             found.append(int(proc.name))
     return found
 
 
 def stop_pid(pid: int, grace_s: float) -> None:
-    """SIGTERM to the process group `pid` leads, SIGKILL to what is left of it after `grace_s`; returns once
-    no process of the group remains (the leader may exit before its children)."""
+    """SIGTERM to the process group and session `pid` leads, SIGKILL to what is left of them after `grace_s`;
+    returns once no process of them remains (the leader may be gone already, its children not)."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
+        targets = group_members({pid})
+        if not targets:
             return
+        for target in targets:  # each by pid: a member that made its own group is in the session still
+            try:
+                os.kill(target, sig)
+            except ProcessLookupError:
+                pass
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            if not pid_alive(pid) and not group_members({pid}):
+            if not group_members({pid}):
                 return
             time.sleep(0.1)
 
@@ -174,7 +185,10 @@ def stop_pid(pid: int, grace_s: float) -> None:
 class SystemStack(LocalStack):
     """A LocalStack whose children are named by registry instance id, so their addresses can be looked up.
     Security as `rlfabric up` has it: one token and the Redis URL (with the private Redis's password) reach
-    the children as files in DIR/secrets."""
+    the children as files in DIR/secrets. Its children are detached: they outlive `system up` and `system scale`
+    and end by `system down` (or their own failure)."""
+
+    detached = True
 
     def spawn_reward(self, instance: str, processes: int) -> None:
         self.spawn(instance, ["reward", "serve", *self.redis_args(), "--worker-id", instance,

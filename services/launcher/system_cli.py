@@ -56,7 +56,7 @@ def _fail(message: str, code: int = 1) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from services.common.config import ConfigError, check_model_files, load_config
+    from services.common.config import ConfigError, check_run_files, load_config
     from services.launcher.system import SystemStateError, locked, state_path
 
     for flag, value in (("--reward-workers", args.reward_workers), ("--rollout-replicas", args.rollout_replicas),
@@ -65,7 +65,7 @@ def _up(args: argparse.Namespace) -> int:
             return _fail(f"{flag} must be at least 1, got {value}", 2)
     try:
         cfg = load_config(args.config, args.override)
-        check_model_files(cfg)
+        check_run_files(cfg)  # every missing file and model-block mismatch named before anything starts
     except ConfigError as e:
         return _fail(f"config: {e}", 2)
     try:
@@ -122,8 +122,8 @@ def _start(args: argparse.Namespace, cfg) -> int:
 def _print_summary(root: Path, items, cfg) -> None:
     coordinator = next(e.address for e in items if e.service == "coordinator")
     print(f"system up ({len(items)} processes; `make ps`, `make logs SERVICE=...`, `make down`)")
-    print(f"  coordinator   {coordinator}   run: rlfabric train CONFIG [-o ...] (or --coordinator {coordinator} "
-          f"--auth-token-file {root / 'secrets' / 'token'})")
+    print(f"  coordinator   {coordinator}   run: make train [ARGS='-o ...'] (rlfabric train [CONFIG] [-o ...] "
+          f"--system-dir {root}, or --coordinator {coordinator} --auth-token-file {root / 'secrets' / 'token'})")
     print(f"  logs          {root / 'logs'}/<instance>.log  (Redis: {root / 'redis' / 'redis.log'})")
     print(f"  metrics       {root / 'runs'}/<run id>/metrics.jsonl")
     tb = getattr(cfg.actor_config, "tensorboard_dir", None) or f"{root / 'runs'}/<run id>/tensorboard"

@@ -89,9 +89,10 @@ def down(root: Path, *, grace_s: float) -> int:
     state = read_state(root)
     items = entries(state)
     for e in reversed(items):
-        if pid_alive(e.pid):
+        if group_members({e.pid}):  # its leader, or what it left: a dead trainer's ranks, a dead vLLM's engine core
+            what = "" if pid_alive(e.pid) else ", what its exited leader left"
             stop_pid(e.pid, grace_s)
-            print(f"  stopped {e.instance} (pid {e.pid})", flush=True)
+            print(f"  stopped {e.instance} (pid {e.pid}{what})", flush=True)
     pgids = {e.pid for e in items}
     left = group_members(pgids)
     ports = [e.address for e in items if e.address and port_open(e.address)]

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from services.common.processes import die_with_parent
+
 logger = logging.getLogger(__name__)
 
 
@@ -98,8 +100,10 @@ def serve_group(args: argparse.Namespace) -> int:
         rank = args.node_rank * local + local_rank
         env = rank_env(args, rank, world, local_rank, master_port)
         fds = [store_socket.fileno()] if rank == 0 and store_socket else []
+        # A rank without its leader serves no one: it dies with `trainer serve`, even a SIGKILLed one, so no
+        # rank is left holding its port and memory (in the leader's process group, which `stop` ends).
         procs.append(subprocess.Popen([*argv, "--master-listen-fd", str(fds[0])] if fds else argv, env=env,
-                                      pass_fds=fds))
+                                      pass_fds=fds, preexec_fn=die_with_parent(own_session=False)))
     if store_socket:
         store_socket.close()
     stopping = False

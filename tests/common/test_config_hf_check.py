@@ -85,8 +85,11 @@ def test_unpadded_vocab_follows_megatron_padding(repo_root: Path, tiny_model_dir
     assert check_model_files(cfg) == [model]
 
 
-def test_no_model_folder_means_nothing_to_check(repo_root: Path):
-    assert check_model_files(load_config(repo_root / TINY[0])) == []
+def test_no_model_folder_means_nothing_to_check(repo_root: Path, tmp_path: Path):
+    absent = tmp_path / "absent"
+    cfg = load_config(repo_root / TINY[0], overrides=[f"megatron_training.tokenizer_name_or_path={absent}",
+                                                      f"actor_config.load={absent}"])
+    assert check_model_files(cfg) == []
 
 
 def _rlfabric(repo_root: Path, *args: str) -> subprocess.CompletedProcess:

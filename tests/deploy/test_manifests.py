@@ -479,8 +479,10 @@ def test_make_up_target_k8s_applies_the_rendered_overlay(repo_root):
         return done.stdout
 
     assert " ".join(dry().replace("\\\n", " ").split()) == (
+        "bash examples/grpo/tiny_assets.sh "  # the default config's files, made once
         ".venv/bin/rlfabric system up configs/grpo_tiny_cpu.yaml --reward-workers 1 --rollout-replicas 1 "
         "--dir runs/system")
+    assert "tiny_assets" not in dry("CONFIG=configs/dapo_tiny_cpu.yaml")
     out = dry("TARGET=k8s", "OVERLAY=cuda", "KUBECTL=kc")
     assert "KUBECTL=kc bash deploy/k8s/secrets.sh" in out
     assert "kc kustomize --load-restrictor LoadRestrictionsNone deploy/k8s/overlays/cuda" in out

@@ -57,7 +57,8 @@ def test_lws_trainer_command_forms_a_two_pod_group(render, redis_url, tiny_model
             assert container["command"] == ["rlfabric-exec", "torchrun"]
             pod_dir = tmp_path / f"pod{index}"  # the shared volume, as mounted at /data in the pod
             pod_dir.mkdir()
-            (pod_dir / "tiny_model").symlink_to(tiny_model_dir)
+            (pod_dir / "runs" / "tiny_cpu").mkdir(parents=True)  # where configs/grpo_tiny_cpu.yaml looks
+            (pod_dir / "runs" / "tiny_cpu" / "tiny_model").symlink_to(tiny_model_dir)
             proc_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
             procs.append(subprocess.Popen([str(bin_dir / "torchrun"), *argv], cwd=pod_dir, env=proc_env,
                                           stdout=open(tmp_path / f"pod{index}.log", "w"), stderr=subprocess.STDOUT,

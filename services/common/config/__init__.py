@@ -14,6 +14,7 @@ from services.common.config.catalog import SECTIONS
 from services.common.config.derived import Derived
 from services.common.config.errors import ConfigError, ConfigIssue
 from services.common.config.hf_check import check_model_files
+from services.common.config.input_paths import check_run_files
 from services.common.config.loader import load_config, load_config_dict
 from services.common.config.megatron import MegatronConfig
 from services.common.config.resolved import RLFabricConfig
@@ -51,6 +52,7 @@ __all__ = [
     "ResourceConfig",
     "SamplingConfig",
     "check_model_files",
+    "check_run_files",
     "load_config",
     "load_config_dict",
 ]

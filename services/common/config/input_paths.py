@@ -1,0 +1,83 @@
+"""The files a run reads, checked before any service starts.
+
+A launcher (`rlfabric up`, `rlfabric system up`) that started six services and then failed on a missing
+tokenizer folder would show a rank's traceback after a minute of loading; this names every missing path at
+once, with the key that names it, where that key was set, and the command that makes it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.common.config.errors import ConfigError, ConfigIssue
+
+if TYPE_CHECKING:
+    from services.common.config.resolved import RLFabricConfig
+
+# What examples/grpo/tiny_assets.sh makes; configs/*_tiny_cpu.yaml name these paths.
+TINY_ASSETS_DIR = "runs/tiny_cpu"
+TINY_ASSETS_COMMAND = "bash examples/grpo/tiny_assets.sh"
+
+
+def dataset_files(prefix: str) -> list[Path]:
+    """The prompt files of a dataset prefix preprocessed by `rlfabric preprocess` (MindSpeed-RL's layout)."""
+    stem = f"{prefix}_packed_input_ids_document"
+    return [Path(stem + ".idx"), Path(stem + ".bin")]
+
+
+def _how_to_make(path: str, usual: str) -> str:
+    if Path(path).is_relative_to(TINY_ASSETS_DIR):
+        return f"`{TINY_ASSETS_COMMAND}` makes it (`make up` runs it for the default config)"
+    return usual
+
+
+def missing_input_paths(cfg: RLFabricConfig) -> list[ConfigIssue]:
+    """One issue per path the run reads that is not there (relative paths from the current directory)."""
+    issues: list[ConfigIssue] = []
+    models = {"tokenizer_name_or_path": cfg.actor_config.tokenizer_name_or_path,
+              "generate_config.tokenizer_name_or_path": cfg.derived.rollout_tokenizer_name_or_path,
+              "actor_config.load": cfg.actor_config.load}
+    if cfg.derived.use_kl_loss:
+        models["ref_config.load"] = cfg.derived.ref_model_load_path
+    seen: set[str] = set()
+    for key, path in models.items():
+        if not path or path in seen:
+            continue
+        seen.add(path)
+        if not Path(path).is_dir():
+            usual = ("a Hugging Face model folder (config.json, weights, tokenizer) or a checkpoint of "
+                     "`rlfabric convert hf2mcore`")
+            issues.append(ConfigIssue(cfg.where(key), f"no folder {path}; {_how_to_make(path, usual)}",
+                                      cfg.source(key)))
+    datasets = {"data_path": cfg.actor_config.data_path, "rlfabric.val_data_path": cfg.rlfabric.val_data_path}
+    for key, prefix in datasets.items():
+        if not prefix:
+            continue
+        absent = [str(f) for f in dataset_files(prefix) if not f.is_file()]
+        if absent:
+            usual = f"run `rlfabric preprocess DATASET.yaml --set output_prefix={prefix}`"
+            issues.append(ConfigIssue(cfg.where(key), f"no preprocessed dataset at {prefix} (missing "
+                                                      f"{', '.join(absent)}); {_how_to_make(prefix, usual)}",
+                                      cfg.source(key)))
+    return issues
+
+
+def check_run_files(cfg: RLFabricConfig) -> list[Path]:
+    """What a launcher checks before it starts anything: every input path exists, and the model block matches
+    each config.json found (services/common/config/hf_check.py). Returns the model folders checked.
+
+    Raises:
+        ConfigError: naming every missing path and every mismatch, all at once.
+    """
+    from services.common.config.hf_check import check_model_files
+
+    issues = missing_input_paths(cfg)
+    checked: list[Path] = []
+    try:
+        checked = check_model_files(cfg)
+    except ConfigError as e:
+        issues += e.issues
+    if issues:
+        raise ConfigError(issues, str(cfg.path) if cfg.path else None)
+    return checked

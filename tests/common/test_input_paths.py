@@ -1,0 +1,53 @@
+"""Every file a run reads is checked before a launcher starts anything (services/common/config/input_paths.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.common.config import ConfigError, check_run_files, load_config
+from services.common.config.input_paths import TINY_ASSETS_COMMAND, missing_input_paths
+
+TINY = "configs/grpo_tiny_cpu.yaml"
+
+
+def _paths(model: Path, data: Path) -> list[str]:
+    return [f"megatron_training.tokenizer_name_or_path={model}", f"actor_config.load={model}",
+            f"megatron_training.data_path={data}"]
+
+
+def test_missing_paths_are_named_with_their_keys_and_what_makes_them(repo_root: Path, tmp_path: Path) -> None:
+    cfg = load_config(repo_root / TINY, overrides=_paths(tmp_path / "model", tmp_path / "data" / "arith"))
+    issues = {i.key: i for i in missing_input_paths(cfg)}
+    assert set(issues) == {"megatron_training.tokenizer_name_or_path", "megatron_training.data_path"}
+    assert f"no folder {tmp_path / 'model'}" in issues["megatron_training.tokenizer_name_or_path"].message
+    data = issues["megatron_training.data_path"]
+    assert f"{tmp_path}/data/arith_packed_input_ids_document.idx" in data.message and "rlfabric preprocess" in data.message
+    assert data.source == f"--override megatron_training.data_path={tmp_path / 'data' / 'arith'}"
+
+
+def test_the_default_config_points_at_the_tiny_assets_command(repo_root: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # a fresh clone: runs/tiny_cpu does not exist here
+    issues = missing_input_paths(load_config(repo_root / TINY))
+    assert len(issues) == 2 and all(TINY_ASSETS_COMMAND in i.message for i in issues)
+    assert {i.source.rsplit(":", 1)[0] for i in issues} == {str(repo_root / TINY)}
+
+
+def test_present_paths_pass(repo_root: Path, tiny_model_dir: Path, arith_prefix: Path) -> None:
+    cfg = load_config(repo_root / TINY, overrides=_paths(tiny_model_dir, arith_prefix))
+    assert check_run_files(cfg) == [tiny_model_dir]
+
+
+def test_system_up_names_every_missing_path_before_starting_anything(repo_root: Path, tmp_path: Path) -> None:
+    args = [a for o in _paths(tmp_path / "model", tmp_path / "data") for a in ("-o", o)]
+    up = subprocess.run([sys.executable, "-m", "services.cli", "system", "up", TINY, *args, "--dir",
+                         str(tmp_path / "system")], cwd=repo_root, capture_output=True, text=True, timeout=120)
+    assert up.returncode == 2, up.stderr
+    assert "2 configuration errors" in up.stderr and "megatron_training.data_path" in up.stderr
+    assert not (tmp_path / "system").exists()
+    with pytest.raises(ConfigError):
+        check_run_files(load_config(repo_root / TINY, overrides=_paths(tmp_path / "model", tmp_path / "data")))
