@@ -1,5 +1,6 @@
 """The user's first path, in CI: `make up` (default config, nothing given) -> `make train` (3 iterations) ->
-`make scale-reward N=2` -> a trainer's leader SIGKILLed -> `make down`, with no process or port left.
+`make scale-reward N=2` and `make scale-rollout N=2`, then back to 1 each -> a trainer's leader SIGKILLed ->
+`make down`, with no process or port left.
 
 `make up` returns while its services keep running (they are detached from it); the default config's tiny model
 and data are made by `make up` itself in runs/tiny_cpu. The long version (150 iterations, scaling 1 -> 3 -> 1
@@ -54,9 +55,22 @@ def test_make_up_train_scale_down_from_nothing(repo_root: Path, tmp_path: Path) 
 
         scaled = make(repo_root, "scale-reward", "N=2", where, timeout=300)
         assert scaled.returncode == 0 and "started reward-1" in scaled.stdout, scaled.stdout + scaled.stderr
+        more = make(repo_root, "scale-rollout", "N=2", where, timeout=600)
+        assert more.returncode == 0 and "started rollout-1" in more.stdout, more.stdout + more.stderr
+        everything.update({s["instance"]: s for s in json.loads((system / "state.json").read_text())["services"]})
         table = rows(make(repo_root, "ps", where, timeout=120).stdout)
         assert table["reward-1"][4] == "SERVING", table
-        everything.update({s["instance"]: s for s in json.loads((system / "state.json").read_text())["services"]})
+        assert table["rollout-1"][4:6] == ["SERVING", "0"], table  # the HF folder's weights until a run syncs it
+        assert table["rollout-0"][5] == "4", table  # the run's three updates after its first sync
+
+        # Scaling down drains the newest and stops them; nothing of theirs is left.
+        fewer = make(repo_root, "scale-rollout", "N=1", where, timeout=300)
+        assert fewer.returncode == 0 and "rollout-1 drained and stopped" in fewer.stdout, fewer.stdout + fewer.stderr
+        fewer = make(repo_root, "scale-reward", "N=1", where, timeout=300)
+        assert fewer.returncode == 0 and "reward-1 drained and stopped" in fewer.stdout, fewer.stdout + fewer.stderr
+        assert not group_members({everything["rollout-1"]["pid"], everything["reward-1"]["pid"]})
+        left = json.loads((system / "state.json").read_text())["services"]
+        assert sorted(s["instance"] for s in left if s["service"] in ("reward", "rollout")) == ["reward-0", "rollout-0"]
 
         # A trainer's leader SIGKILLed: its ranks (same process group) follow it within seconds.
         leader = everything["trainer-actor"]["pid"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # CI variant (with a Redis restart on the way): test_crash_resume_short.py
 
 
 def recipe(repo_root: Path) -> list[str]:

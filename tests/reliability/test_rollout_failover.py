@@ -127,7 +127,7 @@ def test_one_of_two_replicas_lost_mid_iteration_finishes_on_the_survivor(
             c.close()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # CI variant (the joiner is the session's replica): test_replica_join_short.py
 def test_a_replica_that_joins_is_synced_to_the_runs_version_before_it_serves(
         rollout_server, rollout_engine, replicas, redis_url, reward_score, tiny_settings, tiny_model_dir,
         start_trainer) -> None:

@@ -23,7 +23,7 @@ import pytest
 
 from tests.console import ConsoleProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # CI variant of the Redis restart and `up` SIGKILL: test_crash_resume_short.py
 
 
 def descendants(root: int) -> dict[int, str]:
