@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "services.launcher.system_cli",
     "services.sft.cli",
     "services.report.cli",
+    "services.planning.cli",
 )
 
 

@@ -2,7 +2,8 @@
 
 Owns what goes into `iter_XXXXXXX/mp_rank_*/model_optim_rng.pt` and how it is read back:
     model                 this rank's GPTModel state dict (Megatron names, local layer numbers)
-    optimizer             torch AdamW state dict (see update.py for why this is Megatron's Adam)
+    optimizer             fp32 master weights and Adam moments per parameter, whole whatever the
+                          data-parallel sharding (services/trainer/optimizer.py): any DP size resumes it
     opt_param_scheduler   Megatron OptimizerParamScheduler state
     rng_state             [{random_rng_state, np_rng_state, torch_rng_state, cuda_rng_state?,
                             rng_tracker_states}] as Megatron names them
@@ -13,7 +14,8 @@ Semantics as Megatron's `load_checkpoint`: `finetune` loads weights only and res
 with fresh optimizer and RNG; a `release` checkpoint (converted weights) also starts at 0; otherwise
 the iteration and consumed samples come from the checkpoint, the optimizer/scheduler unless
 `no_load_optim`, the RNG unless `no_load_rng`. Saving is atomic (see ckpt_layout.py). Only
-data-parallel rank 0 of each (TP, PP) position writes; its replicas hold the same state.
+data-parallel rank 0 of each (TP, PP) position writes; its replicas hold the same model, and a
+distributed optimizer's shards are gathered to it first.
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ def save_checkpoint(
         if hf_assets_dir is not None and not (root / ckpt_layout.HF_ASSETS).is_dir():
             ckpt_layout.copy_hf_assets(Path(hf_assets_dir), root / ckpt_layout.HF_ASSETS)
     _barrier()
+    # Collective when the optimizer is sharded over data-parallel ranks: every rank sends its part.
+    optimizer_state = optimizer.state_dict() if optimizer is not None else None
     if ps.get_data_parallel_rank() == 0:
         payload = {
             "model": canonical_state_dict(model),
@@ -128,8 +132,8 @@ def save_checkpoint(
             "rng_state": [rng_state()],
             "rlfabric": {"hf_config": hf_config, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
         }
-        if optimizer is not None:
-            payload["optimizer"] = optimizer.state_dict()
+        if optimizer_state is not None:
+            payload["optimizer"] = optimizer_state
         if scheduler is not None:
             payload["opt_param_scheduler"] = scheduler.state_dict()
         path = ckpt_layout.shard_path(tmp, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp)
@@ -177,6 +181,8 @@ def load_checkpoint(
     consumed = check_counter(f"{path}: consumed_train_samples",
                              int(getattr(args, "consumed_train_samples", 0)) if args is not None else 0)
     _load_model_state(model, payload["model"], path)
+    if optimizer is not None:
+        optimizer.reload_model_params()  # fp32 masters follow the loaded weights unless the state below has its own
     if finetune or release:
         return LoadResult(iter_dir, 0, 0, False, False)
     loaded_optim = loaded_rng = False

@@ -2,9 +2,10 @@
 
 Owns `compute_log_probs_rows`: every rank of the group calls it with the same rows; each
 data-parallel rank runs its share through Megatron's forward-only schedule in micro-batches of
-`actor_forward_micro_batch_size` / `ref_forward_micro_batch_size` rows; logits are divided by the
-sampling temperature (`grpo_loss.compute_log_probs`); only the response slice is kept. The packed
-float32 result (`[sum(response_lengths)]`, rows in order) is assembled on global rank 0.
+`actor_forward_micro_batch_size` / `ref_forward_micro_batch_size` rows, or of a token budget under
+`use_dynamic_bsz`, padded or packed (`use_remove_padding`; services/trainer/packing.py); logits are
+divided by the sampling temperature (`grpo_loss.compute_log_probs`); only the response slice is kept.
+The packed float32 result (`[sum(response_lengths)]`, rows in order) is assembled on global rank 0.
 """
 
 from __future__ import annotations
@@ -12,12 +13,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from services.trainer import grpo_loss
+from services.trainer import grpo_loss, packing
 from services.trainer.step import (
     SequenceRows,
-    dp_share,
     gather_response_logits,
-    make_micro_batch,
     run_micro_batches,
     scatter_response_rows,
 )
@@ -30,6 +29,7 @@ def compute_log_probs_rows(
     temperature: float,
     micro_batch_size: int,
     with_entropy: bool = False,
+    packing_opts: packing.Packing = packing.Packing(),
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Response log-probs (and entropy) of `rows`; returns packed float32 tensors on rank 0, else None."""
     from megatron.core import parallel_state as ps
@@ -38,19 +38,20 @@ def compute_log_probs_rows(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if micro_batch_size < 1:
         raise ValueError(f"forward micro batch size must be >= 1, got {micro_batch_size}")
-    share = list(dp_share(len(rows), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()))
     pp = ps.get_pipeline_model_parallel_world_size()
-    chunks = [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
-    seq_len = rows.max_len() if pp > 1 else 0
-    mbs = [
-        make_micro_batch(rows, c, pad_rows_to=micro_batch_size if pp > 1 else 0, seq_len=seq_len) for c in chunks
-    ]
+    groups = packing.dp_groups(rows, range(len(rows)), micro_batch_size, packing_opts,
+                               dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank())
+    mbs = packing.build_micro_batches(rows, groups, packing_opts, pp=pp,
+                                      tp=ps.get_tensor_model_parallel_world_size(),
+                                      pad_rows_to=0 if packing_opts.dynamic else micro_batch_size)
 
     def loss_fn(logits: torch.Tensor, mb: dict):
         logits = gather_response_logits(logits, mb)
         logp, ent = grpo_loss.compute_log_probs(
             logits, mb["resp_tokens"].to(logits.device), temperature, with_entropy=with_entropy
         )
+        logp = packing.unpack_response(logp, mb)
+        ent = None if ent is None else packing.unpack_response(ent, mb)
         info = {"rows": mb["rows"], "log_probs": logp.float().cpu(), "entropy": None if ent is None else ent.float().cpu()}
         return torch.zeros((), device=logits.device), info
 

@@ -12,6 +12,8 @@ Entry points:
     seed_model_parallel_rng(s) : Megatron's model-parallel seeding, CPU-safe.
     cpu_device_mode()          : context in which tensors that Megatron allocates with
                                  ``device="cuda"`` are created on the CPU instead.
+    TorchNorm                  : Megatron's torch LayerNorm / RMSNorm wrapper, made to run under
+                                 sequence parallelism (the local layer spec's norm on a CPU).
 
 Each patch below is preceded by a note naming the upstream code it works around.
 """
@@ -36,8 +38,11 @@ _PATCHED = False
 
 def accelerator_present() -> bool:
     """True when a CUDA GPU or an Ascend NPU (torch_npu) is usable in this process."""
-    if torch.cuda.is_available():
-        return True
+    return torch.cuda.is_available() or npu_present()
+
+
+def npu_present() -> bool:
+    """True when an Ascend NPU (torch_npu) is usable: the platform where MindSpeed applies."""
     npu = getattr(torch, "npu", None)  # registered by torch_npu when installed
     try:
         return bool(npu is not None and npu.is_available())
@@ -64,6 +69,16 @@ def apply_cpu_patches() -> bool:
     # exchange call `torch.cuda.synchronize()` after the batched send/recv of pipeline stages).
     # CPU collectives (gloo) complete before `wait()` returns, so there is nothing to synchronise.
     torch.cuda.synchronize = _no_synchronize
+    # Upstream: megatron/core/tensor_parallel/random.py (`_get_all_rng_states` / `_set_all_rng_states`,
+    # called by CheckpointFunction and CheckpointWithoutOutput, i.e. every activation recompute, read
+    # and restore the CUDA generator through `_get_cuda_rng_state` / `_set_cuda_rng_state`). Without
+    # CUDA the first asserts, and the second would queue a callback in torch.cuda's lazy-init list on
+    # every recompute, never run, never freed. A CPU process has no CUDA generator to save; the CPU
+    # generator, the one that counts here, is saved and restored by the same functions.
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = _no_cuda_rng_state
+    tp_random._set_cuda_rng_state = _set_no_cuda_rng_state
     # Not Megatron's code but the same CPU-only step: on a GPU the caching allocator reuses the
     # activations' memory between micro-batches; on the CPU glibc would unmap (and page-fault again) every
     # block over 32 MiB, which made the W1 update cost per token double from 64 to 128 response tokens.
@@ -83,6 +98,14 @@ def _cpu_current_device() -> torch.device:
 
 
 def _no_synchronize(device: object = None) -> None:
+    return None
+
+
+def _no_cuda_rng_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(*_args: Any, **_kwargs: Any) -> None:
     return None
 
 
@@ -175,3 +198,29 @@ def cpu_safe(fn):
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+class TorchNorm:
+    """Megatron's WrappedTorchNorm (torch.nn.RMSNorm / LayerNorm), also under sequence parallelism.
+
+    Upstream: megatron/core/transformer/torch_norm.py asserts `not config.sequence_parallel`, and the
+    local layer spec always picks it for RMSNorm (models/backends.py, LocalSpecProvider.layer_norm), so
+    without apex or TransformerEngine no spec can run sequence-parallel. What the apex norm adds is one
+    attribute (fusions/fused_layer_norm.py): its weights are tagged `sequence_parallel`, because each TP
+    rank then normalises only its slice of the sequence and the weight's gradient is a partial sum that
+    must be summed over the TP group (services/trainer/optimizer.py does). The same tag here; the
+    math is torch's norm, so parameter names and values are those of WrappedTorchNorm.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
+            raise ValueError("layernorm_zero_centered_gamma / memory_efficient_layer_norm need apex or "
+                             "TransformerEngine norms")
+        kinds = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
+        if config.normalization not in kinds:
+            raise ValueError(f"normalization {config.normalization!r}: only {', '.join(kinds)} run on torch norms")
+        norm = kinds[config.normalization](hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm

@@ -5,8 +5,13 @@ and building this rank's GPTModel (pre/post-process flags set by the pipeline st
 
 Choices:
 - Layer spec: TransformerEngine's when TE is importable and an accelerator is present, else Megatron's
-  local spec with RMSNorm (the only one that runs on CPU). On Ascend, MindSpeed patches Megatron when
-  imported (`mindspeed.megatron_adaptor`), so the same local/TE call sites apply.
+  local spec with RMSNorm (the only one that runs on CPU), its norms megatron_compat.TorchNorm (torch's,
+  also under sequence parallelism). On Ascend, MindSpeed patches Megatron when imported
+  (`mindspeed.megatron_adaptor`, which reads its feature switches from sys.argv then), so the same
+  local/TE call sites apply.
+- Activation memory (recompute, sequence parallelism, swap_attention): `ActivationMemory`
+  (services/trainer/activation_memory.py) into TransformerConfig and the built model; the hooks that
+  sequence parallelism needs are services/trainer/sequence_parallel.py's.
 - Dropout is 0 (GRPO fine-tuning; also what makes the CPU RNG tracker in megatron_compat exact).
 - Fusions (bias/activation, masked softmax, RoPE, grad-accumulation) are off on CPU; on an accelerator
   Megatron's defaults are kept.
@@ -16,13 +21,15 @@ Choices:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 import torch.nn.functional as F
 
 from services.common.model_spec import ModelSpec
-from services.trainer import megatron_compat
+from services.trainer import activation_memory, megatron_compat, sequence_parallel
+from services.trainer.activation_memory import ActivationMemory
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +42,18 @@ def _have_te() -> bool:
     return True
 
 
-def _maybe_import_mindspeed() -> None:
+def _maybe_import_mindspeed(memory: ActivationMemory) -> None:
     # MindSpeed adapts Megatron to Ascend NPUs by patching it at import time.
+    if megatron_compat.npu_present():
+        activation_memory.pass_to_mindspeed(memory)
     try:
         import mindspeed.megatron_adaptor  # noqa: F401
     except ImportError:
         pass
 
 
-def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32):
+def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
+                       memory: ActivationMemory = ActivationMemory()):
     """Megatron TransformerConfig for `spec` at this TP/PP."""
     from megatron.core.transformer import TransformerConfig
 
@@ -89,22 +99,37 @@ def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=on_accel,
-        sequence_parallel=False,
+        **activation_memory.transformer_config_kwargs(memory, tp=tp, layers_per_stage=spec.num_hidden_layers // pp),
     )
 
 
-def layer_spec(spec: ModelSpec):
+def layer_spec(spec: ModelSpec, memory: ActivationMemory = ActivationMemory()):
     """TE layer spec on an accelerator with TransformerEngine, else the local (CPU-capable) spec."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    activation_memory.note_platform_only(memory, on_ascend=megatron_compat.npu_present())
     if megatron_compat.accelerator_present():
-        _maybe_import_mindspeed()
+        _maybe_import_mindspeed(memory)
         if _have_te():
             return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    return get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    return _with_torch_norms(get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm"))
+
+
+def _with_torch_norms(local_spec):
+    """The local spec with megatron_compat.TorchNorm for its norms (WrappedTorchNorm refuses sequence parallelism)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    norm = megatron_compat.TorchNorm
+    sub = local_spec.submodules
+    attn = sub.self_attention
+    attn_sub = dataclasses.replace(attn.submodules, **{
+        k: norm for k in ("q_layernorm", "k_layernorm") if getattr(attn.submodules, k) is not IdentityOp})
+    sub = dataclasses.replace(sub, input_layernorm=norm, pre_mlp_layernorm=norm,
+                              self_attention=dataclasses.replace(attn, submodules=attn_sub))
+    return dataclasses.replace(local_spec, submodules=sub)
 
 
 def build_gpt_model(
@@ -113,27 +138,39 @@ def build_gpt_model(
     tp: int,
     pp: int,
     params_dtype: torch.dtype = torch.float32,
+    memory: ActivationMemory = ActivationMemory(),
 ):
     """This rank's GPTModel (parallel_state must be initialised). Weights are uninitialised."""
     from megatron.core.models.gpt import GPTModel
 
     megatron_compat.apply_cpu_patches()
-    config = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype)
+    config = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, memory=memory)
     # With tied embeddings and PP > 1 Megatron moves the embedding to "cuda" to all-reduce it
     # between the first and last stage (see megatron_compat.cpu_device_mode).
     with megatron_compat.cpu_device_mode():
-        model = _gpt_model(GPTModel, spec, config, tp)
+        model = _gpt_model(GPTModel, spec, config, tp, memory)
+    activation_memory.apply_to_model(model, memory)
+    sequence_parallel.install(model)
     if megatron_compat.accelerator_present():
         model = model.to(torch.cuda.current_device()) if torch.cuda.is_available() else model.to("npu")
     return model
 
 
-def _gpt_model(gpt_model_class, spec: ModelSpec, config, tp: int):
+def _gpt_model(gpt_model_class, spec: ModelSpec, config, tp: int, memory: ActivationMemory):
     from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
+    layers = layer_spec(spec, memory)
+    if not (megatron_compat.accelerator_present() and _have_te()):
+        # The block's final norm too: TransformerBlock picks WrappedTorchNorm for a bare layer spec.
+        n = get_num_layers_to_build(config, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+        layers = TransformerBlockSubmodules(layer_specs=[layers] * n, layer_norm=megatron_compat.TorchNorm)
     return gpt_model_class(
         config=config,
-        transformer_layer_spec=layer_spec(spec),
+        transformer_layer_spec=layers,
         vocab_size=spec.padded_vocab_size(tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

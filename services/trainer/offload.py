@@ -3,7 +3,8 @@
 Integrated mode (`rl_config.use_integrated_worker`) runs the actor, the reference and the rollout engine on the
 same devices; the coordinator has each one give up its memory while another runs, and the
 `generate_config.offload_train_param / _grad / _optimizer` keys say what the actor gives up. Three kinds:
-`params` (the model's weights), `grads` (their `.grad`) and `optimizer` (Adam's moments; step counters stay).
+`params` (the model's weights), `grads` (their `.grad`, or the trainer optimizer's main-grad buffer) and
+`optimizer` (Adam's moments and the fp32 master weights; step counters stay).
 
 Where the state goes:
 - on an accelerator, to host memory and back (what frees device memory for the rollout engine);
@@ -113,6 +114,8 @@ class StateOffloader:
         if kind == "params":
             for p in self.model.parameters():
                 out.append((p.data, lambda t, p=p: setattr(p, "data", t)))
+        elif hasattr(self.optimizer, "offload_tensors"):  # services/trainer/optimizer.py knows its own tensors
+            out.extend(self.optimizer.offload_tensors(kind))
         elif kind == "grads":
             for p in self.model.parameters():
                 if p.grad is not None:

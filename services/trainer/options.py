@@ -7,7 +7,10 @@ is enforced when the config loads (services/common/config/resume.py).
 
 from __future__ import annotations
 
-from services.trainer.update import OptimizerOptions, UpdateOptions
+from services.trainer.activation_memory import ActivationMemory
+from services.trainer.optimizer import OptimizerOptions
+from services.trainer.packing import DEFAULT_MAX_PACKING_TOKENS, Packing
+from services.trainer.update import UpdateOptions
 from services.trainer.worker import WorkerOptions
 
 
@@ -34,6 +37,7 @@ def worker_options_from_config(cfg, role: str = "actor", *, hf_dir: str | None =
         token_level_loss=rl.token_level_loss,
         is_cap=cfg.rlfabric.importance_sampling_cap,
         max_staleness=cfg.rlfabric.max_staleness,
+        packing=_packing(rl, "update", rl.update_max_packing_token_size, rl.update_dynamic_max_batch_size),
     )
     optim = OptimizerOptions(
         lr=mt.lr if mt.lr is not None else 1e-6,
@@ -45,6 +49,9 @@ def worker_options_from_config(cfg, role: str = "actor", *, hf_dir: str | None =
         adam_beta1=mt.adam_beta1,
         adam_beta2=mt.adam_beta2,
         clip_grad=mt.clip_grad,
+        use_distributed_optimizer=mt.use_distributed_optimizer,
+        reuse_fp32_param=mt.reuse_fp32_param,
+        master_weights=cfg.rlfabric.fp32_master_weights,
     )
     opts = WorkerOptions(
         role=role,
@@ -54,8 +61,37 @@ def worker_options_from_config(cfg, role: str = "actor", *, hf_dir: str | None =
         no_load_optim=bool(mt.no_load_optim),
         no_load_rng=bool(mt.no_load_rng),
         forward_micro_batch_size=(d.actor_forward_micro_batch_size if actor else d.ref_forward_micro_batch_size) or 1,
+        forward_packing=(_packing(rl, "actor", rl.actor_max_packing_token_size, rl.actor_dynamic_max_batch_size)
+                         if actor else
+                         _packing(rl, "ref", rl.ref_max_packing_token_size, rl.ref_dynamic_max_batch_size)),
         update=update,
         optimizer=optim,
         params_dtype=d.params_dtype if actor else d.ref_params_dtype,
+        activation_memory=activation_memory_from_config(mt),
     )
     return opts, rl.init_kl_coef
+
+
+def _packing(rl, prefix: str, max_tokens: int | None, max_rows: int | None) -> Packing:
+    """One pass's packing: use_remove_padding, and under use_dynamic_bsz its token and row budgets.
+
+    An unset budget is MindSpeed-RL's default (RLConfig copies max_packing_token_size's and
+    dynamic_max_batch_size's defaults into the per-pass keys before it reads the YAML, so those two keys never
+    reach a pass).
+    """
+    if not rl.use_dynamic_bsz:
+        return Packing(remove_padding=rl.use_remove_padding, key_prefix=prefix)
+    return Packing(remove_padding=rl.use_remove_padding, max_tokens=max_tokens or DEFAULT_MAX_PACKING_TOKENS,
+                   max_rows=max_rows, key_prefix=prefix)
+
+
+def activation_memory_from_config(mt) -> ActivationMemory:
+    """The activation-memory keys of one role's Megatron section (validated when the config loaded)."""
+    return ActivationMemory(
+        recompute_granularity=mt.recompute_granularity,
+        recompute_method=mt.recompute_method,
+        recompute_num_layers=mt.recompute_num_layers,
+        recompute_activation_function=mt.recompute_activation_function,
+        sequence_parallel=mt.sequence_parallel,
+        swap_attention=mt.swap_attention,
+    )

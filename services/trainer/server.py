@@ -29,6 +29,7 @@ from services.common.status import abort, echo
 from services.common.tensors import dtype_code, to_proto
 from services.common.transports import TRANSPORTS
 from services.trainer import inputs
+from services.trainer import metrics as trainer_metrics
 from services.trainer.group import GroupBrokenError, GroupExecutor, OperationFailedError
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 metrics = self._run(context, "update", step=int(step), temperature=float(temperature),
                                     kl_coef=float(kl_coef), **arrays)
                 metrics["timing/update"] = time.monotonic() - t0
+                trainer_metrics.observe_update(metrics)
         return trainer_pb2.UpdateResponse(
             metrics=common_pb2.Metrics(values=metrics),
             weights_version=self.worker.weights_version,

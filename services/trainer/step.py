@@ -2,7 +2,8 @@
 
 Owns: turning packed sequences (prompt + response tokens, no padding) into right-padded model
 inputs with response-aligned indices, and running Megatron's own schedule
-(`get_forward_backward_func`: no-pipelining at PP 1, 1F1B at PP > 1) over them. Math on the logits
+(`get_forward_backward_func`: no-pipelining at PP 1, 1F1B at PP > 1) over them. Which rows form a
+micro-batch, and the packed layout (`use_remove_padding`), live in `packing.py`. Math on the logits
 lives in `grpo_loss.py`; the callers (`logprobs.py`, `update.py`) give the per-micro-batch loss.
 
 Every rank of the group holds the same rows; each data-parallel rank takes its contiguous share.
@@ -126,17 +127,23 @@ def make_micro_batch(rows: SequenceRows, idx: Sequence[int], *, pad_rows_to: int
 def gather_response_logits(logits: torch.Tensor, mb: dict) -> torch.Tensor:
     """[b, S, V] logits -> [b, R, V] at the positions that predict the response tokens.
 
+    Packed micro-batches (services/trainer/packing.py) give [1, sum r, V], at (`resp_rows`, `resp_pos`).
     Logits that `response_logits_only` already computed at those positions only are returned as they are.
     """
     if mb.get("logits_at_response"):
         return logits
     pos = mb["resp_pos"].to(logits.device)
+    if mb.get("resp_rows") is not None:
+        return logits[mb["resp_rows"].to(logits.device), pos[0]].unsqueeze(0)
     return logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
 
 
 @contextlib.contextmanager
-def response_logits_only(model, resp_pos: torch.Tensor) -> Iterator[bool]:
+def response_logits_only(model, resp_pos: torch.Tensor, resp_rows: torch.Tensor | None = None) -> Iterator[bool]:
     """While the model runs, its output layer sees only the hidden states at `resp_pos` ([b, R]).
+
+    With `resp_rows` ([sum r], packed micro-batches) the positions are `resp_pos[0]` in rows `resp_rows` and
+    the model returns [1, sum r, V].
 
     The loss needs logits at the R response positions of each row, not at all S: computing the vocabulary
     projection ([S, b, h] x [h, V]) everywhere and gathering afterwards cost the prompt positions' share of
@@ -154,7 +161,10 @@ def response_logits_only(model, resp_pos: torch.Tensor) -> Iterator[bool]:
     def pre_hook(_module, args, kwargs):
         # GPTModel passes the hidden states positionally; `input_` is the layer's own name for them.
         hidden = args[0] if args else kwargs["input_"]
-        picked = hidden.gather(0, idx.to(hidden.device).unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        if resp_rows is not None:
+            picked = hidden[resp_pos[0].to(hidden.device), resp_rows.to(hidden.device)].unsqueeze(1)
+        else:
+            picked = hidden.gather(0, idx.to(hidden.device).unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         if args:
             return (picked, *args[1:]), kwargs
         return args, {**kwargs, "input_": picked}
@@ -204,10 +214,14 @@ def run_micro_batches(
             if tuple(mb["input_ids"].shape) != (mbs, seq_len):
                 raise ValueError("pipeline parallel micro-batches must share one shape; pad them first")
 
+    from services.trainer import packing  # packing builds on this module's row plumbing
+
     def forward_step(data_iterator, m):
         mb = _to_device(next(data_iterator), device)
-        with megatron_compat.outside_cpu_device_mode(), response_logits_only(m, mb["resp_pos"]) as at_response:
-            out = m(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=mb["attention_mask"])
+        with (megatron_compat.outside_cpu_device_mode(), packing.rope_at_positions(m, mb),
+              response_logits_only(m, mb["resp_pos"], mb.get("resp_rows")) as at_response):
+            out = m(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=mb["attention_mask"],
+                    **packing.forward_kwargs(mb))
         mb["logits_at_response"] = at_response
         return out, partial(_call_loss, loss_fn, mb)
 

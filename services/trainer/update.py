@@ -7,33 +7,29 @@ Owns the optimisation loop around the loss in `grpo_loss.py`:
   `epochs` passes; one optimizer step per mini-batch.
 - Each data-parallel rank runs its share of a mini-batch in micro-batches of `micro_batch_size` rows
   through Megatron's schedule, which averages the micro-batch losses (token mean per micro-batch,
-  mean over the mini-batch, as MindSpeed-RL).
-- Optimizer: Megatron-core 0.16.1 without apex/TransformerEngine steps its FP32Optimizer with
-  `torch.optim.AdamW`; on CPU its wrapper (`get_megatron_optimizer`) allocates on "cuda", so rlfabric
-  steps the same `torch.optim.AdamW` directly, with Megatron's parameter groups (no weight decay on
-  biases and 1-D parameters), Megatron's gradient norm (`get_grad_norm_fp32` over the model-parallel
-  group, TP duplicates and shared weights counted once) and clip rule (scale by
-  clip_grad / (norm + 1e-6) when below 1), and Megatron's `OptimizerParamScheduler` (one increment
-  per optimizer step). Data-parallel gradients are averaged with an all-reduce, and tied embeddings
-  split across pipeline stages are summed over Megatron's embedding group, which is what Megatron's
-  DDP `finalize_model_grads` does. The same code runs on accelerators.
+  mean over the mini-batch, as MindSpeed-RL). With `use_dynamic_bsz` the micro-batches follow the
+  update token budget and each one's token mean is weighted by its share of the rows; with
+  `use_remove_padding` they are packed (services/trainer/packing.py).
+- Optimizer (services/trainer/optimizer.py): gradients accumulate into fp32 main grads; one step
+  reduces them over data-parallel ranks, clips them by Megatron's norm, steps Adam on fp32 master
+  weights (sharded over data-parallel ranks with the distributed optimizer) and updates the model;
+  then Megatron's `OptimizerParamScheduler` moves one increment. A step whose gradient norm is not
+  finite is skipped, scheduler included. The same code runs on accelerators.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from services.trainer import grpo_loss, megatron_compat
+from services.trainer import grpo_loss, packing
+from services.trainer.optimizer import OptimizerOptions as OptimizerOptions
 from services.trainer.step import (
     SequenceRows,
-    dp_share,
     gather_response_logits,
-    make_micro_batch,
     response_slices,
     run_micro_batches,
 )
@@ -47,23 +43,6 @@ METRIC_KEYS = (
     "grad_norm",
     "actor/lr",
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerOptions:
-    """Adam and LR schedule (names as `megatron_training` keys)."""
-
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_decay_style: str = "constant"
-    lr_warmup_iters: int = 0
-    lr_decay_iters: int | None = None  # None: train_iters
-    train_iters: int = 1000
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +66,8 @@ class UpdateOptions:
     is_cap: float = 2.0
     # Versions a trained sample may lag the actor (rlfabric.max_staleness): the Update RPC's version fence.
     max_staleness: int = 0
+    # use_remove_padding / use_dynamic_bsz with the update_* budgets (services/trainer/packing.py).
+    packing: packing.Packing = packing.Packing(key_prefix="update")
 
 
 @dataclasses.dataclass
@@ -146,89 +127,6 @@ def entropy_without_grad(logits: torch.Tensor, temperature: float) -> torch.Tens
     return out.reshape(b, r)
 
 
-def param_groups(model) -> list[dict[str, Any]]:
-    """Megatron's default groups: weight decay on matrices, none on biases and 1-D parameters."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
-    return [
-        {"params": decay, "wd_mult": 1.0, "lr_mult": 1.0},
-        {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0},
-    ]
-
-
-def build_optimizer(model, opts: OptimizerOptions):
-    """(torch AdamW, Megatron OptimizerParamScheduler) for `model`."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    optimizer = torch.optim.AdamW(
-        param_groups(model),
-        lr=opts.lr,
-        betas=(opts.adam_beta1, opts.adam_beta2),
-        eps=opts.adam_eps,
-        weight_decay=opts.weight_decay,
-    )
-    decay_steps = opts.lr_decay_iters or opts.train_iters
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if opts.lr_warmup_iters else opts.lr,
-        max_lr=opts.lr,
-        min_lr=opts.min_lr,
-        lr_warmup_steps=opts.lr_warmup_iters,
-        lr_decay_steps=max(decay_steps, opts.lr_warmup_iters + 1),
-        lr_decay_style=opts.lr_decay_style,
-        start_wd=opts.weight_decay,
-        end_wd=opts.weight_decay,
-        wd_incr_steps=max(decay_steps, 1),
-        wd_incr_style="constant",
-    )
-    return optimizer, scheduler
-
-
-def finalize_grads(model) -> None:
-    """Average gradients over data-parallel ranks; sum tied-embedding grads across pipeline ends."""
-    from megatron.core import parallel_state as ps
-
-    dp = ps.get_data_parallel_world_size()
-    if dp > 1:
-        group = ps.get_data_parallel_group()
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=group)
-                p.grad.div_(dp)
-    if ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
-        shared = model.shared_embedding_or_output_weight() if hasattr(model, "shared_embedding_or_output_weight") else None
-        if shared is not None and getattr(model, "share_embeddings_and_output_weights", False):
-            if shared.grad is None:
-                shared.grad = torch.zeros_like(shared)
-            dist.all_reduce(shared.grad, group=ps.get_embedding_group())
-
-
-def grad_norm_and_clip(model, clip_grad: float) -> float:
-    """Megatron's total L2 grad norm over the model-parallel group; clip when clip_grad > 0."""
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
-    from megatron.core.transformer.module import param_is_not_shared
-
-    params = [p for p in model.parameters() if p.grad is not None]
-    grads = [
-        p.grad
-        for p in params
-        if param_is_not_shared(p) and tensor_parallel.param_is_not_tensor_parallel_duplicate(p)
-    ]
-    with megatron_compat.cpu_device_mode():
-        norm = float(get_grad_norm_fp32(grads, grad_stats_parallel_group=ps.get_model_parallel_group()))
-    if clip_grad > 0:
-        coeff = clip_grad / (norm + 1.0e-6)
-        if coeff < 1.0:
-            for p in params:
-                p.grad.mul_(coeff)
-    return norm
-
-
 def mini_batches(n: int, opts: UpdateOptions, step: int, epoch: int) -> list[list[int]]:
     """Row indices of each mini-batch of one epoch (same on every rank)."""
     size = opts.mini_batch_rows or n
@@ -270,25 +168,24 @@ def grpo_update(
     model.train()
     for epoch in range(opts.epochs):
         for mini in mini_batches(len(exp.rows), opts, step, epoch):
-            share = [mini[i] for i in dp_share(len(mini), dp, dp_rank)]
-            if len(share) % opts.micro_batch_size and pp > 1:
+            groups = packing.dp_groups(exp.rows, mini, opts.micro_batch_size, opts.packing, dp=dp, dp_rank=dp_rank)
+            share = sum(len(g) for g in groups)
+            if share % opts.micro_batch_size and pp > 1 and not (opts.packing.dynamic or opts.packing.remove_padding):
                 raise ValueError(
-                    f"{len(share)} rows per data-parallel rank is not a multiple of micro_batch_size "
+                    f"{share} rows per data-parallel rank is not a multiple of micro_batch_size "
                     f"{opts.micro_batch_size} (needed with pipeline parallelism)"
                 )
-            chunks = [share[i : i + opts.micro_batch_size] for i in range(0, len(share), opts.micro_batch_size)]
-            seq_len = max(exp.rows.max_len(), 1) if pp > 1 else 0
-            mbs = [make_micro_batch(exp.rows, c, seq_len=seq_len) for c in chunks]
-            for p in model.parameters():
-                p.grad = None
+            mbs = packing.build_micro_batches(exp.rows, groups, opts.packing, pp=pp,
+                                              tp=ps.get_tensor_model_parallel_world_size())
+            for mb, scale in zip(mbs, packing.loss_scales(groups, opts.packing), strict=True):
+                mb["loss_scale"] = scale
+            optimizer.zero_grad()
             out = run_micro_batches(model, mbs, loss_fn, forward_only=False)
             if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
                 mb_metrics.extend(out)
-            finalize_grads(model)
-            norm = grad_norm_and_clip(model, clip_grad)
             lr = optimizer.param_groups[0]["lr"]
+            norm = optimizer.step(clip_grad)
             if math.isfinite(norm):
-                optimizer.step()
                 scheduler.step(increment=1)
             step_metrics.append((norm, lr))
     return _reduce_metrics(mb_metrics, step_metrics, exp.behavior_log_probs is not None)
@@ -304,6 +201,7 @@ def _micro_batch_loss(exp: Experience, opts: UpdateOptions, temperature: float, 
         logp, ent = grpo_loss.compute_log_probs(logits, tokens, temperature, with_entropy=opts.entropy_coeff != 0)
         if ent is None:
             ent = entropy_without_grad(logits, temperature)
+        logp, ent = packing.unpack_response(logp, mb), packing.unpack_response(ent, mb)
         rows_idx = [i for i in mb["rows"] if i >= 0]
         width = logp.shape[1]
         mask = mb["response_mask"].to(dev)[: len(rows_idx)]
@@ -312,7 +210,7 @@ def _micro_batch_loss(exp: Experience, opts: UpdateOptions, temperature: float, 
         ref = None if exp.ref_log_probs is None else response_slices(exp.ref_log_probs, exp.rows, rows_idx, width)
         behavior = (None if exp.behavior_log_probs is None
                     else response_slices(exp.behavior_log_probs, exp.rows, rows_idx, width).to(dev))
-        return grpo_loss.grpo_loss(
+        loss, metrics = grpo_loss.grpo_loss(
             logp,
             None if old is None else old.to(dev),
             None if ref is None else ref.to(dev),
@@ -330,6 +228,8 @@ def _micro_batch_loss(exp: Experience, opts: UpdateOptions, temperature: float, 
             behavior_log_probs=behavior,
             is_cap=opts.is_cap,
         )
+        # use_dynamic_bsz: the micro-batch's weight in the mini-batch (packing.loss_scales); metrics stay unscaled.
+        return loss * mb.get("loss_scale", 1.0), metrics
 
     return loss_fn
 

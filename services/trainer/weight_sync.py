@@ -7,6 +7,12 @@ rank 0 over torch.distributed (gloo on CPU); rank 0 assembles one HF tensor at a
 (services/common/weight_layout.py) and hands it to the transport, which buckets and streams it to every
 target. So rank 0 holds one HF tensor plus a few buckets, never a second copy of the model.
 
+What is sent is the model's parameters cast to the plan's dtype. With `bf16: true` the optimizer keeps fp32 master
+weights and sets each bf16 parameter to the round-to-nearest cast of its master after every step and every load
+(services/trainer/optimizer.py), so for a bf16 rollout (the configuration validation asks for) the parameters are
+exactly the masters cast to the rollout dtype; a rollout in another dtype gets the bf16 values, as upstream's
+weight sync sends them too.
+
 Before any byte moves, every rank checks its own shards against the plan and the ranks agree on the outcome
 (one all-gather), so a plan that does not fit fails on all ranks instead of leaving some blocked in a send.
 Rank 0 always consumes the whole plan, even when every target has failed, for the same reason.

@@ -18,11 +18,15 @@ import torch.distributed as dist
 
 from services.common.model_spec import ModelSpec, read_hf_config, spec_from_hf_config
 from services.trainer import checkpoint, convert, megatron_compat
+from services.trainer.activation_memory import ActivationMemory
+from services.trainer.memory import UpdateMemory
 from services.trainer.model import build_gpt_model
 from services.trainer.offload import StateOffloader
+from services.trainer.optimizer import OptimizerOptions, build_optimizer
+from services.trainer.packing import Packing
 from services.trainer.parallel import Layout, current_layout
 from services.trainer.step import SequenceRows
-from services.trainer.update import Experience, OptimizerOptions, UpdateOptions, build_optimizer, grpo_update
+from services.trainer.update import Experience, UpdateOptions, grpo_update
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +42,12 @@ class WorkerOptions:
     no_load_optim: bool = False
     no_load_rng: bool = False
     forward_micro_batch_size: int = 1  # actor_/ref_forward_micro_batch_size
+    # use_remove_padding / use_dynamic_bsz with the actor_* or ref_* budgets, for ComputeLogProbs
+    forward_packing: Packing = Packing()
     update: UpdateOptions = UpdateOptions()
     optimizer: OptimizerOptions = OptimizerOptions()
     params_dtype: str = "float32"
+    activation_memory: ActivationMemory = ActivationMemory()  # recompute_*, sequence_parallel, swap_attention
 
 
 class TrainerWorker:
@@ -53,7 +60,8 @@ class TrainerWorker:
         self.layout: Layout = current_layout()
         self.spec, self.hf_config = self._read_spec()
         dtype = getattr(torch, opts.params_dtype)
-        self.model = build_gpt_model(self.spec, tp=self.layout.tp, pp=self.layout.pp, params_dtype=dtype)
+        self.model = build_gpt_model(self.spec, tp=self.layout.tp, pp=self.layout.pp, params_dtype=dtype,
+                                     memory=opts.activation_memory)
         self.optimizer = self.scheduler = None
         if opts.role == "actor":
             self.optimizer, self.scheduler = build_optimizer(self.model, opts.optimizer)
@@ -109,6 +117,8 @@ class TrainerWorker:
         key = (self._tp_rank, self._pp_rank)
         shards = convert.hf_to_mcore(convert.load_hf_state(hf_dir), self.spec, self.layout.tp, self.layout.pp, only=key)
         checkpoint._load_model_state(self.model, shards[key], Path(hf_dir))
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
 
     # ---- operations -------------------------------------------------------------------------
     def compute_log_probs(self, rows: SequenceRows, temperature: float, with_entropy: bool = False):
@@ -121,6 +131,7 @@ class TrainerWorker:
             temperature=temperature,
             micro_batch_size=self.opts.forward_micro_batch_size,
             with_entropy=with_entropy,
+            packing_opts=self.opts.forward_packing,
         )
 
     def update(self, exp: Experience, *, temperature: float, kl_coef: float, step: int) -> dict[str, float]:
@@ -128,17 +139,19 @@ class TrainerWorker:
             raise ValueError(f"the {self.opts.role} trainer has no optimizer; Update is for the actor")
         self.offloader.require("params", "grads", "optimizer", what="Update")
         t0 = time.monotonic()
-        metrics = grpo_update(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            exp,
-            self.opts.update,
-            temperature=temperature,
-            kl_coef=kl_coef,
-            clip_grad=self.opts.optimizer.clip_grad,
-            step=step,
-        )
+        with UpdateMemory(self.model, self.optimizer) as mem:
+            metrics = grpo_update(
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                exp,
+                self.opts.update,
+                temperature=temperature,
+                kl_coef=kl_coef,
+                clip_grad=self.opts.optimizer.clip_grad,
+                step=step,
+            )
+        metrics.update(mem.metrics(self.opts.role))  # memory/{role}/*: a collective, as every rank runs update
         self.iteration = step
         self.last_update_step = step
         self.weights_version += 1

@@ -13,6 +13,10 @@ def clean_cuda(monkeypatch: pytest.MonkeyPatch):
     # The shim patches torch.cuda process-wide; register the originals so they come back after the test.
     monkeypatch.setattr(torch.cuda, "current_device", torch.cuda.current_device)
     monkeypatch.setattr(torch.cuda, "synchronize", torch.cuda.synchronize)
+    from megatron.core.tensor_parallel import random as tp_random
+
+    monkeypatch.setattr(tp_random, "_get_cuda_rng_state", tp_random._get_cuda_rng_state)
+    monkeypatch.setattr(tp_random, "_set_cuda_rng_state", tp_random._set_cuda_rng_state)
     monkeypatch.setattr(megatron_compat, "_PATCHED", False)
     return monkeypatch
 
@@ -69,3 +73,42 @@ def test_seeding_uses_the_upstream_cuda_path_with_an_accelerator(monkeypatch: py
     monkeypatch.setattr(megatron_compat, "accelerator_present", lambda: False)
     megatron_compat.seed_model_parallel_rng(7)
     assert calls[1] == ((7,), {"inference_rng_tracker": True, "force_reset_rng": True})
+
+
+def test_megatron_activation_checkpoint_runs_on_cpu(clean_cuda):
+    """Recompute (CheckpointFunction) saves and restores the RNG on a CPU: the recomputed dropout mask is the
+    forward's, and nothing is left queued for a CUDA that never comes."""
+    from megatron.core import tensor_parallel
+
+    megatron_compat.apply_cpu_patches()
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def f(x):
+        return torch.nn.functional.dropout(torch.tanh(x @ w), 0.5, training=True)
+
+    queued = len(torch.cuda._queued_calls)
+    torch.manual_seed(0)
+    y = tensor_parallel.checkpoint(f, False, x)
+    y.pow(2).sum().backward()
+    got = (y.detach().clone(), w.grad.clone(), x.grad.clone())
+    w.grad = x.grad = None
+    torch.manual_seed(0)
+    f(x).pow(2).sum().backward()
+    assert torch.equal(got[1], w.grad) and torch.equal(got[2], x.grad)
+    assert (got[0] == 0).any()  # dropout did act, so the mask had to be reproduced
+    assert len(torch.cuda._queued_calls) == queued
+
+
+def test_torch_norm_runs_under_sequence_parallelism_and_tags_its_weight():
+    from megatron.core.transformer import TransformerConfig
+
+    def config(**kw):
+        return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2, **kw)
+
+    norm = megatron_compat.TorchNorm(config(normalization="RMSNorm", sequence_parallel=True), 8, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.eps == 1e-6 and norm.weight.sequence_parallel is True
+    plain = megatron_compat.TorchNorm(config(normalization="LayerNorm"), 8)
+    assert isinstance(plain, torch.nn.LayerNorm) and all(p.sequence_parallel is False for p in plain.parameters())
+    with pytest.raises(ValueError, match="L2Norm"):
+        megatron_compat.TorchNorm(config(normalization="L2Norm"), 8)

@@ -134,7 +134,7 @@ def test_pipeline_and_data_parallel_match_tp1(layouts, tp, pp):
     assert other["metrics"][0]["actor/loss"] != other["metrics"][-1]["actor/loss"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # CI variant: tests/trainer/test_tp_pp_short.py (log-probs, one update, checkpoint at TP 2 x PP 2)
 def test_tensor_and_pipeline_parallel_together_match_tp1(layouts, tiny_model_dir, tmp_path):
     (path,) = run_rank_checks(4, [(2, 2)], tiny_model_dir, tmp_path)
     _check_matches_tp1(layouts[(1, 1, 1)], torch.load(path, weights_only=False), 4, 2, 2)

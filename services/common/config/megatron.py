@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from services.common.config.architecture import ModelConfig
 from services.common.config.schema import inert, read, refused, setting
 from services.common.config.statuses import (
+    ACTIVATIONS,
     ALGORITHM,
     ASCEND,
     COORDINATOR_APP,
@@ -37,6 +38,7 @@ _Layers = int | str | list[int] | None  # Megatron accepts "4,4,4", a list, or a
 _LOADER_ONLY = inert("worker processes of the data loader: no effect on which prompts a batch holds")
 _TEMPLATE = inert("the chat template is applied when the dataset is preprocessed (`rlfabric preprocess`, with the "
                   "dataset YAML's prompt_type / prompt_type_path); training reads token ids")
+_RECOMPUTE = "Megatron's, in the trainer's TransformerConfig; combinations checked as Megatron does"
 _SAVES_ALL = inert("rlfabric always saves the optimizer and RNG state, so any checkpoint can resume a run")
 
 
@@ -65,7 +67,9 @@ class MegatronConfig(ModelConfig):
     spec: str | list[str] | None = setting(None, "Custom layer spec: <module> <function>.", inert(
         "rlfabric picks the layer spec for the model type it loads (services/trainer/model.py)"))
     transformer_impl: str = setting("local", "Transformer implementation: local or transformer_engine.", KERNEL)
-    sequence_parallel: bool = setting(False, "Sequence parallelism inside tensor-parallel groups.", MEMORY)
+    sequence_parallel: bool = setting(False, "Sequence parallelism inside tensor-parallel groups.", read(
+        TRAINER_OPTIONS, ACTIVATIONS, note="Megatron's, in the trainer's TransformerConfig; off at TP 1, as Megatron "
+                                           "turns it off"))
     use_flash_attn: bool = setting(False, "Use a flash attention kernel.", KERNEL)
     use_fused_rmsnorm: bool = setting(False, "Use a fused RMSNorm kernel.", KERNEL)
     use_fused_swiglu: bool = setting(False, "Use a fused SwiGLU kernel.", KERNEL)
@@ -86,12 +90,22 @@ class MegatronConfig(ModelConfig):
                                                     _moe_kernel())
 
     # Precision.
-    bf16: bool = setting(True, "Train in bfloat16 (the accelerator default); false trains in fp32 (CPU).",
+    bf16: bool = setting(True, "Train in bfloat16 with fp32 main grads, master weights and Adam state (Megatron's mixed "
+                               "precision, services/trainer/optimizer.py); false trains in fp32.",
                          read(DERIVED))
-    initial_loss_scale: float = setting(2.0 ** 32, "Initial loss scale (fp16 only).",
-                                        inert("fp16 loss scaling; rlfabric trains in bf16 or fp32"))
-    accumulate_allreduce_grads_in_fp32: bool = setting(False, "Accumulate and all-reduce gradients in fp32.", MEMORY)
-    reuse_fp32_param: bool = setting(False, "Distributed optimizer frees fp32 parameter copies (Ascend).", MEMORY)
+    fp16: bool = setting(False, "Train in float16 with dynamic loss scaling.", refused(
+        "fp16 training (Megatron's dynamic loss scaling) is not implemented by rlfabric's trainer; use bf16: true "
+        "(fp32 masters, no loss scale needed) or bf16: false (fp32)"))
+    initial_loss_scale: float = setting(2.0 ** 32, "Initial loss scale (fp16 only).", inert(
+        "Megatron reads it only with fp16, which rlfabric refuses (`fp16`); bf16 and fp32 train without a loss "
+        "scale, as in Megatron"))
+    accumulate_allreduce_grads_in_fp32: bool = setting(False, "Accumulate and all-reduce gradients in fp32.", inert(
+        "rlfabric always accumulates and all-reduces gradients in fp32 main-grad buffers, which Megatron forces "
+        "for bf16 whatever this key says (fp32 weights have fp32 grads); it would matter only for fp16, refused"))
+    reuse_fp32_param: bool = setting(False, "Keep fp32 master weights as the bf16 parameters plus 16-bit residuals.",
+                                     read(TRAINER_OPTIONS, note=(
+        "MindSpeed's memory trick (2 bytes less per master weight, the same fp32 values), done by rlfabric's "
+        "optimizer on every platform; bf16 only; as in MindSpeed, parameters round ties away from zero")))
 
     # Parallelism.
     tensor_model_parallel_size: int = setting(1, "Tensor parallel size (TP) of the trainer.",
@@ -116,9 +130,15 @@ class MegatronConfig(ModelConfig):
                                          inert("rank order only: the same math"))
     distributed_backend: str = setting("nccl", "torch.distributed backend: nccl, hccl or gloo (CPU).", inert(
         "rlfabric picks the backend of the platform it runs on (gloo on CPU); validated as upstream"))
-    use_distributed_optimizer: bool = setting(False, "Shard optimizer state over data-parallel ranks.", MEMORY)
-    overlap_grad_reduce: bool = setting(False, "Overlap the DDP gradient reduce with backward.", MEMORY)
-    overlap_param_gather: bool = setting(False, "Overlap the parameter all-gather with forward.", MEMORY)
+    use_distributed_optimizer: bool = setting(False, "Shard fp32 master weights and Adam state over data-parallel "
+                                                     "ranks (reduce-scatter grads, all-gather params).",
+                                              read(TRAINER_OPTIONS))
+    overlap_grad_reduce: bool = setting(False, "Overlap the DDP gradient reduce with backward.", inert(
+        "timing only (the same sums): rlfabric's optimizer reduces the gradients after the backward pass, in "
+        "buckets like Megatron's, without overlapping them with it"))
+    overlap_param_gather: bool = setting(False, "Overlap the parameter all-gather with forward.", inert(
+        "timing only (the same weights): the distributed optimizer all-gathers the updated parameters right "
+        "after its step, not overlapped with the next forward pass"))
     ddp_bucket_size: int | None = setting(None, "DDP bucket size in parameters.", MEMORY)
     no_shared_storage: bool = setting(False, "Nodes do not share a file system (each writes its own files).", inert(
         "rlfabric's trainer writes checkpoints from its own rank 0 of each model-parallel position"))
@@ -132,7 +152,9 @@ class MegatronConfig(ModelConfig):
         VALIDATION, note="bounds generate_config.max_model_len, as upstream; the trainer takes sequences at "
                          "their own length"))
     variable_seq_lengths: bool = setting(False, "Allow variable sequence lengths between micro-batches.", inert(
-        "rlfabric's micro-batches always have the lengths of their own sequences"))
+        "rlfabric's micro-batches have the lengths of their own sequences; under pipeline parallel it pads a "
+        "pass's micro-batches (packed or not) to one shape, the same math, so upstream's need for it with "
+        "use_remove_padding does not arise"))
     no_pad_to_seq_lengths: bool = setting(False, "Do not pad batches to seq_length.", inert(
         "padding only: rlfabric never pads to seq_length, and padding is masked out of the loss"))
     pad_to_multiple_of: int = setting(8, "Pad sequence lengths to a multiple of this.", inert(
@@ -155,9 +177,11 @@ class MegatronConfig(ModelConfig):
             "rlfabric's prompt loader reads prompts and `labels` (loaded whenever the dataset has them); other "
             "fields are not passed to verifiers", allowed=([], ["labels"])))
     reset_position_ids: bool = setting(False, "Reset position ids at document boundaries.", inert(
-        "packing only: rlfabric never packs two sequences into one row"))
+        "packing only: rlfabric's packed rows (rl_config.use_remove_padding) always restart positions at each "
+        "sequence, which upstream asks this key for"))
     reset_attention_mask: bool = setting(False, "Reset the attention mask at document boundaries.", inert(
-        "packing only: rlfabric never packs two sequences into one row, so each attends only to itself"))
+        "packing only: in rlfabric's packed rows (rl_config.use_remove_padding) each sequence always attends "
+        "only to itself"))
     attention_mask_type: str = setting("causal", "Attention mask type (causal).",
                                        refused("rlfabric trains causal language models", allowed=("causal",)))
     prompt_type: str | None = setting(None, "Chat template name from templates.json.", _TEMPLATE)
@@ -228,11 +252,19 @@ class MegatronConfig(ModelConfig):
     enable_high_availability: bool = setting(False, "MindIO high availability (Ascend).", ASCEND)
 
     # Memory and Ascend-specific features.
-    recompute_granularity: str | None = setting(None, "Activation recomputation: full or selective.", MEMORY)
-    recompute_method: str | None = setting(None, "Recomputation method: uniform or block.", MEMORY)
-    recompute_num_layers: int | None = setting(None, "Layers per recomputation unit.", MEMORY)
-    recompute_activation_function: bool = setting(False, "Recompute the MLP activation.", MEMORY)
-    swap_attention: bool = setting(False, "Swap attention activations to host (Ascend).", MEMORY)
+    recompute_granularity: str | None = setting(None, "Activation recomputation: full or selective.",
+                                                read(TRAINER_OPTIONS, ACTIVATIONS, note=_RECOMPUTE))
+    recompute_method: str | None = setting(None, "Recomputation method: uniform or block.",
+                                           read(TRAINER_OPTIONS, ACTIVATIONS, note=_RECOMPUTE))
+    recompute_num_layers: int | None = setting(None, "Layers per recomputation unit (uniform) or per stage (block).",
+                                               read(TRAINER_OPTIONS, ACTIVATIONS, note=_RECOMPUTE))
+    recompute_activation_function: bool = setting(False, "Recompute the MLP activation.", read(
+        TRAINER_OPTIONS, note="MindSpeed's feature on megatron-core's MLP (services/trainer/activation_memory.py), "
+                              "every layer"))
+    swap_attention: bool = setting(False, "Swap attention activations to host (Ascend).", read(
+        TRAINER_OPTIONS, platform="ascend", note="passed to MindSpeed (--swap-attention) when the trainer imports it "
+                                                 "on Ascend; no other platform has the feature: the trainer logs that "
+                                                 "it is not applied"))
     swap_optimizer: bool = setting(False, "Swap optimizer state to host (Ascend).", MEMORY)
     use_ascend_coc: bool = setting(False, "Ascend compute-communication overlap.", ASCEND)
     coc_mode: int = setting(-1, "CoC mode (Ascend).", ASCEND)

@@ -39,7 +39,10 @@ DEFAULT_VERIFIER_WEIGHT = (1.0,)
 _PPO_ONLY = inert("GAE / critic (PPO) only; GRPO's group_norm advantages do not use it")
 _MULTI_TURN = refused("rlfabric generates one response per prompt", feature=MULTI_TURN)
 _MULTIMODAL = refused("rlfabric trains text-only models", feature=MULTIMODAL)
-_DYNAMIC_BSZ_ONLY = inert("only read with use_dynamic_bsz, which rlfabric does not implement (inert)")
+_DYNAMIC_BSZ = read(TRAINER_OPTIONS, note="used with use_dynamic_bsz (services/trainer/packing.py)")
+_PER_PASS_DEFAULT_ONLY = inert(
+    "MindSpeed-RL copies this key's default into the ref_/actor_/update_ keys before it reads the YAML, so a "
+    "value set here reaches no pass there either; rlfabric does the same: set the per-pass keys")
 _PARTIAL_ONLY = inert("partial rollout only (partial_rollout_max_split > 1 is refused)")
 _SWANLAB_ONLY = inert("only read with use_swanlab (refused)")
 _DYNAMIC_SAMPLING = read(COORDINATOR_SETTINGS, ITERATION)
@@ -180,22 +183,30 @@ class RLConfig:
     use_dp_batch_balance: bool = setting(False, "Balance tokens across data-parallel ranks.", inert(
         "which samples each data-parallel rank gets (speed); rlfabric splits each mini-batch in order, so only "
         "the grouping of the per-micro-batch token mean can differ"))
-    use_remove_padding: bool = setting(False, "Pack sequences without padding for forward passes.", inert(
-        "packing is a speed choice with the same math; rlfabric computes each sequence unpacked"))
-    use_dynamic_bsz: bool = setting(False, "Dynamic batch size by token count.", inert(
-        "micro-batches by token budget (speed); rlfabric uses micro_batch_size rows, so only the grouping of the "
-        "per-micro-batch token mean can differ"))
-    max_packing_token_size: int = setting(4096, "Dynamic batch size: tokens per pack.", _DYNAMIC_BSZ_ONLY)
-    ref_max_packing_token_size: int | None = setting(None, "Reference tokens per pack; unset means "
-                                                           "max_packing_token_size.", _DYNAMIC_BSZ_ONLY)
-    actor_max_packing_token_size: int | None = setting(None, "Actor tokens per pack; unset means "
-                                                             "max_packing_token_size.", _DYNAMIC_BSZ_ONLY)
-    update_max_packing_token_size: int | None = setting(None, "Update tokens per pack; unset means "
-                                                              "max_packing_token_size.", _DYNAMIC_BSZ_ONLY)
-    dynamic_max_batch_size: int | None = setting(None, "Dynamic batch size: most rows per pack.", _DYNAMIC_BSZ_ONLY)
-    ref_dynamic_max_batch_size: int | None = setting(None, "Reference rows per pack.", _DYNAMIC_BSZ_ONLY)
-    actor_dynamic_max_batch_size: int | None = setting(None, "Actor rows per pack.", _DYNAMIC_BSZ_ONLY)
-    update_dynamic_max_batch_size: int | None = setting(None, "Update rows per pack.", _DYNAMIC_BSZ_ONLY)
+    use_remove_padding: bool = setting(
+        False, "Pack each micro-batch's sequences into one row without padding (old-log-prob, reference and "
+        "update passes).", read(TRAINER_OPTIONS, note="THD on accelerators with TransformerEngine, a "
+                                "block-diagonal mask on CPU; the same numbers as padded rows"))
+    use_dynamic_bsz: bool = setting(
+        False, "Form micro-batches by token budget (*_max_packing_token_size, *_dynamic_max_batch_size) "
+        "instead of micro_batch_size rows.", read(TRAINER_OPTIONS, note="each micro-batch's token mean is "
+                                                 "weighted by its share of the mini-batch's rows, as upstream"))
+    max_packing_token_size: int = setting(4096, "Dynamic batch size: default of the per-pass token budgets.",
+                                          _PER_PASS_DEFAULT_ONLY)
+    ref_max_packing_token_size: int | None = setting(None, "Reference pass: most tokens (prompt + response) per "
+                                                           "micro-batch; unset means 4096.", _DYNAMIC_BSZ)
+    actor_max_packing_token_size: int | None = setting(None, "Old-log-prob pass: most tokens per micro-batch; "
+                                                             "unset means 4096.", _DYNAMIC_BSZ)
+    update_max_packing_token_size: int | None = setting(None, "Update pass: most tokens per micro-batch; unset "
+                                                              "means 4096.", _DYNAMIC_BSZ)
+    dynamic_max_batch_size: int | None = setting(None, "Dynamic batch size: default of the per-pass row limits.",
+                                                 _PER_PASS_DEFAULT_ONLY)
+    ref_dynamic_max_batch_size: int | None = setting(None, "Reference pass: most rows per micro-batch; unset "
+                                                           "means no limit.", _DYNAMIC_BSZ)
+    actor_dynamic_max_batch_size: int | None = setting(None, "Old-log-prob pass: most rows per micro-batch; "
+                                                             "unset means no limit.", _DYNAMIC_BSZ)
+    update_dynamic_max_batch_size: int | None = setting(None, "Update pass: most rows per micro-batch; unset "
+                                                              "means no limit.", _DYNAMIC_BSZ)
     update_micro_batch_size: int | None = setting(None, "Legacy update micro-batch (unused by rlfabric).",
                                                   inert("no longer in MindSpeed-RL's RLConfig"))
     is_multimodal: bool = setting(False, "Multimodal model (unsupported).", _MULTIMODAL)

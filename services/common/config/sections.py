@@ -182,6 +182,10 @@ class FabricConfig:
            "weights the previous update made). 1: pipelined, the rollout generates iteration k+1 with the weights "
            "of k-1 while the actor updates on k; the loss weights off-policy tokens by a truncated importance "
            "ratio. Disaggregated mode only.", read(COORDINATOR_SETTINGS, TRAINER_OPTIONS))
+    fp32_master_weights: bool = setting(
+        True, "With bf16: true, fp32 master weights and optimizer state as Megatron keeps them. false steps the bf16 "
+              "weights themselves (pure bf16): a baseline that measures what master weights buy, not an upstream "
+              "mode. Unused without bf16.", read(TRAINER_OPTIONS))
     importance_sampling_cap: float = setting(
         2.0, "Truncation of the per-token importance weight old-policy / behaviour-policy applied to the samples "
              "of pipelined mode (max_staleness >= 1); unused when max_staleness is 0.", read(TRAINER_OPTIONS))

@@ -1,0 +1,358 @@
+"""Memory formulas of one device: weights, gradients, optimizer state, activations, logits, vLLM KV cache.
+
+Pure functions of a model shape and a parallel layout (no torch, no config); docs/memory.md derives each
+term. All results are bytes on one device (one TP x PP rank, or one rollout engine rank).
+
+State (Megatron mixed precision, the `bf16: true` of every upstream config): bf16 weights (2 bytes/param),
+fp32 main gradients (4; Megatron turns on `accumulate_allreduce_grads_in_fp32` under bf16), fp32 master
+weights (4) and Adam's two fp32 moments (8). In fp32 the weights are their own master (no copy). The
+distributed optimizer divides master weights and moments (not gradients: each rank keeps the full fp32 grad
+buffer and reduce-scatters it) by the data-parallel size.
+
+Activations follow the accounting of Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models" (MLSys 2023, arXiv:2205.05198): the bytes each layer keeps for backward, per micro-batch,
+with tensor parallelism dividing what is split over heads / the MLP width, sequence parallelism also dividing
+the rest, selective recompute dropping the core attention and full recompute keeping only each checkpointed
+unit's input. Their GPT (4h GeLU MLP, dropout) is replaced here by what megatron-core keeps for the models
+rlfabric trains (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU of width f, no dropout), in two
+kernel sets: `fused` (flash attention, fused RMSNorm / SwiGLU / RoPE: what an accelerator run uses when the
+config asks for them) and `UNFUSED` (megatron-core's local spec, what runs on CPU), counted from the tensors
+autograd saves in each (checked against services/trainer/memory.py's ActivationTracker in the tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+GIB = 1 << 30
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# An RMSNorm keeps its rstd in fp32, one value per token; the unfused one (torch's composite rms_norm)
+# computes in fp32 and keeps an fp32 copy of its input and of x * rstd whatever the model dtype.
+_RSTD = 4
+_UNFUSED_NORM = 2 * 4
+# rlfabric gathers the response positions with an int64 index per (row, response position) (step.py).
+_INDEX = 8
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A dense decoder (Qwen2 / Qwen2.5 / Qwen3 / Llama): what the formulas need of it."""
+
+    num_layers: int
+    hidden: int
+    ffn: int  # per gate of SwiGLU
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int  # padded vocabulary (rows of the embedding)
+    tied: bool  # output layer shares the embedding
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_spec(cls, spec) -> ModelShape:
+        """From a `services.common.model_spec.ModelSpec` (an HF config.json)."""
+        return cls(num_layers=spec.num_hidden_layers, hidden=spec.hidden_size, ffn=spec.intermediate_size,
+                   heads=spec.num_attention_heads, kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+                   vocab=spec.vocab_size, tied=spec.tie_word_embeddings, qkv_bias=spec.attention_bias,
+                   qk_norm=spec.qk_norm)
+
+    def layer_split_params(self) -> int:
+        """Parameters of one layer that tensor parallelism splits (linear weights, QKV bias)."""
+        qkv_out = (self.heads + 2 * self.kv_heads) * self.head_dim
+        weights = self.hidden * qkv_out + self.heads * self.head_dim * self.hidden + 3 * self.hidden * self.ffn
+        return weights + (qkv_out if self.qkv_bias else 0)
+
+    def layer_replicated_params(self) -> int:
+        """Parameters of one layer every TP rank holds whole (the two RMSNorms, the per-head q/k norms)."""
+        return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+
+    def total_params(self) -> int:
+        layers = self.num_layers * (self.layer_split_params() + self.layer_replicated_params())
+        return layers + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+
+def stage_layers(num_layers: int, pp: int) -> int:
+    """Layers per pipeline stage: rlfabric splits evenly (num_layer_list is inert)."""
+    if num_layers % pp:
+        raise ValueError(f"num_layers {num_layers} does not divide by pipeline_model_parallel_size {pp}")
+    return num_layers // pp
+
+
+def rank_params(shape: ModelShape, *, tp: int, pp: int, stage: int) -> int:
+    """Parameters one TP rank of pipeline stage `stage` holds."""
+    n = stage_layers(shape.num_layers, pp) * (shape.layer_split_params() // tp + shape.layer_replicated_params())
+    vocab_shard = ceil_div(shape.vocab, tp) * shape.hidden
+    if stage == 0:
+        n += vocab_shard
+    if stage == pp - 1:
+        n += shape.hidden  # final norm
+        if not shape.tied or pp > 1:  # tied weights across stages: the last stage keeps its own copy
+            n += vocab_shard
+    return n
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """Bytes of model and optimizer state on one device."""
+
+    params: int
+    grads: int
+    master: int
+    optimizer_states: int
+
+    @property
+    def optimizer(self) -> int:
+        return self.master + self.optimizer_states
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.master + self.optimizer_states
+
+
+def training_state(n_params: int, *, params_bytes: int, distributed_optimizer: bool, dp: int) -> StateBytes:
+    """Weights, fp32 gradients, fp32 master weights (mixed precision only) and Adam moments of `n_params`."""
+    mixed = params_bytes < 4
+    master, moments = (4 * n_params if mixed else 0), 8 * n_params
+    if distributed_optimizer and dp > 1:
+        master, moments = ceil_div(master, dp), ceil_div(moments, dp)
+    return StateBytes(params=params_bytes * n_params, grads=4 * n_params, master=master, optimizer_states=moments)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Which fused kernels the run uses (they change what autograd keeps)."""
+
+    flash_attention: bool
+    fused_norm: bool
+    fused_swiglu: bool
+    fused_rope: bool
+    softmax_in_fp32: bool = True
+
+
+UNFUSED = Kernels(flash_attention=False, fused_norm=False, fused_swiglu=False, fused_rope=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    """Activation recomputation (Megatron's recompute_* keys and MindSpeed's recompute_activation_function)."""
+
+    granularity: str | None = None  # None, "selective" or "full"
+    method: str = "uniform"  # full: "uniform" or "block"
+    num_layers: int = 1
+    activation_function: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch: `rows` sequences padded to `seq` tokens, `response` positions whose logits are kept."""
+
+    rows: int
+    seq: int
+    response: int
+    tokens: int | None = None  # packed micro-batches: the real token count (default rows x seq)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.tokens if self.tokens is not None else self.rows * self.seq
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainShape:
+    """How a stage trains: TP, sequence parallelism, activation bytes, kernels, recompute."""
+
+    tp: int = 1
+    sequence_parallel: bool = False
+    act_bytes: int = 2
+    kernels: Kernels = UNFUSED
+    recompute: Recompute = Recompute()
+
+
+def _layer_parts(m: ModelShape, mb: MicroBatch, ts: TrainShape) -> dict[str, int]:
+    """Bytes one layer keeps for backward of one micro-batch, by part, without recompute."""
+    t, b, k = ts.tp, ts.act_bytes, ts.kernels
+    tok, rep = mb.n_tokens, ts.tp if ts.sequence_parallel else 1
+    heads, kv, d, h, f = m.heads // t, max(m.kv_heads // t, 1), m.head_dim, m.hidden, m.ffn
+    # Two norms (input and rstd; unfused also x * rstd, in fp32) and the inputs of the QKV and FC1 linears.
+    norm = h * (b if k.fused_norm else _UNFUSED_NORM) + _RSTD
+    parts = {"norms_and_linear_inputs": tok * (2 * norm + 2 * h * b) // rep}
+    parts["rope"] = 0 if k.fused_rope else mb.seq * 4 * d * b  # cos and sin for q and k, per position
+    if k.flash_attention:
+        # Q and K after RoPE, V (a view of the fused QKV output, which stays whole), the output and the fp32
+        # log-sum-exp per head.
+        parts["attention"] = tok * (_qkv_kept(heads, kv, d) * b + heads * d * b + 4 * heads)
+    else:
+        # Q, K and V expanded to every query head, the output; scores: the softmax output (fp32 under
+        # softmax_in_fp32, plus the cast copy the value matmul keeps).
+        parts["attention"] = tok * 4 * heads * d * b + mb.rows * heads * mb.seq * mb.seq * _score_bytes(b, k)
+    # SwiGLU: FC1 output (gate and up) and the FC2 input; unfused also silu(gate) and the up operand.
+    parts["mlp"] = tok * (3 if k.fused_swiglu else 5) * f * b // t
+    return parts
+
+
+def _qkv_kept(heads: int, kv: int, d: int) -> int:
+    """Per token: Q and K after RoPE (new tensors) and the fused QKV output a view of V keeps alive."""
+    return (heads + kv) * d + (heads + 2 * kv) * d
+
+
+def _score_bytes(b: int, k: Kernels) -> int:
+    return b if b == 4 or not k.softmax_in_fp32 else 4 + b
+
+
+@dataclasses.dataclass(frozen=True)
+class StageActivations:
+    """Activation bytes of one pipeline stage for one micro-batch, and how many micro-batches it holds.
+
+    `held` stays from the forward to the end of the micro-batch's backward (layers, token ids, mask);
+    `head` is the last stage's part that backward frees first (final norm, response gather, output-layer
+    input); `logits_saved` the fp32 response logits the loss keeps; `backward_peak` the high-water of the
+    micro-batch's own backward (recompute rebuilding a unit on top of what is held).
+    """
+
+    per_layer: int  # one layer as recompute leaves it
+    held: int
+    head: int
+    logits_saved: int
+    logits_transient: int  # the raw (and upcast) logits alive while the loss runs: allocator-visible only
+    backward_peak: int
+    in_flight: int  # micro-batches whose activations the stage holds at once (1F1B)
+
+    @property
+    def saved_peak(self) -> int:
+        """Peak bytes kept for backward (what services/trainer/memory.py's ActivationTracker measures)."""
+        others = (self.in_flight - 1) * (self.held + self.head)
+        return others + max(self.held + self.head + self.logits_saved, self.backward_peak)
+
+    @property
+    def peak(self) -> int:
+        """`saved_peak` plus the transient logits (closer to what a device allocator sees)."""
+        others = (self.in_flight - 1) * (self.held + self.head)
+        return max(self.saved_peak, others + self.held + self.head + self.logits_saved + self.logits_transient)
+
+
+def stage_activations(m: ModelShape, mb: MicroBatch, ts: TrainShape, *, pp: int = 1, stage: int = 0,
+                      micro_batches: int = 1) -> StageActivations:
+    """Activations of pipeline stage `stage` of `pp` while it trains `micro_batches` micro-batches (1F1B)."""
+    n_layers = stage_layers(m.num_layers, pp)
+    parts = _layer_parts(m, mb, ts)
+    full = sum(parts.values())
+    rc, t, b, k, tok = ts.recompute, ts.tp, ts.act_bytes, ts.kernels, mb.n_tokens
+    rep = t if ts.sequence_parallel else 1
+    heads, kv, d, f = m.heads // t, max(m.kv_heads // t, 1), m.head_dim, m.ffn
+    shared = tok * 8 if stage == 0 else 0  # token ids kept by the embedding
+    if not k.flash_attention:
+        shared += mb.seq * mb.seq  # the bool causal mask, kept once for every layer
+    mlp_redo = 0
+    if rc.activation_function:
+        # MindSpeed's: keep FC1's output only; backward refills the activation's output (and the unfused
+        # SwiGLU keeps silu(gate) while it does).
+        mlp_redo = tok * (1 if k.fused_swiglu else 2) * f * b // t
+        parts["mlp"] = tok * 2 * f * b // t
+    if rc.granularity == "full":
+        # Each checkpointed unit keeps its input; the rotary frequencies (fp32) are kept once. The first norm
+        # of a unit keeps that same input when it keeps its input as is (fused, or fp32).
+        unit_input = tok * m.hidden * b // rep
+        shared += mb.seq * d * 4
+        dup = unit_input if (k.fused_norm or b == 4) else 0
+        n = max(1, min(rc.num_layers, n_layers))
+        per_layer = unit_input
+        if rc.method == "block":  # the first n layers of the stage are checkpointed one by one
+            layers = n * unit_input + (n_layers - n) * full
+            backward = n * unit_input + full - dup  # the plain layers are freed before the checkpointed ones
+        else:  # uniform: units of n layers
+            layers = ceil_div(n_layers, n) * unit_input
+            backward = layers + n * full - dup
+    elif rc.granularity == "selective":
+        # Core attention recomputed: its inputs (Q, K after RoPE, the QKV output under V) and output stay.
+        redo = parts["attention"] - tok * _qkv_kept(heads, kv, d) * b - tok * heads * d * b
+        parts["attention"] = tok * (_qkv_kept(heads, kv, d) + heads * d) * b
+        per_layer = sum(parts.values())
+        layers = n_layers * per_layer
+        # The attention is redone after backward has passed (and freed) the layer's MLP half.
+        mlp_half = parts["mlp"] + parts["norms_and_linear_inputs"] // 2
+        backward = layers + max(redo - mlp_half, mlp_redo)
+    else:
+        per_layer = sum(parts.values())
+        layers = n_layers * per_layer
+        backward = layers + mlp_redo
+    head = logits_saved = logits_transient = 0
+    if stage == pp - 1:
+        h, r = m.hidden, mb.rows * mb.response
+        norm = h * (b if k.fused_norm else _UNFUSED_NORM) + _RSTD
+        # The final norm (its slice of the sequence under SP), its output (gathered whole in front of the output
+        # layer under SP, kept by the response gather), the gather's index, the output layer's input.
+        head = tok * norm // rep + tok * h * b + r * (_INDEX + h * b)
+        logits_saved = r * m.vocab * 4  # full vocabulary on every TP rank, fp32 (grpo_loss upcasts)
+        logits_transient = r * m.vocab * (b + (4 if b < 4 else 0))
+    return StageActivations(per_layer=per_layer, held=layers + shared, head=head, logits_saved=logits_saved,
+                            logits_transient=logits_transient, backward_peak=backward + shared,
+                            in_flight=max(1, min(pp - stage, micro_batches)))
+
+
+def forward_only_peak(m: ModelShape, mb: MicroBatch, ts: TrainShape, *, pp: int = 1, stage: int = 0) -> int:
+    """Estimated peak of a no-grad forward (log-probs): the residual stream, one layer's working set, logits.
+
+    Nothing is kept between layers; a layer's temporaries are bounded by what it would keep for backward.
+    The last stage holds the response logits in the model dtype, their fp32 upcast and the scaled copy.
+    """
+    parts = _layer_parts(m, mb, ts)
+    peak = 2 * mb.n_tokens * m.hidden * ts.act_bytes + sum(parts.values())
+    if stage == pp - 1:
+        peak += mb.rows * mb.response * m.vocab * (ts.act_bytes + 8)
+    return peak
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutMemory:
+    """One vLLM engine rank: its share of gpu_memory_utilization x device memory."""
+
+    budget: int
+    weights: int
+    activations: int  # estimate of vLLM's profile run (largest layer working set and the sampler's logits)
+    kv_cache: int
+    kv_bytes_per_token: int
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(self.kv_cache, 0) // self.kv_bytes_per_token
+
+
+def rollout_memory(m: ModelShape, *, infer_tp: int, weight_bytes: int, kv_bytes: int, device_memory: int,
+                   gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> RolloutMemory:
+    """vLLM takes gpu_memory_utilization x device memory; what weights and activations leave is KV cache.
+
+    KV per token: K and V of every layer for this rank's KV heads (vLLM replicates KV heads when the engine's
+    TP exceeds their number).
+    """
+    budget = int(gpu_memory_utilization * device_memory)
+    weights = rank_params(m, tp=infer_tp, pp=1, stage=0) * weight_bytes
+    kv_heads = max(m.kv_heads // infer_tp, 1)
+    per_token = 2 * m.num_layers * kv_heads * m.head_dim * kv_bytes
+    t = max_num_batched_tokens
+    acts = t * (3 * m.ffn // infer_tp + 4 * m.hidden) * weight_bytes \
+        + max_num_seqs * m.vocab * (weight_bytes + 8)  # logits, fp32 logits and log-probs of the sampler
+    return RolloutMemory(budget=budget, weights=weights, activations=acts,
+                         kv_cache=budget - weights - acts, kv_bytes_per_token=per_token)
+
+
+def parse_size(text: str) -> int:
+    """'64GiB', '64G', '80GB', '1.5TiB', '123456' -> bytes (G/GiB binary, GB decimal)."""
+    s = text.strip().replace(" ", "")
+    units = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10 ** 3, "m": 1 << 20, "mib": 1 << 20,
+             "mb": 10 ** 6, "g": 1 << 30, "gib": 1 << 30, "gb": 10 ** 9, "t": 1 << 40, "tib": 1 << 40,
+             "tb": 10 ** 12}
+    i = len(s)
+    while i > 0 and s[i - 1].isalpha():
+        i -= 1
+    number, unit = s[:i], s[i:].lower()
+    if unit not in units or not number:
+        raise ValueError(f"device memory {text!r}: expected a size such as 64GiB, 80GB or 141G")
+    value = float(number) * units[unit]
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"device memory {text!r} must be a positive size")
+    return int(value)

@@ -1,0 +1,498 @@
+"""A config's memory plan: per-device peaks of actor, reference and rollout in both placements, and what to change.
+
+`inputs_from_config(cfg, device_memory)` reads what the arithmetic needs from a loaded config (the model block,
+the actor / reference / rollout layouts, batch sizes, offload keys); `evaluate(inputs)` applies
+services/planning/arithmetic.py phase by phase:
+
+- integrated (actor, reference and rollout share every device, MindSpeed-RL's all-shared-device mode, in the
+  order services/coordinator/placement.py runs it): rollout = vLLM's gpu_memory_utilization x device memory +
+  what the actor keeps on the device per generate_config.offload_train_*; reference pass = its weights and
+  forward + the same actor residue; old log-probs = actor weights and forward (+ grads / optimizer state when
+  not offloaded); update = all actor state + activations. vLLM sleeps (weights and KV cache off the device)
+  outside the rollout, and the reference is offloaded outside its pass.
+- disaggregated: the actor's devices (update or old log-probs, all state resident), the reference's (weights
+  + forward), the rollout's (gpu_memory_utilization x device memory).
+
+`advise(inputs)` tries the changes a user would make, one at a time and then together, and names the config
+keys of the ones that make the placement fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from services.planning.arithmetic import (
+    DTYPE_BYTES,
+    UNFUSED,
+    Kernels,
+    MicroBatch,
+    ModelShape,
+    Recompute,
+    RolloutMemory,
+    StateBytes,
+    TrainShape,
+    ceil_div,
+    forward_only_peak,
+    rank_params,
+    rollout_memory,
+    stage_activations,
+    training_state,
+)
+
+DEFAULT_PACKING_TOKENS = 4096  # MindSpeed-RL's per-pass default (services/common/config/rl.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerLayout:
+    """A trainer role's layout and batches."""
+
+    tp: int
+    pp: int
+    dp: int
+    params_bytes: int  # 2 bf16, 4 fp32
+    distributed_optimizer: bool = False
+    sequence_parallel: bool = False
+    kernels: Kernels = Kernels(False, False, False, False)
+    recompute: Recompute = Recompute()
+    update: MicroBatch | None = None  # None: no update (the reference)
+    micro_batches: int = 1  # per DP rank and optimizer step (1F1B in-flight bound)
+    forward: MicroBatch = MicroBatch(1, 1, 1)
+
+    def shape(self, recompute: Recompute | None = None) -> TrainShape:
+        return TrainShape(tp=self.tp, sequence_parallel=self.sequence_parallel, act_bytes=self.params_bytes,
+                          kernels=self.kernels, recompute=self.recompute if recompute is None else recompute)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutLayout:
+    infer_tp: int
+    weight_bytes: int
+    gpu_memory_utilization: float
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    param: bool = False
+    grad: bool = False
+    optimizer: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+    model: ModelShape
+    device_memory: int
+    actor: TrainerLayout
+    reference: TrainerLayout | None
+    rollout: RolloutLayout
+    integrated: bool
+    offload: Offload = Offload()
+    skip_old_log_probs: bool = False
+    keys: dict[str, str] = dataclasses.field(default_factory=dict)  # knob -> the YAML key that sets it
+    notes: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorPlan:
+    """The actor's worst pipeline stage: its state and activations (bytes per device)."""
+
+    stage: int
+    n_params: int
+    state: StateBytes
+    activations: dict[str, int]  # "none" / "selective" / "full": saved-for-backward peak of each recompute mode
+    activations_configured: int  # the configured mode's saved peak
+    logits_saved: int
+    logits_transient: int
+    update_peak: int
+    forward_peak: int  # old log-probs: weights + forward (the state as resident then is added by placement)
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    name: str
+    actor: int
+    reference: int
+    rollout: int
+
+    @property
+    def total(self) -> int:
+        return self.actor + self.reference + self.rollout
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementPlan:
+    name: str  # "integrated" or "disaggregated"
+    phases: list[Phase]
+    device_memory: int
+    kv_fits: bool  # the rollout's KV cache holds at least one max_model_len sequence
+    stage: int  # the actor pipeline stage whose devices peak highest
+
+    @property
+    def peak(self) -> int:
+        return max(p.total for p in self.phases)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.device_memory and self.kv_fits
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    inputs: PlanInputs
+    actor: ActorPlan  # the stage where the configured placement peaks
+    actor_stages: list[ActorPlan]
+    reference_weights: int
+    reference_forward: int
+    rollout: RolloutMemory
+    placements: dict[str, PlacementPlan]
+
+    @property
+    def configured(self) -> PlacementPlan:
+        return self.placements["integrated" if self.inputs.integrated else "disaggregated"]
+
+
+# ---- from a config -------------------------------------------------------------------------------------------
+
+
+class PlanError(ValueError):
+    """The config lacks something the plan needs (the message names the key)."""
+
+
+def model_shape(cfg: Any) -> ModelShape:
+    """The actor's model block as a ModelShape; the vocabulary from its config.json when the block lacks it."""
+    a = cfg.actor_config
+    block = f"model.{cfg.model_name}" if cfg.model_name else "the model block"
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if getattr(a, k) is None]
+    if missing:
+        raise PlanError(f"{block} sets no {', '.join(missing)}: the plan needs the model's shape")
+    heads = a.num_attention_heads
+    vocab = a.padded_vocab_size or _hf_vocab(cfg)
+    if vocab is None:
+        raise PlanError(f"{block}.padded_vocab_size is unset and no config.json was found next to the tokenizer "
+                        "or load path: set it")
+    return ModelShape(num_layers=a.num_layers, hidden=a.hidden_size, ffn=a.ffn_hidden_size or 4 * a.hidden_size,
+                      heads=heads, kv_heads=a.num_query_groups if a.group_query_attention else heads,
+                      head_dim=a.kv_channels or a.hidden_size // heads, vocab=vocab,
+                      tied=not a.untie_embeddings_and_output_weights, qkv_bias=a.add_qkv_bias,
+                      qk_norm=a.qk_layernorm)
+
+
+def _hf_vocab(cfg: Any) -> int | None:
+    from services.common.config.hf_check import model_dirs
+    from services.common.model_spec import read_hf_config
+
+    a = cfg.actor_config
+    for d in model_dirs(cfg):
+        spec, _ = read_hf_config(d)
+        div = max(a.make_vocab_size_divisible_by, 1) * a.tensor_model_parallel_size
+        return ceil_div(spec.vocab_size, div) * div
+    return None
+
+
+def _kernels(mt: Any) -> Kernels:
+    te = mt.transformer_impl == "transformer_engine"
+    # The unfused softmax runs in fp32 whatever attention_softmax_in_fp32 says: megatron-core's default, which
+    # rlfabric's model keeps.
+    return Kernels(flash_attention=mt.use_flash_attn or te, fused_norm=mt.use_fused_rmsnorm or te,
+                   fused_swiglu=mt.use_fused_swiglu, fused_rope=mt.use_fused_rotary_pos_emb)
+
+
+def _recompute(mt: Any) -> Recompute:
+    return Recompute(granularity=mt.recompute_granularity, method=mt.recompute_method or "uniform",
+                     num_layers=mt.recompute_num_layers or 1, activation_function=mt.recompute_activation_function)
+
+
+def _micro_batch(rows: int, seq: int, response: int, *, packed: bool, budget: int | None) -> MicroBatch:
+    """One micro-batch at its worst (every sequence `seq` tokens long, `response` of them answers).
+
+    `budget` (use_dynamic_bsz): as many whole sequences as the token budget holds (at least one) instead of
+    `rows`. `packed` (use_remove_padding): the sequences in one row without padding, as the trainer runs them
+    (THD, or one row with a block-diagonal mask on CPU, whose unfused scores then span the whole row).
+    """
+    if budget is not None:
+        rows = max(budget // seq, 1)
+    if packed:
+        return MicroBatch(rows=1, seq=rows * seq, response=rows * response)
+    return MicroBatch(rows=rows, seq=seq, response=response)
+
+
+def inputs_from_config(cfg: Any, device_memory: int, *, cpu: bool = False) -> PlanInputs:
+    """What `evaluate` needs from a loaded RLFabricConfig. `cpu`: the unfused kernels rlfabric runs on CPU."""
+    a, r, rl, gen, d = cfg.actor_config, cfg.ref_config, cfg.rl_config, cfg.generate_config, cfg.derived
+    shape = model_shape(cfg)
+    seq, resp = d.max_sequence_length, d.max_response_length
+    dyn = rl.use_dynamic_bsz
+
+    def budget(v: int | None) -> int | None:
+        return (v or DEFAULT_PACKING_TOKENS) if dyn else None
+
+    def batch(rows: int, tokens: int | None) -> MicroBatch:
+        return _micro_batch(rows, seq, resp, packed=rl.use_remove_padding, budget=budget(tokens))
+
+    def layout(mt: Any, dp: int | None, fwd_rows: int | None, fwd_budget: int | None, update: bool) -> TrainerLayout:
+        kernels = UNFUSED if cpu else _kernels(mt)
+        return TrainerLayout(
+            tp=mt.tensor_model_parallel_size, pp=mt.pipeline_model_parallel_size, dp=dp or 1,
+            params_bytes=2 if mt.bf16 else 4, distributed_optimizer=mt.use_distributed_optimizer,
+            sequence_parallel=mt.sequence_parallel and mt.tensor_model_parallel_size > 1, kernels=kernels,
+            recompute=_recompute(mt),
+            update=batch(mt.micro_batch_size or 1, rl.update_max_packing_token_size) if update else None,
+            micro_batches=(mt.pipeline_model_parallel_size if dyn else d.micro_batches_per_mini_batch or 1),
+            forward=batch(fwd_rows or 1, fwd_budget))
+
+    actor = layout(a, d.actor_data_parallel_size, d.actor_forward_micro_batch_size, rl.actor_max_packing_token_size,
+                   True)
+    reference = layout(r, d.ref_data_parallel_size, d.ref_forward_micro_batch_size, rl.ref_max_packing_token_size,
+                       False) if d.use_kl_loss else None
+    wbytes = DTYPE_BYTES.get(gen.dtype, actor.params_bytes)  # "auto": the model's dtype
+    rollout = RolloutLayout(infer_tp=gen.infer_tensor_parallel_size, weight_bytes=wbytes,
+                            gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,
+                            max_model_len=gen.max_model_len, max_num_batched_tokens=gen.max_num_batched_tokens)
+    keys = {k: cfg.where(k) for k in ("use_distributed_optimizer", "recompute_granularity", "sequence_parallel",
+                                        "micro_batch_size", "tensor_model_parallel_size",
+                                        "pipeline_model_parallel_size")}
+    for k in ("offload_train_param", "offload_train_grad", "offload_train_optimizer", "gpu_memory_utilization",
+              "infer_tensor_parallel_size"):
+        keys[k] = f"generate_config.{k}"
+    for k in ("actor_forward_micro_batch_size", "ref_forward_micro_batch_size"):
+        keys[k] = f"rl_config.{k}"
+    return PlanInputs(model=shape, device_memory=device_memory, actor=actor, reference=reference, rollout=rollout,
+                      integrated=rl.use_integrated_worker,
+                      offload=Offload(param=gen.offload_train_param, grad=gen.offload_train_grad,
+                                      optimizer=gen.offload_train_optimizer),
+                      skip_old_log_probs=d.skip_old_log_probs, keys=keys, notes=tuple(_notes(cfg)))
+
+
+def _notes(cfg: Any) -> list[str]:
+    a = cfg.actor_config
+    notes = []
+    if a.reuse_fp32_param:
+        notes.append("reuse_fp32_param (MindSpeed) is not modelled: the optimizer figures are an upper bound")
+    if a.swap_attention or a.swap_optimizer:
+        notes.append("swap_attention / swap_optimizer (Ascend) are not modelled: the figures are an upper bound")
+    if a.context_parallel_size > 1:
+        notes.append("context_parallel_size > 1 is not modelled: rlfabric's trainer does not split sequences")
+    if a.num_layer_list:
+        notes.append("num_layer_list is inert in rlfabric: layers are split evenly over pipeline stages")
+    return notes
+
+
+# ---- evaluation ----------------------------------------------------------------------------------------------
+
+
+def _actor_stage(m: ModelShape, a: TrainerLayout, stage: int) -> ActorPlan:
+    n = rank_params(m, tp=a.tp, pp=a.pp, stage=stage)
+    state = training_state(n, params_bytes=a.params_bytes, distributed_optimizer=a.distributed_optimizer, dp=a.dp)
+    assert a.update is not None
+
+    def acts(granularity: str | None):
+        rc = dataclasses.replace(a.recompute, granularity=granularity)
+        return stage_activations(m, a.update, a.shape(rc), pp=a.pp, stage=stage, micro_batches=a.micro_batches)
+
+    mine = acts(a.recompute.granularity)
+    return ActorPlan(stage=stage, n_params=n, state=state,
+                     activations={mode: acts(g).saved_peak
+                                  for mode, g in (("none", None), ("selective", "selective"), ("full", "full"))},
+                     activations_configured=mine.saved_peak, logits_saved=mine.logits_saved,
+                     logits_transient=mine.logits_transient, update_peak=state.total + mine.peak,
+                     forward_peak=forward_only_peak(m, a.forward, a.shape(), pp=a.pp, stage=stage))
+
+
+def _reference(m: ModelShape, r: TrainerLayout | None) -> tuple[int, int]:
+    """(weights, forward) bytes of the reference's worst stage; (0, 0) without a reference."""
+    if r is None:
+        return 0, 0
+    return max(((rank_params(m, tp=r.tp, pp=r.pp, stage=s) * r.params_bytes,
+                 forward_only_peak(m, r.forward, r.shape(), pp=r.pp, stage=s)) for s in range(r.pp)),
+               key=sum)
+
+
+def _placements(inputs: PlanInputs, actor: ActorPlan, ref: int, budget: int, kv_fits: bool
+                ) -> dict[str, PlacementPlan]:
+    """Both placements for the devices of one actor pipeline stage."""
+    s, off, mem = actor.state, inputs.offload, inputs.device_memory
+    kept = (0 if off.param else s.params) + (0 if off.grad else s.grads) + (0 if off.optimizer else s.optimizer)
+    train_only = (0 if off.grad else s.grads) + (0 if off.optimizer else s.optimizer)
+    old_lp = [] if inputs.skip_old_log_probs else [Phase("old log-probs", s.params + train_only + actor.forward_peak,
+                                                         0, 0)]
+    ref_phase = [Phase("reference pass", kept, ref, 0)] if inputs.reference is not None else []
+    integrated = [Phase("rollout", kept, 0, budget), *ref_phase, *old_lp, Phase("update", actor.update_peak, 0, 0)]
+    actor_devices = max(actor.update_peak, s.total + (0 if inputs.skip_old_log_probs else actor.forward_peak))
+    disagg = [Phase("actor devices", actor_devices, 0, 0)]
+    if inputs.reference is not None:
+        disagg.append(Phase("reference devices", 0, ref, 0))
+    disagg.append(Phase("rollout devices", 0, 0, budget))
+    return {"integrated": PlacementPlan("integrated", integrated, mem, kv_fits, actor.stage),
+            "disaggregated": PlacementPlan("disaggregated", disagg, mem, kv_fits, actor.stage)}
+
+
+def evaluate(inputs: PlanInputs) -> Plan:
+    """The plan of `inputs`: each placement at the actor pipeline stage where it peaks highest."""
+    m, a, ro = inputs.model, inputs.actor, inputs.rollout
+    stages = [_actor_stage(m, a, s) for s in range(a.pp)]
+    ref_w, ref_f = _reference(m, inputs.reference)
+    rollout = rollout_memory(m, infer_tp=ro.infer_tp, weight_bytes=ro.weight_bytes, kv_bytes=ro.weight_bytes,
+                             device_memory=inputs.device_memory, gpu_memory_utilization=ro.gpu_memory_utilization,
+                             max_num_batched_tokens=ro.max_num_batched_tokens, max_num_seqs=ro.max_num_seqs)
+    kv_fits = rollout.kv_tokens >= ro.max_model_len
+    per_stage = [_placements(inputs, st, ref_w + ref_f, rollout.budget, kv_fits) for st in stages]
+    placements = {name: max((p[name] for p in per_stage), key=lambda p: p.peak) for name in per_stage[0]}
+    configured = placements["integrated" if inputs.integrated else "disaggregated"]
+    return Plan(inputs=inputs, actor=stages[configured.stage], actor_stages=stages, reference_weights=ref_w,
+                reference_forward=ref_f, rollout=rollout, placements=placements)
+
+
+# ---- advice --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One config change: the YAML setting it stands for and the inputs it produces (None: not applicable)."""
+
+    setting: str
+    apply: Callable[[PlanInputs], PlanInputs | None]
+
+
+def _actor(inputs: PlanInputs, **kw: Any) -> PlanInputs:
+    return dataclasses.replace(inputs, actor=dataclasses.replace(inputs.actor, **kw))
+
+
+def _double_tp(inputs: PlanInputs) -> PlanInputs | None:
+    a, m = inputs.actor, inputs.model
+    tp = a.tp * 2
+    if m.heads % tp or m.kv_heads % tp or a.dp % 2:
+        return None
+    return _actor(inputs, tp=tp, dp=a.dp // 2)
+
+
+def _double_pp(inputs: PlanInputs) -> PlanInputs | None:
+    a, m = inputs.actor, inputs.model
+    pp = a.pp * 2
+    if m.num_layers % pp or a.dp % 2:
+        return None
+    return _actor(inputs, pp=pp, dp=a.dp // 2)
+
+
+# vLLM's own default gpu_memory_utilization: what a rollout with devices of its own can take.
+_VLLM_DEFAULT_UTILIZATION = 0.9
+
+
+def _util_for_room(inputs: PlanInputs) -> PlanInputs | None:
+    """gpu_memory_utilization set to the room there is: integrated, what the actor's kept state leaves (two
+    decimals, at most vLLM's default); disaggregated, vLLM's default. None when that is the current value."""
+    util = _VLLM_DEFAULT_UTILIZATION
+    if inputs.integrated:
+        kept = evaluate(inputs).placements["integrated"].phases[0].actor
+        util = min(util, int((inputs.device_memory - kept) / inputs.device_memory * 100) / 100)
+    if util <= 0 or util == inputs.rollout.gpu_memory_utilization:
+        return None
+    return dataclasses.replace(inputs, rollout=dataclasses.replace(inputs.rollout, gpu_memory_utilization=util))
+
+
+def _infer_tp_ok(m: ModelShape, tp: int) -> bool:
+    # vLLM splits query heads evenly and splits or replicates KV heads.
+    return m.heads % tp == 0 and (m.kv_heads % tp == 0 or tp % m.kv_heads == 0)
+
+
+def _smaller_forward(layout: TrainerLayout | None) -> TrainerLayout | None:
+    if layout is None or layout.forward.rows <= 1:
+        return None
+    return dataclasses.replace(layout, forward=dataclasses.replace(layout.forward, rows=1))
+
+
+def changes(inputs: PlanInputs) -> list[Change]:
+    """The changes to try, least disruptive first (each returns None where it does not apply)."""
+    k, a, ro = inputs.keys, inputs.actor, inputs.rollout
+    out = [Change(f"{k.get('use_distributed_optimizer')}: true",
+                  lambda i: _actor(i, distributed_optimizer=True)
+                  if not i.actor.distributed_optimizer and i.actor.dp > 1 else None)]
+    if inputs.integrated:
+        for name, field in (("offload_train_optimizer", "optimizer"), ("offload_train_grad", "grad"),
+                            ("offload_train_param", "param")):
+            out.append(Change(f"{k.get(name)}: true", lambda i, f=field: None if getattr(i.offload, f) else
+                              dataclasses.replace(i, offload=dataclasses.replace(i.offload, **{f: True}))))
+    out += [
+        Change(f"{k.get('recompute_granularity')}: full", lambda i: None if i.actor.recompute.granularity == "full"
+               else _actor(i, recompute=Recompute("full", "uniform", 1, i.actor.recompute.activation_function))),
+        Change(f"{k.get('sequence_parallel')}: true", lambda i: _actor(i, sequence_parallel=True)
+               if i.actor.tp > 1 and not i.actor.sequence_parallel else None),
+        Change(f"{k.get('micro_batch_size')}: 1",
+               lambda i: None if i.actor.update is None or i.actor.update.rows <= 1
+               else _actor(i, update=dataclasses.replace(i.actor.update, rows=1))),
+        Change(f"{k.get('actor_forward_micro_batch_size')}: 1",
+               lambda i: None if (f := _smaller_forward(i.actor)) is None else dataclasses.replace(i, actor=f)),
+        Change(f"{k.get('ref_forward_micro_batch_size')}: 1",
+               lambda i: None if (f := _smaller_forward(i.reference)) is None else dataclasses.replace(i, reference=f)),
+    ]
+    out += [
+        Change(f"{k.get('gpu_memory_utilization')}: ?", _util_for_room),
+        Change(f"{k.get('infer_tensor_parallel_size')}: {ro.infer_tp * 2}",
+               lambda i: dataclasses.replace(i, rollout=dataclasses.replace(i.rollout, infer_tp=ro.infer_tp * 2))
+               if _infer_tp_ok(i.model, ro.infer_tp * 2) else None),
+        Change(f"{k.get('tensor_model_parallel_size')}: {a.tp * 2}", _double_tp),
+        Change(f"{k.get('pipeline_model_parallel_size')}: {a.pp * 2}", _double_pp),
+    ]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    placement: str
+    fits: bool  # whether `settings` make it fit
+    settings: list[str]
+    peak: int  # the placement's lowest peak with a fitting setting, or with all of `settings` applied
+    alternatives: bool  # each setting fits alone (else: all of them together, in order)
+
+
+def _setting(change: Change, applied: PlanInputs) -> str:
+    if change.setting.endswith(": ?"):  # name the value the change chose
+        return change.setting.replace("?", f"{applied.rollout.gpu_memory_utilization:g}")
+    return change.setting
+
+
+def advise(inputs: PlanInputs, placement: str) -> Advice | None:
+    """None when `placement` fits; else the single changes that make it fit, or the fewest in order that do."""
+    if evaluate(inputs).placements[placement].fits:
+        return None
+    singles = []
+    for c in changes(inputs):
+        applied = c.apply(inputs)
+        if applied is not None and (p := evaluate(applied).placements[placement]).fits:
+            singles.append((_setting(c, applied), p.peak))
+    if singles:
+        best = min(singles, key=lambda s: s[1])
+        return Advice(placement, True, [s for s, _ in singles], best[1], alternatives=True)
+    # Greedy: take the first change (in order) that lowers the peak or makes the KV cache fit, until it fits.
+    current, taken = inputs, []
+    candidates = changes(inputs)
+    progress = True
+    while progress:
+        progress = False
+        before = evaluate(current).placements[placement]
+        for c in candidates:
+            label = c.setting.split(":")[0]
+            if any(t.split(":")[0] == label for t in taken) or (applied := c.apply(current)) is None:
+                continue
+            after = evaluate(applied).placements[placement]
+            if after.peak < before.peak or (after.kv_fits and not before.kv_fits):
+                current, taken, progress = applied, [*taken, _setting(c, applied)], True
+                if after.fits:
+                    return Advice(placement, True, taken, after.peak, alternatives=False)
+                break
+    return Advice(placement, False, taken, evaluate(current).placements[placement].peak, alternatives=False)
+
+
+def plan_config(path: str | Path, device_memory: int, overrides: list[str] | tuple[str, ...] = (),
+                *, cpu: bool = False) -> tuple[Plan, dict[str, Advice | None]]:
+    """Load a config and plan it; raises ConfigError (refused / invalid config) or PlanError."""
+    from services.common.config import load_config
+
+    cfg = load_config(path, overrides=list(overrides))
+    inputs = inputs_from_config(cfg, device_memory, cpu=cpu)
+    plan = evaluate(inputs)
+    return plan, {name: advise(inputs, name) for name in plan.placements}
