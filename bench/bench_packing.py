@@ -73,8 +73,9 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     from services.common.tiny_model import write_tiny_model
     from services.trainer import parallel
+    from services.trainer.optimizer import OptimizerOptions
     from services.trainer.packing import Packing
-    from services.trainer.update import OptimizerOptions, UpdateOptions
+    from services.trainer.update import UpdateOptions
     from services.trainer.worker import TrainerWorker, WorkerOptions
 
     with tempfile.TemporaryDirectory(prefix="bench_packing_") as tmp:

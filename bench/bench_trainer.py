@@ -80,7 +80,8 @@ def cost_rank_main(a: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     from services.trainer import parallel
-    from services.trainer.update import OptimizerOptions, UpdateOptions
+    from services.trainer.optimizer import OptimizerOptions
+    from services.trainer.update import UpdateOptions
     from services.trainer.worker import TrainerWorker, WorkerOptions
 
     b, p, r, _, micro, fmicro = COST_CASES[a.case]
@@ -113,7 +114,8 @@ def rank_main(a: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     from services.trainer import parallel
-    from services.trainer.update import OptimizerOptions, UpdateOptions
+    from services.trainer.optimizer import OptimizerOptions
+    from services.trainer.update import UpdateOptions
     from services.trainer.worker import TrainerWorker, WorkerOptions
 
     parallel.init_distributed(rank=a.rank, world_size=a.world, master_port=a.port)

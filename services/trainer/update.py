@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from services.trainer import grpo_loss, packing
-from services.trainer.optimizer import OptimizerOptions as OptimizerOptions
 from services.trainer.step import (
     SequenceRows,
     gather_response_logits,

@@ -51,3 +51,11 @@ def test_system_up_names_every_missing_path_before_starting_anything(repo_root: 
     assert not (tmp_path / "system").exists()
     with pytest.raises(ConfigError):
         check_run_files(load_config(repo_root / TINY, overrides=_paths(tmp_path / "model", tmp_path / "data")))
+
+
+def test_validation_data_is_checked_only_when_validation_runs(repo_root: Path, tiny_model_dir: Path,
+                                                             arith_prefix: Path, tmp_path: Path) -> None:
+    paths = [*_paths(tiny_model_dir, arith_prefix), f"rlfabric.val_data_path={tmp_path / 'heldout'}"]
+    assert missing_input_paths(load_config(repo_root / TINY, overrides=paths)) == []
+    (issue,) = missing_input_paths(load_config(repo_root / TINY, overrides=[*paths, "rlfabric.val_interval=5"]))
+    assert issue.key == "rlfabric.val_data_path" and str(tmp_path / "heldout") in issue.message

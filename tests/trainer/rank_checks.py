@@ -81,7 +81,8 @@ def main() -> int:
 def run_checks(a: argparse.Namespace, tp: int, pp: int, load: str | None) -> dict:
     """Every check of one layout, on every rank; the results rank 0 saves."""
     from services.trainer.model import model_forward
-    from services.trainer.update import OptimizerOptions, UpdateOptions
+    from services.trainer.optimizer import OptimizerOptions
+    from services.trainer.update import UpdateOptions
     from services.trainer.worker import TrainerWorker, WorkerOptions
 
     work = Path(a.work)

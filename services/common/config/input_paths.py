@@ -50,7 +50,9 @@ def missing_input_paths(cfg: RLFabricConfig) -> list[ConfigIssue]:
                      "`rlfabric convert hf2mcore`")
             issues.append(ConfigIssue(cfg.where(key), f"no folder {path}; {_how_to_make(path, usual)}",
                                       cfg.source(key)))
-    datasets = {"data_path": cfg.actor_config.data_path, "rlfabric.val_data_path": cfg.rlfabric.val_data_path}
+    validates = cfg.rlfabric.val_interval > 0 or cfg.rlfabric.val_before_train
+    datasets = {"data_path": cfg.actor_config.data_path,
+                "rlfabric.val_data_path": cfg.rlfabric.val_data_path if validates else None}
     for key, prefix in datasets.items():
         if not prefix:
             continue
