@@ -99,6 +99,17 @@ def rollout_stub(rollout_server) -> Iterator:
     channel.close()
 
 
+@pytest.fixture(autouse=True)
+def _server_security_restored() -> Iterator[None]:
+    """A serve command run in-process sets this process's server security (a fail-closed token without
+    --auth-token-file); the next test's in-process servers must not inherit it."""
+    from services.common import server
+
+    before = server._process
+    yield
+    server._process = before
+
+
 # --- trainer groups: real `rlfabric trainer serve` processes (services/common/processes.py) --------------
 
 
@@ -112,7 +123,7 @@ def start_trainer(tmp_path_factory: pytest.TempPathFactory):
     def start(*args: str):
         log_dir = tmp_path_factory.mktemp("trainer_group")
         group, address = start_trainer_group(
-            log_dir, [*args, "--grace-s", "5"], timeout_s=300,
+            log_dir, [*args, "--grace-s", "5", "--insecure"], timeout_s=300,  # the tests call without a token
             env={"PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
         started.append(group)
         return group, address

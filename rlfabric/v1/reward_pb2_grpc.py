@@ -80,7 +80,8 @@ class RewardServicer:
         or returns a non-finite value costs that sample only: its VerifierScore carries score 0 and an
         error, and the stream goes on.
         Errors (the stream ends; answers ready before the bad sample still arrive first):
-        INVALID_ARGUMENT: a malformed sample, named with its field: empty `sample_id`, no `verifiers`, an
+        INVALID_ARGUMENT: a ScoreRequestBatch with no `requests` (what a client of an older proto sends);
+        a malformed sample, named with its field: empty `sample_id`, no `verifiers`, an
         unknown verifier name (the message lists the known ones), a non-finite weight, `deadline_s`
         not finite or outside [0, 3600], a string field that is not UTF-8. Do not retry unchanged.
         UNAVAILABLE: the worker is unreachable or shutting down. RESOURCE_EXHAUSTED: a message over

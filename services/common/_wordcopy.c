@@ -1,14 +1,17 @@
 /* One pass over a weight tensor's bytes for what the transports do with them (services/common/checksum.py).
  *
- * copy_sum(dst, src)              -> word sum of src's bytes, copied into dst
- * copy_sum_nonfinite(dst, src, k) -> (word sum, whether any element is inf or NaN), src copied into dst;
+ * copy_sum(dst, src)              -> (s1, s2): the word sums of src's bytes, copied into dst
+ * copy_sum_nonfinite(dst, src, k) -> (s1, s2, whether any element is inf or NaN), src copied into dst;
  *                                    k: the element type, 8 float64, 4 float32, 2 bfloat16, -2 float16
  * sum_nonfinite(src, k)           -> the same, reading src only
  *
- * The word sum is the wrapping 64-bit sum of the bytes read as little-endian u64 words, the last partial
- * word zero-padded: the same value as checksum.py's torch path. Each word is loaded once, stored, added and
- * tested in registers, so the copy costs what a copy costs (the checks ride along) instead of a copy and
- * one or two more reads of the landed bytes. The GIL is released while the loop runs. Buffers may be
+ * The word sums of the bytes read as little-endian u64 words w_0..w_{N-1} (the last partial word
+ * zero-padded), all mod 2^64: s1 = sum of w_i, s2 = sum of (N - i) * w_i, what `s1 += w; s2 += s1` over the
+ * words in order gives (Fletcher's second sum: it depends on each word's place); the same values as
+ * checksum.py's torch path. Each word is loaded once, stored, added and tested in registers, so the copy
+ * costs what a copy costs (the checks ride along) instead of a copy and one or two more reads of the landed
+ * bytes. Independent lanes keep the adds off one dependency chain; a run of lanes is folded into the running
+ * sums with the chaining rule (`chain_run`). The GIL is released while the loop runs. Buffers may be
  * unaligned (loads and stores go through memcpy, which compilers turn into plain moves).
  */
 #define PY_SSIZE_T_CLEAN
@@ -41,9 +44,25 @@ static const Layout F32 = {23, 0x000000ff000000ffULL, 0x0000000100000001ULL, 8};
 static const Layout BF16 = {7, 0x00ff00ff00ff00ffULL, 0x0001000100010001ULL, 8};
 static const Layout F16 = {10, 0x001f001f001f001fULL, 0x0001000100010001ULL, 5};
 
-static inline __attribute__((always_inline)) uint64_t run_layout(
+typedef struct {
+    uint64_t s1, s2;
+} Sums;
+
+/* Appends a run of m words whose own sums are t1, t2 to the sums of the words before it. */
+static inline void chain_run(Sums *s, uint64_t t1, uint64_t t2, uint64_t m) {
+    s->s2 += m * s->s1 + t2;
+    s->s1 += t1;
+}
+
+static inline void add_word(Sums *s, uint64_t w) {
+    s->s1 += w;
+    s->s2 += s->s1;
+}
+
+static inline __attribute__((always_inline)) Sums run_layout(
         unsigned char *dst, const unsigned char *src, Py_ssize_t n, const int check, const Layout L, int *nonfinite) {
-    uint64_t s0 = 0, s1 = 0, f0 = 0, f1 = 0;
+    Sums s = {0, 0};
+    uint64_t f0 = 0, f1 = 0;
     Py_ssize_t words = n / 8, i = 0;
 #ifdef __SSE2__
     if (!dst || (n >= STREAM_BYTES && (uintptr_t)dst % 8 == 0)) {
@@ -54,10 +73,12 @@ static inline __attribute__((always_inline)) uint64_t run_layout(
             uint64_t a;
             memcpy(&a, src + 8 * i, 8);
             memcpy(dst + 8 * i, &a, 8);
-            s0 += a;
+            add_word(&s, a);
             if (check) f0 |= ((a >> L.shift) & L.field) + L.one;
         }
-        __m128i sa = _mm_setzero_si128(), sb = sa, fa = sa, fb = sa;
+        /* Four lanes: sa holds words 4k and 4k+1, sb 4k+2 and 4k+3; ta, tb their running second sums. */
+        const Py_ssize_t first = i;
+        __m128i sa = _mm_setzero_si128(), sb = sa, ta = sa, tb = sa, fa = sa, fb = sa;
         const __m128i field = _mm_set1_epi64x((long long)L.field), one = _mm_set1_epi64x((long long)L.one);
         for (; i + 4 <= words; i += 4) {
             __m128i a = _mm_loadu_si128((const __m128i *)(src + 8 * i));
@@ -68,19 +89,31 @@ static inline __attribute__((always_inline)) uint64_t run_layout(
             }
             sa = _mm_add_epi64(sa, a);
             sb = _mm_add_epi64(sb, b);
+            ta = _mm_add_epi64(ta, sa);
+            tb = _mm_add_epi64(tb, sb);
             if (check) {
                 fa = _mm_or_si128(fa, _mm_add_epi64(_mm_and_si128(_mm_srli_epi64(a, L.shift), field), one));
                 fb = _mm_or_si128(fb, _mm_add_epi64(_mm_and_si128(_mm_srli_epi64(b, L.shift), field), one));
             }
         }
         _mm_sfence(); /* the streamed stores are visible before the caller says the copy is done */
+        /* Over K rounds lane l's word of round k sits at 4k + l of the run's 4K words: its weight 4K - 4k - l is
+         * 4 times its lane weight K - k, less l; so the run's second sum is the sum of 4 t_l - l s_l. */
+        uint64_t s1l[4], s2l[4];
+        _mm_storeu_si128((__m128i *)s1l, sa);
+        _mm_storeu_si128((__m128i *)(s1l + 2), sb);
+        _mm_storeu_si128((__m128i *)s2l, ta);
+        _mm_storeu_si128((__m128i *)(s2l + 2), tb);
+        chain_run(&s, s1l[0] + s1l[1] + s1l[2] + s1l[3],
+                  4 * (s2l[0] + s2l[1] + s2l[2] + s2l[3]) - s1l[1] - 2 * s1l[2] - 3 * s1l[3], (uint64_t)(i - first));
         uint64_t lanes[2];
-        _mm_storeu_si128((__m128i *)lanes, _mm_add_epi64(sa, sb));
-        s1 += lanes[0] + lanes[1];
         _mm_storeu_si128((__m128i *)lanes, _mm_or_si128(fa, fb));
         f1 |= lanes[0] | lanes[1];
     }
 #endif
+    /* Two lanes (even and odd words of the run): the run's second sum is 2 (ta + tb) - sb. */
+    const Py_ssize_t pairs_from = i;
+    uint64_t sa = 0, sb = 0, ta = 0, tb = 0;
     for (; i + 2 <= words; i += 2) {
         uint64_t a, b;
         memcpy(&a, src + 8 * i, 8);
@@ -89,13 +122,16 @@ static inline __attribute__((always_inline)) uint64_t run_layout(
             memcpy(dst + 8 * i, &a, 8);
             memcpy(dst + 8 * i + 8, &b, 8);
         }
-        s0 += a;
-        s1 += b;
+        sa += a;
+        sb += b;
+        ta += sa;
+        tb += sb;
         if (check) {
             f0 |= ((a >> L.shift) & L.field) + L.one;
             f1 |= ((b >> L.shift) & L.field) + L.one;
         }
     }
+    chain_run(&s, sa + sb, 2 * (ta + tb) - sb, (uint64_t)(i - pairs_from));
     Py_ssize_t done = 8 * i;
     if (done < n) {
         /* The rest holds whole elements (element sizes divide n); zero padding is finite for every layout. */
@@ -104,16 +140,16 @@ static inline __attribute__((always_inline)) uint64_t run_layout(
             size_t k = (size_t)(n - done < 8 ? n - done : 8);
             memcpy(&a, src + done, k);
             if (dst) memcpy(dst + done, src + done, k);
-            s0 += a;
+            add_word(&s, a);
             if (check) f0 |= ((a >> L.shift) & L.field) + L.one;
         }
     }
     if (check) *nonfinite = ((f0 | f1) & (L.one << L.width)) != 0;
-    return s0 + s1;
+    return s;
 }
 
 /* kind: 0 (bytes, no check), 8 (float64), 4 (float32), 2 (bfloat16), -2 (float16). dst may be NULL (read only). */
-static uint64_t run(unsigned char *dst, const unsigned char *src, Py_ssize_t n, int kind, int *nonfinite) {
+static Sums run(unsigned char *dst, const unsigned char *src, Py_ssize_t n, int kind, int *nonfinite) {
     switch (kind) {
         case 8: return run_layout(dst, src, n, 1, F64, nonfinite);
         case 4: return run_layout(dst, src, n, 1, F32, nonfinite);
@@ -148,15 +184,15 @@ static PyObject *copy_impl(PyObject *args, int with_kind) {
         PyBuffer_Release(&src);
         return NULL;
     }
-    uint64_t sum;
+    Sums sum;
     int bad = 0;
     Py_BEGIN_ALLOW_THREADS
     sum = run((unsigned char *)dst.buf, (const unsigned char *)src.buf, src.len, kind, &bad);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
-    if (!with_kind) return PyLong_FromUnsignedLongLong(sum);
-    return Py_BuildValue("(KO)", (unsigned long long)sum, bad ? Py_True : Py_False);
+    if (!with_kind) return Py_BuildValue("(KK)", (unsigned long long)sum.s1, (unsigned long long)sum.s2);
+    return Py_BuildValue("(KKO)", (unsigned long long)sum.s1, (unsigned long long)sum.s2, bad ? Py_True : Py_False);
 }
 
 static PyObject *copy_sum(PyObject *self, PyObject *args) { return copy_impl(args, 0); }
@@ -170,20 +206,20 @@ static PyObject *sum_nonfinite(PyObject *self, PyObject *args) {
     if (!check_kind(kind)) return NULL;
     Py_buffer src;
     if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    uint64_t sum;
+    Sums sum;
     int bad = 0;
     Py_BEGIN_ALLOW_THREADS
     sum = run(NULL, (const unsigned char *)src.buf, src.len, kind, &bad);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src);
-    return Py_BuildValue("(KO)", (unsigned long long)sum, bad ? Py_True : Py_False);
+    return Py_BuildValue("(KKO)", (unsigned long long)sum.s1, (unsigned long long)sum.s2, bad ? Py_True : Py_False);
 }
 
 static PyMethodDef methods[] = {
-    {"copy_sum", copy_sum, METH_VARARGS, "copy_sum(dst, src) -> word sum of src, copied into dst"},
+    {"copy_sum", copy_sum, METH_VARARGS, "copy_sum(dst, src) -> (s1, s2): word sums of src, copied into dst"},
     {"copy_sum_nonfinite", copy_sum_nonfinite, METH_VARARGS,
-     "copy_sum_nonfinite(dst, src, kind) -> (word sum, any inf or NaN), src copied into dst"},
-    {"sum_nonfinite", sum_nonfinite, METH_VARARGS, "sum_nonfinite(src, kind) -> (word sum, any inf or NaN)"},
+     "copy_sum_nonfinite(dst, src, kind) -> (s1, s2, any inf or NaN), src copied into dst"},
+    {"sum_nonfinite", sum_nonfinite, METH_VARARGS, "sum_nonfinite(src, kind) -> (s1, s2, any inf or NaN)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -92,8 +92,9 @@ class ServiceProcess:
     detached: bool = False
 
     def start(self) -> ServiceProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("ab")
+        from services.common.security import open_private_log
+
+        log = open_private_log(self.log_path)  # 0600: a service's log is the run's user's only
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
         argv = self.command or [sys.executable, "-m", "services.cli", *self.args]
         try:

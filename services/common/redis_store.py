@@ -25,7 +25,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from services.common.net import free_port
-from services.common.security import redact_url
+from services.common.security import private_dir, redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def start_private_redis(workdir: str | None = None, *, appendonly: bool = False,
     owns = workdir is None
     # Absolute: redis-server changes into --dir before it opens --logfile, so a relative path would break.
     path = Path(workdir or tempfile.mkdtemp(prefix="rlfabric-redis-")).resolve()
-    path.mkdir(parents=True, exist_ok=True)
+    private_dir(path)  # the append-only file holds the registrations the password protects
     conf: list[str] = []
     auth = ""
     if password is not None:
@@ -135,10 +135,14 @@ def start_private_redis(workdir: str | None = None, *, appendonly: bool = False,
 # takes well under a second; a rescheduled pod, tens of seconds), short enough that a Redis that is gone for
 # good fails the caller with a message rather than hanging it.
 REDIS_RETRY_WINDOW_S = 60.0
+# How long a stopping service waits to remove its registration (Registration.close) before it exits anyway.
+DEREGISTER_TIMEOUT_S = 2.0
 
 
 def _spawn_redis(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    # umask 077: its log, append-only file and dumps are created 0600 (the files of RedisServer.restart too).
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                            umask=0o077)
 
 
 def _wait_for_ping(proc: subprocess.Popen, url: str, timeout_s: float) -> bool:
@@ -198,16 +202,35 @@ class Registration:
             except redis.exceptions.RedisError as e:
                 logger.warning("heartbeat for %s failed: %s", self._key, e)
 
-    def close(self) -> None:
-        """Stops heartbeating and removes the registration at once."""
+    def close(self, timeout_s: float = DEREGISTER_TIMEOUT_S) -> bool:
+        """Stops heartbeating and removes the registration, waiting at most `timeout_s`; True once removed.
+
+        Bounded because it runs on shutdown: with Redis unreachable the client would retry for the whole
+        REDIS_RETRY_WINDOW_S, past a service's drain timeout (and Kubernetes' 30 s grace). The delete is left
+        to go on in the background; the lease ends the registration anyway.
+        """
         if self._stop.is_set():
-            return
+            return True
         self._stop.set()
-        self._thread.join(timeout=5)
-        try:
-            self._client.delete(self._key)
-        except redis.exceptions.RedisError as e:
-            logger.warning("could not deregister %s: %s", self._key, e)
+        deadline = time.monotonic() + timeout_s
+        self._thread.join(timeout=timeout_s)  # a heartbeat stuck retrying must not hold the shutdown
+        finished, removed = threading.Event(), []
+
+        def delete() -> None:
+            try:
+                self._client.delete(self._key)
+                removed.append(True)
+            except redis.exceptions.RedisError as e:
+                logger.warning("could not deregister %s: %s", self._key, e)
+            finally:
+                finished.set()
+
+        threading.Thread(target=delete, name=f"deregister:{self._key}", daemon=True).start()
+        if finished.wait(max(0.0, deadline - time.monotonic())):
+            return bool(removed)
+        logger.warning("did not deregister %s within %.1f s (Redis unreachable?); its lease of %.1f s ends it",
+                       self._key, timeout_s, self._lease_ms / 1000)
+        return False
 
     def __enter__(self) -> Registration:
         return self

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,25 @@ def write_secret_file(path: Path, value: str) -> Path:
     return path
 
 
+def private_dir(path: Path) -> Path:
+    """`path` created (with its parents) and made 0700: a run's, its logs' and Redis' folders hold what only
+    the run's user may read (registrations in Redis' append-only file, service logs)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def open_private_log(path: Path):
+    """`path` opened for appending (binary), created 0600; an existing file is made 0600. A missing folder is
+    created 0700; an existing one keeps its mode (a caller's folder is the caller's to protect)."""
+    if not Path(path).parent.exists():
+        private_dir(Path(path).parent)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
+
+
 def add_security_args(parser: argparse.ArgumentParser, *, server: bool = True, token: bool = True,
                       tls: bool = True, redis: bool = True) -> None:
     """The security flags: token and Redis URL from files, TLS material.
@@ -102,6 +122,10 @@ def add_security_args(parser: argparse.ArgumentParser, *, server: bool = True, t
         what = ("required on the mutating RPCs this service serves and sent on every call it makes to other "
                 "services" if server else "sent as 'authorization: Bearer TOKEN' on every call")
         g.add_argument("--auth-token-file", default=None, metavar="PATH", help=f"file holding the shared service token, {what} (not world-readable)")
+    if server and token:
+        g.add_argument("--insecure", action="store_true",
+                       help="without --auth-token-file, serve the guarded RPCs to every caller (a test or a "
+                            "network nobody else reaches); without either flag they refuse every caller")
     if server and tls:
         g.add_argument("--tls-cert", default=None, metavar="PEM",
                        help="serve TLS with this certificate chain (needs --tls-key)")
@@ -133,17 +157,27 @@ def resolve_secrets(args: argparse.Namespace) -> argparse.Namespace:
 
 @dataclass(frozen=True)
 class ServerSecurity:
-    """What a server needs: its token (None: nothing guarded) and its TLS material (None: plaintext)."""
+    """What a server needs: its token (None: nothing guarded) and its TLS material (None: plaintext).
+
+    `mode`: "token" (the guarded RPCs need --auth-token-file's token), "insecure" (--insecure: open to every
+    caller) or "closed" (neither flag: they refuse every caller, the server's token being one nobody knows).
+    """
 
     token: str | None
     tls: object | None  # services.common.server.TlsConfig
+    mode: str = "token"
 
 
-def server_security(args: argparse.Namespace) -> ServerSecurity:
+CLOSED_REFUSAL = ("this server was started without --auth-token-file, so its guarded RPCs refuse every caller; "
+                  "restart it with --auth-token-file (and give its callers the same token) or with --insecure")
+
+
+def server_security(args: argparse.Namespace, service: str | None = None) -> ServerSecurity:
     """ServerSecurity of the flags; ValueError naming a flag given without its partner or a missing file.
 
     Makes them this process's defaults: of every server it creates (server.configure) and of its calls to
-    other services (client.configure).
+    other services (client.configure). Without a token the server fails closed unless `--insecure` says
+    otherwise; with `service` (a GUARDED_METHODS key) the mode is logged, as the service's first log line.
     """
     from services.common.server import TlsConfig
 
@@ -159,8 +193,29 @@ def server_security(args: argparse.Namespace) -> ServerSecurity:
     configure_client(args)
     tls = TlsConfig(cert, key) if cert else None
     token = getattr(args, "auth_token", None) or None
-    server.configure(token=token, tls=tls)
-    return ServerSecurity(token, tls)
+    insecure = bool(getattr(args, "insecure", False))
+    if token and insecure:
+        raise ValueError("--insecure opens the guarded RPCs to every caller: give it or --auth-token-file, not both")
+    mode = "token" if token else "insecure" if insecure else "closed"
+    if mode == "closed":  # as if a token were set that no caller has; calls this process makes send none
+        server.configure(token=secrets.token_hex(32), tls=tls, refusal=CLOSED_REFUSAL)
+    else:
+        server.configure(token=token, tls=tls)
+    if service is not None:
+        announce_auth(service, mode)
+    return ServerSecurity(token, tls, mode)
+
+
+def announce_auth(service: str, mode: str) -> None:
+    """Logs who may call `service`'s guarded RPCs: INFO with a token, WARNING without one."""
+    methods = ", ".join(sorted(GUARDED_METHODS[service]))
+    if mode == "token":
+        logger.info("auth: token; %s need --auth-token-file's token", methods)
+    elif mode == "insecure":
+        logger.warning("auth: INSECURE (--insecure, no --auth-token-file); %s are open to every caller", methods)
+    else:
+        logger.warning("auth: closed (no --auth-token-file); %s refuse every caller; give --auth-token-file, "
+                       "or --insecure to open them", methods)
 
 
 def configure_client(args: argparse.Namespace) -> None:

@@ -75,9 +75,10 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
     _EXEMPT_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 
-    def __init__(self, token: str, methods: Collection[str] | None = None) -> None:
+    def __init__(self, token: str, methods: Collection[str] | None = None, refusal: str | None = None) -> None:
         self._expected = f"Bearer {token}".encode()
         self._methods = frozenset(methods) if methods is not None else None
+        self._refusal = refusal  # the message instead of the default (a server whose token nobody knows)
 
     def _guarded(self, method: str) -> bool:
         if method.startswith(self._EXEMPT_PREFIXES):
@@ -94,6 +95,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         return _abort_handler(
             continuation(handler_call_details),
             grpc.StatusCode.UNAUTHENTICATED,
+            f"{method}: {self._refusal}" if self._refusal else
             f"{method} requires 'authorization: Bearer <token>' metadata with the server's token",
         )
 
@@ -175,6 +177,7 @@ class ServiceServer:
 class _ProcessSecurity:
     token: str | None = None
     tls: TlsConfig | None = None
+    refusal: str | None = None
 
 
 # The token and TLS material this process's `serve` flags gave (services/common/security.py server_security);
@@ -183,10 +186,11 @@ _process = _ProcessSecurity()
 INHERIT: Any = object()
 
 
-def configure(*, token: str | None, tls: TlsConfig | None) -> None:
-    """Sets the token and TLS that `create_server` uses when its caller passes neither."""
+def configure(*, token: str | None, tls: TlsConfig | None, refusal: str | None = None) -> None:
+    """Sets the token and TLS that `create_server` uses when its caller passes neither; `refusal`, the
+    UNAUTHENTICATED message of its guarded methods (a fail-closed server's token is one nobody knows)."""
     global _process
-    _process = _ProcessSecurity(token, tls)
+    _process = _ProcessSecurity(token, tls, refusal)
 
 
 def _default_methods(names: Sequence[str]) -> Collection[str] | None:
@@ -222,10 +226,11 @@ def create_server(
         max_workers: handler threads (each streaming call holds one for its lifetime).
     """
     names = [s.name for s in specs]
+    refusal = _process.refusal if auth_token is INHERIT else None
     auth_token = _process.token if auth_token is INHERIT else auth_token
     auth_methods = _default_methods(names) if auth_methods is INHERIT else auth_methods
     tls = _process.tls if tls is INHERIT else tls
-    interceptors = [TokenAuthInterceptor(auth_token, auth_methods)] if auth_token else []
+    interceptors = [TokenAuthInterceptor(auth_token, auth_methods, refusal)] if auth_token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=component),
         interceptors=interceptors,

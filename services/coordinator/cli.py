@@ -57,7 +57,7 @@ def _serve(args: argparse.Namespace) -> int:
     from services.coordinator.server import SERVICE_NAME, CoordinatorServicer
 
     try:
-        server_security(args)  # create_server below and the run's calls use this token and TLS
+        server_security(args, "rlfabric.v1.Coordinator")  # create_server below and the run's calls use this token and TLS
     except ValueError as e:
         print(f"rlfabric coordinator serve: {e}", file=sys.stderr)
         return 2

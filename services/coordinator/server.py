@@ -19,6 +19,7 @@ import grpc
 
 from rlfabric.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.common.redis_store import RunJournal
+from services.common.status import abort, echo
 
 logger = logging.getLogger(__name__)
 
@@ -60,22 +61,22 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def StartRun(self, request, context):
         run_id = request.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         if not _RUN_ID.fullmatch(run_id):  # it names a directory under --runs-dir: no '/', no '..'
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"run_id {run_id[:80]!r} must be 1-128 letters, digits, '.', '_' or '-', not starting "
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                          f"run_id {echo(run_id)} must be 1-128 letters, digits, '.', '_' or '-', not starting "
                           "with '.'")
         with self._lock:
             if self._active and self._active[2].is_alive():
                 if self._active[0] == run_id:
                     return self._status(run_id)
-                context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                abort(context, grpc.StatusCode.ALREADY_EXISTS,
                               f"run {self._active[0]!r} is active on this coordinator; stop it first")
             if RunJournal(self.redis, run_id).exists() and not request.resume:
-                context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                              f"run {run_id!r} has a journal; pass resume=true to continue it")
+                abort(context, grpc.StatusCode.ALREADY_EXISTS,
+                              f"run {echo(run_id)} has a journal; pass resume=true to continue it")
             try:
                 driver = self.driver_factory(request.config_yaml, list(request.overrides), run_id)
             except ValueError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             driver.journal.write(phase="starting", error="")
             thread = threading.Thread(target=self._drive, args=(driver, request.resume), name=f"run-{run_id}",
                                       daemon=True)
@@ -92,7 +93,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def GetRun(self, request, context):
         if not RunJournal(self.redis, request.run_id).exists():
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no run {request.run_id!r}")
+            abort(context, grpc.StatusCode.NOT_FOUND, f"no run {echo(request.run_id)}")
         return self._status(request.run_id)
 
     def StopRun(self, request, context):
@@ -102,13 +103,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             active[1].stop_event.set()
             active[2].join(timeout=max(1.0, context.time_remaining() or 60.0) - 0.5)
         elif not RunJournal(self.redis, request.run_id).exists():
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no run {request.run_id!r}")
+            abort(context, grpc.StatusCode.NOT_FOUND, f"no run {echo(request.run_id)}")
         return self._status(request.run_id)
 
     def StreamMetrics(self, request, context):
         journal = RunJournal(self.redis, request.run_id)
         if not journal.exists():
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no run {request.run_id!r}")
+            abort(context, grpc.StatusCode.NOT_FOUND, f"no run {echo(request.run_id)}")
         next_it = request.from_iteration or int(journal.read().get("iteration", 0)) + 1
         while context.is_active():
             # Phase first: iterations journaled before a terminal phase are then all in `done`.

@@ -20,7 +20,7 @@ from typing import TextIO
 from services.common import client
 from services.common.processes import ServiceProcess, ServiceStartError
 from services.common.redis_store import RedisServer, Registry, connect, start_private_redis
-from services.common.security import child_args, generate_tls, write_secret_file
+from services.common.security import child_args, generate_tls, private_dir, write_secret_file
 from services.launcher import verifiers as custom
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class LocalStack:
 
         The URL goes to children in a 0600 file (`redis_args`), as it may hold the password.
         """
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.run_dir)  # logs, Redis' files and secrets inside: the run's user's only
         self._started = time.monotonic()
         if self.redis_url is None:
             self.redis = start_private_redis(str(self.run_dir / "redis"), appendonly=True,

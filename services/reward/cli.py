@@ -104,7 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from services.reward.worker import RewardWorker, RewardWorkerOptions
 
     try:
-        server_security(args)
+        security = server_security(args, "rlfabric.v1.Reward")
     except ValueError as e:
         print(f"rlfabric reward serve: {e}", file=sys.stderr)
         return 2
@@ -117,6 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
         worker_id=args.worker_id, deadline_s=args.deadline_s, verifier_allow=args.verifier_allow,
         plugins=dict(args.verifier_plugin), lease_s=args.lease_s, metrics_port=args.metrics_port,
         advertise_address=args.advertise_address, advertise_interface=args.advertise_interface,
+        insecure=security.mode == "insecure",
     )
     try:
         worker = RewardWorker(options).start()

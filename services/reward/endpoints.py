@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import redis
 
 from services.common.redis_store import Registry
+from services.common.status import echo
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"endpoint {endpoint!r} must be 'host:port' with a port in 1..65535")
+        raise ValueError(f"endpoint {echo(endpoint)} must be 'host:port' with a port in 1..65535")
     return host, int(port)
 
 
@@ -62,7 +63,7 @@ def _resolve(host: str) -> set[Address]:
     try:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except (OSError, UnicodeError) as e:
-        raise EndpointRefusedError(f"host {host!r} does not resolve ({e})") from e
+        raise EndpointRefusedError(f"host {echo(host)} does not resolve ({e})") from e
     return {ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos}
 
 
@@ -101,7 +102,7 @@ class EndpointPolicy:
         """Raises EndpointRefusedError (or ValueError for a malformed endpoint) unless `endpoint` is allowed."""
         host, _port = split_endpoint(endpoint)
         name = host.lower().rstrip(".")
-        never = EndpointRefusedError(f"endpoint {endpoint!r} is a link-local, metadata, unspecified or multicast "
+        never = EndpointRefusedError(f"endpoint {echo(endpoint)} is a link-local, metadata, unspecified or multicast "
                                 "address; verifiers are never allowed there")
         if name in _METADATA_NAMES:
             raise never
@@ -109,7 +110,7 @@ class EndpointPolicy:
         if any(_never(a) for a in addresses):
             raise never
         if not any(self._matches(pattern, name, addresses) for pattern in self.patterns):
-            raise EndpointRefusedError(f"endpoint {endpoint!r} is not allowed by --verifier-allow "
+            raise EndpointRefusedError(f"endpoint {echo(endpoint)} is not allowed by --verifier-allow "
                                   f"{','.join(self.patterns)!r}; start the workers with a pattern that "
                                   f"matches it (a host name, glob, IP address or CIDR network)")
 

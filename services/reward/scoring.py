@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from rlfabric.v1 import reward_pb2
+from services.common.status import echo
 from services.reward import metrics
 from services.reward.outcome import Outcome
 from services.reward.pool import SampleClock, VerifierPool
@@ -32,6 +33,10 @@ logger = logging.getLogger(__name__)
 # The longest a sample may ask for (`ScoreRequest.deadline_s`): verifications are seconds, not hours,
 # and a larger value is almost always a unit mistake or an attack on the pool's timers.
 MAX_DEADLINE_S = 3600.0
+
+
+EMPTY_BATCH = ("ScoreRequestBatch.requests is empty: every batch carries at least one ScoreRequest (a client "
+               "built from an older reward.proto puts its samples in fields this worker does not read)")
 
 
 @dataclass(frozen=True)
@@ -55,20 +60,20 @@ CANCELLED = object()  # queued when the RPC ends early, so the handler stops wai
 def sample_problem(request: reward_pb2.ScoreRequest, is_known: Callable[[str], bool],
                    known_names: Callable[[], list[str]]) -> str | None:
     """Why `request` cannot be scored (the field named), or None when it can."""
-    sample = f"sample {request.sample_id!r}"
+    sample = f"sample {echo(request.sample_id)}"
     if not request.sample_id:
         return "ScoreRequest.sample_id is empty: every sample needs an id (responses are keyed by it)"
     if not request.verifiers:
         return (f"{sample}: ScoreRequest.verifiers is empty; name at least one verifier with its weight "
                 "(a run sends rl_config.verifier_function / verifier_weight)")
     if not math.isfinite(request.deadline_s) or not 0 <= request.deadline_s <= MAX_DEADLINE_S:
-        return (f"{sample}: ScoreRequest.deadline_s is {request.deadline_s!r}; it must be a finite number of "
+        return (f"{sample}: ScoreRequest.deadline_s is {echo(request.deadline_s)}; it must be a finite number of "
                 f"seconds in [0, {MAX_DEADLINE_S:g}] (0: the worker's default)")
     for spec in request.verifiers:
         if not math.isfinite(spec.weight):
-            return f"{sample}: VerifierSpec.weight of {spec.name!r} is {spec.weight!r}; weights must be finite"
+            return f"{sample}: VerifierSpec.weight of {echo(spec.name)} is {echo(spec.weight)}; weights must be finite"
         if not is_known(spec.name):
-            return f"{sample}: unknown verifier {spec.name!r}; known verifiers: {', '.join(known_names())}"
+            return f"{sample}: unknown verifier {echo(spec.name)}; known verifiers: {', '.join(known_names())}"
     return None
 
 
@@ -137,6 +142,11 @@ class Scorer:
                     return
                 if isinstance(batch, Undecodable):
                     results.put(StreamError(grpc.StatusCode.INVALID_ARGUMENT, batch.problem))
+                    return
+                if not batch.requests:
+                    # What a client built from an older reward.proto sends: its samples sit in fields this
+                    # worker does not know. Answering OK with nothing would look like a scored empty batch.
+                    results.put(StreamError(grpc.StatusCode.INVALID_ARGUMENT, EMPTY_BATCH))
                     return
                 for request in batch.requests:
                     problem = sample_problem(request, self.is_known, self.known_names)

@@ -15,6 +15,7 @@ import grpc
 import redis
 
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
+from services.common.status import abort, echo
 from services.reward.endpoints import EndpointPolicy, EndpointRefusedError
 from services.reward.pool import VerifierPool
 from services.reward.remote import RemoteVerifiers
@@ -86,7 +87,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
                     if responses:
                         yield reward_pb2.ScoreResponseBatch(responses=responses)  # ready before the bad one
                     stream.cancel()
-                    context.abort(item.code, item.message)
+                    abort(context, item.code, item.message)
                 if isinstance(item, InputEnded):
                     expected = item.samples
                     continue
@@ -120,15 +121,15 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             validate_entry(entry, set(self._pool.names))
             self._endpoints.check(entry.endpoint)
         except KeyError as e:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e.args[0]))
+            abort(context, grpc.StatusCode.ALREADY_EXISTS, str(e.args[0]))
         except EndpointRefusedError as e:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"RegisterVerifier: {e}")
+            abort(context, grpc.StatusCode.PERMISSION_DENIED, f"RegisterVerifier: {e}")
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"RegisterVerifier: {e}")
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"RegisterVerifier: {e}")
         try:
             store.register(entry)
         except redis.RedisError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"the verifier registry (Redis) is unreachable: {e}")
+            abort(context, grpc.StatusCode.UNAVAILABLE, f"the verifier registry (Redis) is unreachable: {e}")
         self._remote.sync()
         logger.info("registered remote verifier %s v%s at %s", entry.name, entry.version, entry.endpoint)
         return reward_pb2.RegisterVerifierResponse(verifier=reward_pb2.VerifierInfo(
@@ -141,16 +142,16 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         try:
             removed = store.unregister(request.name)
         except redis.RedisError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"the verifier registry (Redis) is unreachable: {e}")
+            abort(context, grpc.StatusCode.UNAVAILABLE, f"the verifier registry (Redis) is unreachable: {e}")
         if not removed:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no registered verifier named {request.name!r}")
+            abort(context, grpc.StatusCode.NOT_FOUND, f"no registered verifier named {echo(request.name)}")
         self._remote.sync()
         logger.info("unregistered remote verifier %s", request.name)
         return reward_pb2.UnregisterVerifierResponse()
 
     def _require_store(self, context: grpc.ServicerContext) -> VerifierStore:
         if self._store is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                           "this reward worker runs without Redis (--redis-url), so it cannot register verifiers")
         return self._store
 
@@ -158,7 +159,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
 def _unary(method: Callable, request_class: type, response_class: type) -> grpc.RpcMethodHandler:
     def handle(request: object, context: grpc.ServicerContext) -> object:
         if isinstance(request, Undecodable):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.problem)
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.problem)
         return method(request, context)
 
     return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=lenient(request_class),

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 
 import redis
 
+from services.common.status import echo
 from services.reward.endpoints import split_endpoint
 
 logger = logging.getLogger(__name__)
@@ -43,9 +44,9 @@ def validate_entry(entry: RemoteVerifierEntry, builtin_names: set[str]) -> None:
     endpoint's host is checked separately, against the worker's allow-list (`endpoints.py`).
     """
     if not _NAME.match(entry.name):
-        raise ValueError(f"name {entry.name!r} must match [a-z0-9_.-]+")
+        raise ValueError(f"name {echo(entry.name)} must match [a-z0-9_.-]+")
     if entry.name in builtin_names:
-        raise KeyError(f"name {entry.name!r} is a built-in verifier; choose another name")
+        raise KeyError(f"name {echo(entry.name)} is a built-in verifier; choose another name")
     split_endpoint(entry.endpoint)
     if not math.isfinite(entry.timeout_s) or not 0 < entry.timeout_s <= MAX_TIMEOUT_S:
         raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {entry.timeout_s}")

@@ -36,6 +36,7 @@ class RewardWorkerOptions:
     processes: int = 1
     redis_url: str | None = None
     auth_token: str | None = None
+    insecure: bool = False  # without auth_token: RegisterVerifier/UnregisterVerifier open to every caller
     worker_id: str = ""
     deadline_s: float = 10.0
     verifier_allow: str = DEFAULT_ALLOW
@@ -67,13 +68,13 @@ class RewardWorker:
             self.pool, worker_id=self.worker_id, remote=self.remote, store=self.store, endpoints=endpoints,
             default_deadline_s=options.deadline_s,
         )
-        if options.redis_url and not options.auth_token:
-            logger.warning("no auth token: RegisterVerifier/UnregisterVerifier will refuse every caller")
         self.server: ServiceServer = create_server(
             [ServiceSpec(add_to_server, self.servicer, SERVICE_NAME)],
             options.address, component="reward", metrics_port=options.metrics_port,
-            # Without a token the privileged methods still need one: a random one nobody knows.
-            auth_token=options.auth_token or uuid.uuid4().hex, auth_methods=AUTH_METHODS,
+            # Without a token the privileged methods still need one (a random one nobody knows) unless insecure;
+            # `reward serve` logs which (security.announce_auth).
+            auth_token=options.auth_token or (None if options.insecure else uuid.uuid4().hex),
+            auth_methods=AUTH_METHODS,
             max_workers=options.max_workers,
         )
         self.registration: Registration | None = None

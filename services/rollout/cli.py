@@ -77,15 +77,16 @@ def build_options(args: argparse.Namespace):
 
 def run_serve(args: argparse.Namespace) -> int:
     from services.common.security import server_security
+
+    try:  # before the engine's imports, so that the auth mode is the first line logged
+        server_security(args, "rlfabric.v1.Rollout")  # create_server below serves with this process's token and TLS
+    except ValueError as e:
+        raise SystemExit(f"rlfabric rollout serve: {e}") from e
     from services.common.server import serve_until_signal
     from services.rollout.engine import RolloutEngine
     from services.rollout.options import InvalidSamplingValueError
     from services.rollout.server import create_rollout_server
 
-    try:
-        server_security(args)  # create_server below serves with this process's token and TLS
-    except ValueError as e:
-        raise SystemExit(f"rlfabric rollout serve: {e}") from e
     bad = check_network_arguments(args)
     if bad:
         raise SystemExit(f"rlfabric rollout serve: {bad}")

@@ -47,7 +47,7 @@ from services.rollout import metrics
 from services.rollout.engine import EngineUnavailableError, RolloutEngine
 from services.rollout.options import InvalidSamplingValueError, SamplingOptions
 from services.rollout.samples import FINISH_ERROR, SampleRequest, SampleResult
-from services.rollout.weights import WeightStager, WeightUpdateError
+from services.rollout.weights import COLLECTIVE, WeightStager, WeightUpdateError
 
 logger = logging.getLogger(__name__)
 
@@ -297,11 +297,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         # they arrive, under the engine's update lock for the rest of the stream; gRPC ones with a backup.
         streamed: str | None = None  # "shm" or "grpc" once the first bucket was handed to the engine
         pending: list[Future] = []  # streamed buckets queued on the engine thread, in order
+        groups: set[str] = set()  # the collective groups this stream's buckets named
         try:
             try:
                 for chunk in request_iterator:
                     kind = chunk.WhichOneof("kind")
                     if kind == "bucket":
+                        if chunk.bucket.HasField("collective"):
+                            groups.add(chunk.bucket.collective.group_id)
                         if chunk.bucket.version == 0:
                             raise WeightUpdateError("bucket.version must be >= 1 (0 means 'as loaded from disk')")
                         data = getattr(chunk, "data", None)
@@ -337,6 +340,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                     with engine.update_lock:
                         self._apply(context, lambda: engine.update_weights(staged, first=True, last=True))
             except BaseException:
+                for group_id in groups:  # the sender drops the group of a failed push: left before answering
+                    COLLECTIVE.leave(group_id)
                 for future in pending:
                     future.exception()  # every queued piece has run (or failed) before the lock is released
                 if streamed == "grpc":

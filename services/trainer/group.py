@@ -21,7 +21,6 @@ import select
 import socket
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -117,12 +116,18 @@ def _listen_on(host: str, backlog: int) -> socket.socket:
         return socket.create_server(("", 0), backlog=backlog)
 
 
-def _outcome(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+def _outcome(fn: Callable[[], Any]) -> tuple[Any, tuple[str, str] | None]:
+    """`fn()`'s result and None, or None and (exception type, one-line reason) when it raised.
+
+    The traceback stays in this rank's log: the reason goes to the caller, who should not see file paths or
+    code lines of the server (docs/security.md).
+    """
     try:
         return fn(), None
     except Exception as e:
         logger.exception("trainer operation failed on rank %d", dist.get_rank())
-        return None, (type(e).__name__, f"rank {dist.get_rank()}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}")
+        reason = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        return None, (type(e).__name__, f"rank {dist.get_rank()}: {type(e).__name__}: {reason}")
 
 
 class CommandBus:

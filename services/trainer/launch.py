@@ -68,7 +68,7 @@ def serve_group(args: argparse.Namespace) -> int:
     from services.common.security import server_security
 
     try:
-        server_security(args)  # refuse bad security flags here, once, rather than in every rank
+        server_security(args, "rlfabric.v1.Trainer")  # refuse bad security flags here, once, not in every rank
     except ValueError as e:
         print(f"rlfabric trainer serve: {e}", file=sys.stderr)
         return 2
@@ -165,7 +165,10 @@ def run_rank(args: argparse.Namespace) -> int:
     from services.trainer.worker import TrainerWorker
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    server_security(args)  # this process's token and TLS: its server's and its weight pushes'
+    # This process's token and TLS: its server's and its weight pushes'. Rank 0 says the auth mode, unless
+    # `trainer serve` (which hands it --master-listen-fd) already did.
+    standalone_leader = os.environ.get("RANK", "0") == "0" and args.master_listen_fd is None
+    server_security(args, "rlfabric.v1.Trainer" if standalone_leader else None)
     opts, kl_coef, tp, pp = _worker_options(args)
     roots = checkpoint_roots(args, opts)
     parallel.init_distributed(store=_bound_store(args))

@@ -75,20 +75,20 @@ def test_two_iterations_across_three_hosts(network, tiny_model_dir: Path, arith_
     o = overrides(tiny_model_dir, arith_prefix, tmp_path)
     trainer = [*py, "trainer", "serve", "--config", CONFIG, *[x for v in o for x in ("--override", v)],
                "--role", "actor", "--world-size", "2", "--nnodes", "2", "--master-addr", b.ip,
-               "--master-port", str(MASTER_PORT), "--socket-ifname", "eth0", "--redis-url", url]
+               "--master-port", str(MASTER_PORT), "--socket-ifname", "eth0", "--redis-url", url, "--insecure"]
     try:
         start("redis", a, "redis-server", "--bind", a.ip, "--port", str(REDIS_PORT), "--save", "",
               "--appendonly", "no", "--protected-mode", "no")
         start("reward-1", a, *py, "reward", "serve", "--address", f"{a.ip}:0", "--redis-url", url,
               "--metrics-port", str(METRICS_PORT))
         start("rollout", b, *py, "rollout", "serve", "--config", CONFIG, *[x for v in o for x in ("--set", v)],
-              "--address", "0.0.0.0:0", "--advertise-interface", "eth0", "--redis-url", url)
+              "--address", "0.0.0.0:0", "--advertise-interface", "eth0", "--redis-url", url, "--insecure")
         # Rank 1 first: stopped in reverse, rank 0 then tells it to stop while it still runs.
         start("trainer-node1", c, *trainer, "--node-rank", "1")
         start("trainer-node0", b, *trainer, "--node-rank", "0", "--address", "0.0.0.0:0",
               "--advertise-address", b.ip)
         start("coordinator", a, *py, "coordinator", "serve", "--address", "0.0.0.0:0", "--advertise-interface",
-              "eth0", "--redis-url", url, "--runs-dir", str(tmp_path / "runs"))
+              "eth0", "--redis-url", url, "--runs-dir", str(tmp_path / "runs"), "--insecure")
 
         registry = Registry(connect(f"redis://{a.ip}:{REDIS_PORT}/0"))  # from the observer, across the network
 

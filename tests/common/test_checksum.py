@@ -1,7 +1,11 @@
-"""Checksums: the stepped (cache-blocked) word sums and the native kernels (`_wordcopy.c`) equal the one-pass sum
-of the same bytes, whatever the size and alignment; the finiteness test flags every inf and NaN."""
+"""Checksums: the stepped (cache-blocked) word sums and the native kernels (`_wordcopy.c`) equal the one-pass sums
+of the same bytes, whatever the size and alignment; the checksum is the one common.proto specifies and sees words
+or chunks moved inside a tensor; the finiteness test flags every inf and NaN."""
 
 from __future__ import annotations
+
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -10,6 +14,8 @@ import torch
 from services.common import checksum
 from services.common.checksum import (
     CHUNK_BYTES,
+    bucket_checksum,
+    chain_sums,
     copy_word_sum,
     copy_word_sum_and_finite,
     data_checksum,
@@ -40,10 +46,62 @@ def test_native_kernels_are_built(kernels: str) -> None:
                              "builds it with the editable install")
 
 
-def _reference_sum(data: bytes) -> int:
-    """The definition, independently: little-endian u64 words, the tail zero-padded, wrapping sum."""
+def _reference_sum(data: bytes) -> tuple[int, int]:
+    """The definition, independently (numpy's wrapping u64 arithmetic): little-endian u64 words w_0..w_{N-1},
+    the tail zero-padded; s1 = sum of w_i, s2 = sum of (N - i) * w_i."""
     padded = data + b"\0" * (-len(data) % 8)
-    return int(np.frombuffer(padded, dtype="<u8").sum(dtype=np.uint64)) if padded else 0
+    if not padded:
+        return 0, 0
+    words = np.frombuffer(padded, dtype="<u8")
+    weights = np.arange(len(words), 0, -1, dtype=np.uint64)
+    return int(words.sum(dtype=np.uint64)), int((words * weights).sum(dtype=np.uint64))
+
+
+def _spec_checksum(data: bytes) -> int:
+    """WeightBucket.checksum's text in protos/rlfabric/v1/common.proto, word by word, as another client would."""
+    s1 = s2 = 0
+    for at in range(0, len(data), 8):
+        w = int.from_bytes(data[at:at + 8].ljust(8, b"\0"), "little")
+        s1 = (s1 + w) % 2**64
+        s2 = (s2 + s1) % 2**64
+    return zlib.crc32(s1.to_bytes(8, "little") + s2.to_bytes(8, "little") + len(data).to_bytes(8, "little"))
+
+
+def test_the_checksum_is_the_one_the_proto_specifies() -> None:
+    tensors = [_random_bytes(n, seed=n) for n in (0, 1, 7, 8, 13, 64, 1001)]
+    for data in tensors:
+        assert data_checksum(data) == _spec_checksum(data)
+    # A bucket chains its tensors' checksums: CRC-32 of each as 4 little-endian bytes, in order.
+    from rlfabric.v1 import common_pb2
+
+    named = [common_pb2.NamedTensor(name=str(i), tensor=common_pb2.Tensor(data=d)) for i, d in enumerate(tensors)]
+    assert bucket_checksum(named) == zlib.crc32(b"".join(struct.pack("<I", _spec_checksum(d)) for d in tensors))
+    # Pinned, so the definition cannot drift with the code that computes it (bytes 0..19).
+    assert data_checksum(bytes(range(20))) == _spec_checksum(bytes(range(20))) == 0x640B5736
+
+
+def test_chained_runs_equal_the_sums_of_the_whole() -> None:
+    data = _random_bytes(8 * 1000 + 3)
+    for cut in (0, 8, 8 * 999, 8 * 1000):
+        head, tail = _reference_sum(data[:cut]), _reference_sum(data[cut:])
+        assert chain_sums(head, tail, -(-(len(data) - cut) // 8)) == _reference_sum(data)
+
+
+@pytest.mark.parametrize("n", [24, 4096 + 5, STREAM_BYTES + 77, 2 * CHUNK_BYTES + 13])
+def test_swapped_words_or_chunks_change_the_checksum(n: int) -> None:
+    """Every byte still there, in the wrong place: a plain sum of the words cannot tell, these sums do."""
+    data = _random_bytes(n, seed=n)
+    last = (n // 8 - 1) * 8  # the last whole word
+    words = bytearray(data)
+    words[0:8], words[last:last + 8] = data[last:last + 8], data[0:8]
+    half = n // 2 // 8 * 8
+    chunks = data[half:2 * half] + data[:half] + data[2 * half:]
+    for moved in (bytes(words), chunks):
+        assert moved != data and sorted(moved) == sorted(data)
+        assert _reference_sum(moved)[0] == _reference_sum(data)[0]  # what the first sum alone sees: nothing
+        assert data_checksum(moved) != data_checksum(data)
+        t = torch.frombuffer(bytearray(moved), dtype=torch.uint8)
+        assert fold(copy_word_sum(torch.zeros(n, dtype=torch.uint8), t), n) == data_checksum(moved)
 
 
 def _random_bytes(n: int, seed: int = 0) -> bytes:

@@ -54,7 +54,7 @@ class Replicas:
         proc = ServiceProcess(instance_id, [
             "rollout", "serve", "--model", str(self.model), "--address", "127.0.0.1:0", "--dtype", "float32",
             "--max-model-len", "256", "--max-num-seqs", "16", "--num-threads", "1", "--redis-url", self.redis_url,
-            "--instance-id", instance_id],
+            "--instance-id", instance_id, "--insecure"],  # the tests' trainer pushes without a token
             self.log_dir / f"{instance_id}.log", env={"PYTHONPATH": str(self.repo_root)}).start()
         self.started[instance_id] = proc
         return proc

@@ -37,7 +37,7 @@ def coordinator(tmp_path_factory, repo_root: Path):
     work = tmp_path_factory.mktemp("train_interrupt")
     proc = ServiceProcess("coordinator", [
         "coordinator", "serve", "--redis-url", redis.url, "--address", "127.0.0.1:0", "--runs-dir",
-        str(work / "runs"), "--instance-id", "interrupt-coordinator", "--discovery-timeout", "900"],
+        str(work / "runs"), "--instance-id", "interrupt-coordinator", "--discovery-timeout", "900", "--insecure"],
         work / "coordinator.log", env={"PYTHONPATH": str(repo_root)}).start()
     registry = Registry(connect(redis.url))
     try:

@@ -201,3 +201,21 @@ def test_a_batch_with_an_unknown_verifier_is_refused(reward_worker):
     with pytest.raises(grpc.RpcError) as info:
         list(stub_for(reward_worker).Score(iter([batch]), timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_an_empty_batch_is_refused_naming_the_field(reward_worker):
+    """What a client built from an older proto sends (its samples in unknown fields): not an OK with nothing."""
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub_for(reward_worker).Score(iter([reward_pb2.ScoreRequestBatch()]), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ScoreRequestBatch.requests is empty" in info.value.details()
+
+
+@pytest.mark.parametrize("char", ["x", "\u00e9"])  # a non-ASCII one costs up to 9 bytes percent-encoded
+def test_a_huge_invalid_sample_id_is_invalid_argument_with_the_id_cut_short(reward_worker, char):
+    sample_id = char * 20_000  # quoted whole, the status would pass gRPC's 8 KiB metadata limit
+    with pytest.raises(grpc.RpcError) as info:
+        score_all(stub_for(reward_worker), [request(sample_id, "\\boxed{1}", verifiers=())])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ScoreRequest.verifiers is empty" in info.value.details()
+    assert len(info.value.details()) < 500 and "(20002 characters)" in info.value.details()

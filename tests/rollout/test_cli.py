@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
@@ -67,9 +68,15 @@ def test_cli_serves_a_replica_at_version_zero(repo_root: Path, tiny_model_dir: P
                 break
         assert match, f"no address printed; stderr:\n{(tmp_path / 'stderr.log').read_text()[-3000:]}"
         with make_channel(match.group(1)) as channel:
-            info = rollout_pb2_grpc.RolloutStub(channel).Info(rollout_pb2.RolloutInfoRequest(), timeout=30)
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            info = stub.Info(rollout_pb2.RolloutInfoRequest(), timeout=30)
+            with pytest.raises(grpc.RpcError) as refused:  # no --auth-token-file, no --insecure: fails closed
+                stub.Sleep(rollout_pb2.SleepRequest(), timeout=30)
         assert info.weights_version == 0  # a (re)started replica must be re-synced before it serves a run
         assert info.model == str(tiny_model_dir)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        first = (tmp_path / "stderr.log").read_text().splitlines()[0]
+        assert "auth: closed" in first and "Sleep, UpdateWeights, Wake refuse every caller" in first
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:

@@ -67,6 +67,17 @@ def test_corrupted_bucket_is_data_loss() -> None:
         WeightStager(SPECS).add_bucket(bucket)
 
 
+def test_words_swapped_inside_a_tensor_are_data_loss() -> None:
+    """All the bytes arrive, two 8-byte words of one tensor at each other's places: the checksum depends on
+    each word's position (common.proto, WeightBucket.checksum)."""
+    bucket = make_bucket(1, 0, _tensors())
+    data = bucket.tensors[0].tensor.data  # a.weight: 24 bytes, three words
+    bucket.tensors[0].tensor.data = data[16:24] + data[8:16] + data[0:8]
+    with pytest.raises(WeightDataLossError, match="checksum") as err:
+        WeightStager(SPECS).add_bucket(bucket)
+    assert err.value.code == "DATA_LOSS"
+
+
 def test_missing_bucket_is_data_loss() -> None:
     b0 = make_bucket(1, 0, {"a.weight": _tensors()["a.weight"]})
     b1 = make_bucket(1, 1, {"b.bias": _tensors()["b.bias"]})

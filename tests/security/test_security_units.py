@@ -253,3 +253,127 @@ def test_start_run_refuses_a_run_id_that_escapes_the_runs_dir(redis_url: str) ->
     finally:
         srv.stop(0)
     assert built == ["sec-ok-1.a_b"]
+
+
+def _coordinator_serve(repo_root: Path, redis_url: str, tmp_path: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "coordinator", "serve", "--redis-url", redis_url, "--address",
+         "127.0.0.1:0", "--runs-dir", str(tmp_path / "runs"), *flags],
+        cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _first_lines(proc: subprocess.Popen) -> tuple[str, str]:
+    """(first stderr line, the endpoint of the 'coordinator serving on' stdout line)."""
+    first = proc.stderr.readline()
+    line = proc.stdout.readline()
+    assert "coordinator serving on" in line, (first, line, proc.stderr.read() if proc.poll() is not None else "")
+    return first, line.split()[3]
+
+
+@pytest.mark.parametrize("insecure", [False, True])
+def test_a_standalone_server_without_a_token_fails_closed_unless_insecure_and_says_so_first(
+        repo_root: Path, redis_url: str, tmp_path: Path, insecure: bool) -> None:
+    """Without --auth-token-file a `serve` used to leave every guarded RPC open and log nothing."""
+    from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from services.common.client import make_channel
+
+    proc = _coordinator_serve(repo_root, redis_url, tmp_path, *(["--insecure"] if insecure else []))
+    try:
+        first, endpoint = _first_lines(proc)
+        with make_channel(endpoint, token=None) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            with pytest.raises(grpc.RpcError) as e:  # a bad run id: refused by the servicer once past the guard
+                stub.StartRun(coordinator_pb2.StartRunRequest(run_id="../x"), timeout=30)
+            with pytest.raises(grpc.RpcError) as open_call:
+                stub.GetRun(coordinator_pb2.GetRunRequest(run_id="nobody"), timeout=30)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert open_call.value.code() == grpc.StatusCode.NOT_FOUND  # open RPCs stay open either way
+    if insecure:
+        assert "auth: INSECURE" in first and "StartRun, StopRun are open to every caller" in first
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    else:
+        assert "auth: closed" in first and "StartRun, StopRun refuse every caller" in first
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "started without --auth-token-file" in e.value.details()
+
+
+def test_insecure_and_a_token_together_are_refused(repo_root: Path, redis_url: str, tmp_path: Path) -> None:
+    token = write_secret_file(tmp_path / "token", "t0k")
+    proc = _coordinator_serve(repo_root, redis_url, tmp_path, "--insecure", "--auth-token-file", str(token))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "give it or --auth-token-file, not both" in err
+
+
+@pytest.mark.parametrize("command", [["coordinator", "serve"], ["rollout", "serve"], ["trainer", "serve"],
+                                     ["trainer", "rank"], ["reward", "serve"]])
+def test_every_serve_command_has_insecure_and_hands_it_to_the_ranks(command: list[str]) -> None:
+    from services.cli import build_parser
+
+    args = build_parser().parse_args([*command, "--insecure"])
+    assert args.insecure is True and build_parser().parse_args(command).insecure is False
+    if command == ["trainer", "serve"]:
+        from services.trainer.launch import rank_argv
+
+        assert "--insecure" in rank_argv(args)
+
+
+def test_server_security_modes(tmp_path: Path) -> None:
+    from services.common import server as server_module
+    from services.common.security import CLOSED_REFUSAL, server_security
+
+    token = write_secret_file(tmp_path / "token", "t0k")
+    p = _parser()
+    try:
+        assert server_security(p.parse_args([])).mode == "closed"
+        assert server_module._process.token and server_module._process.refusal == CLOSED_REFUSAL
+        assert server_security(p.parse_args(["--insecure"])).mode == "insecure"
+        assert server_module._process.token is None
+        assert server_security(p.parse_args(["--auth-token-file", str(token)])).mode == "token"
+        assert server_module._process.token == "t0k" and server_module._process.refusal is None
+    finally:
+        server_module.configure(token=None, tls=None)
+
+
+def _open_to_others(root: Path) -> list[str]:
+    """Paths under `root` (itself included) that a group or other user may read, write or enter."""
+    return [f"{p} {p.stat().st_mode & 0o777:o}" for p in [root, *root.rglob("*")] if p.stat().st_mode & 0o077]
+
+
+def test_redis_files_service_logs_and_run_dirs_are_the_users_only(tmp_path: Path) -> None:
+    """Redis' append-only file (the registrations the password protects) and the logs were 0644 in 0755 folders."""
+    from services.common.processes import ServiceProcess
+    from services.launcher.stack import LocalStack
+
+    stack = LocalStack(tmp_path / "run")
+    stack.start_redis()  # the private Redis of `up`: append-only, in RUN_DIR/redis
+    try:
+        registry_client = redis.Redis.from_url(stack.redis_url)
+        registry_client.set("rlfabric:members:reward:x", "{}")
+        registry_client.execute_command("BGREWRITEAOF")
+        proc = ServiceProcess("child", [], stack.logs_dir / "child.log",
+                              command=[sys.executable, "-c", "print('hello')"]).start()
+        assert proc.proc is not None and proc.proc.wait(timeout=60) == 0
+        assert (stack.logs_dir / "child.log").read_text() == "hello\n"
+        assert any((tmp_path / "run" / "redis").rglob("*.aof"))
+        assert _open_to_others(tmp_path / "run") == []
+    finally:
+        assert stack.redis is not None
+        stack.redis.stop()
+
+
+@pytest.mark.parametrize("insecure", [False, True])
+def test_reward_worker_without_a_token_is_closed_unless_insecure(insecure: bool) -> None:
+    from rlfabric.v1 import reward_pb2, reward_pb2_grpc
+    from services.common.client import make_channel
+    from services.reward.worker import RewardWorker, RewardWorkerOptions
+
+    with RewardWorker(RewardWorkerOptions(processes=1, metrics_port=None, insecure=insecure)) as worker:
+        with make_channel(worker.server.address, token=None) as channel:
+            with pytest.raises(grpc.RpcError) as e:
+                reward_pb2_grpc.RewardStub(channel).UnregisterVerifier(
+                    reward_pb2.UnregisterVerifierRequest(name="x"), timeout=30)
+    # Past the guard, a worker without Redis cannot unregister anything.
+    expected = grpc.StatusCode.FAILED_PRECONDITION if insecure else grpc.StatusCode.UNAUTHENTICATED
+    assert e.value.code() == expected

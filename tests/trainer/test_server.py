@@ -157,6 +157,19 @@ def test_update_checkpoint_offload(group):
     assert np.array_equal(before, after)  # the same weights came back
 
 
+def test_a_refusal_names_each_rank_in_one_line_and_keeps_the_traceback_in_the_log(group):
+    missing = group["work"] / "no-such-checkpoint"
+    with pytest.raises(grpc.RpcError) as e:  # both ranks raise FileNotFoundError
+        group["stub"].LoadCheckpoint(trainer_pb2.LoadCheckpointRequest(dir=str(missing)), timeout=60)
+    details = e.value.details()
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "rank 0: FileNotFoundError" in details and "rank 1: FileNotFoundError" in details
+    assert "\n" not in details and "Traceback" not in details and 'File "' not in details
+    log = (group["work"] / "trainer.log").read_text(errors="replace")
+    assert "Traceback" in log and str(missing) in log  # the server's log keeps it
+    assert log.count("auth: INSECURE") == 1  # `trainer serve --insecure` said so once (not again in rank 0)
+
+
 def test_update_of_a_kl_trainer_without_reference_log_probs_is_refused(group):
     """A trainer whose loss has a KL term never trains without it: the call fails naming the missing field."""
     stub = group["stub"]

@@ -101,11 +101,33 @@ def test_a_dead_target_fails_the_whole_push_at_once_naming_it(trainer, rollout_s
     assert dead in details and address in details and "left the collective group" in details
     assert rollout_version(address) == before  # the group fails as one: the healthy replica applied nothing
     assert stub.Info(trainer_pb2.TrainerInfoRequest(), timeout=30).weights_version == held
-    # The replica left the failed group: on its own UpdateWeights thread, which may finish after the push's
-    # answer reached this test (its broadcast fails when the sender drops the group).
-    deadline = time.monotonic() + 30
-    while _member_group() is not None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # The sender answers only after the healthy replica answered its ended stream, and the replica answers
+    # only after it left the group (services/common/transports/collective.py): no wait here.
+    assert _member_group() is None
+
+
+def test_a_replica_slow_to_read_a_failed_push_leaves_the_group_before_the_push_fails(
+        trainer, rollout_stub, tiny_model_dir, monkeypatch):
+    """The racy order made certain: the dead target is noticed before the healthy replica reads its first
+    bucket. A cancelled stream would end before the replica saw the new group, and it would keep the old one."""
+    import services.rollout.server as rollout_server_module
+
+    stub, address = trainer["stub"], trainer["rollout_address"]
+    plan = _explicit_plan(stub, rollout_stub, tiny_model_dir)
+    _push(stub, address, _next_version(stub, address), plan)
+    assert _member_group() is not None  # a member of the group of [address]
+    stager = rollout_server_module.WeightStager
+
+    def slow_stager(*args, **kwargs):
+        time.sleep(1.0)  # before the handler reads its first message: the sender fails the push meanwhile
+        return stager(*args, **kwargs)
+
+    monkeypatch.setattr(rollout_server_module, "WeightStager", slow_stager)
+    before = rollout_version(address)
+    with pytest.raises(grpc.RpcError) as e:
+        _push(stub, address, _next_version(stub, address), plan, targets=[address, "127.0.0.1:9"])
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "left the collective group" in e.value.details()
+    assert rollout_version(address) == before
     assert _member_group() is None
 
 

@@ -75,6 +75,40 @@ def test_corrupted_push_applies_nothing(rollout_server, rollout_stub, tiny_model
     assert rollout_greedy(rollout_stub, PROMPTS) == tokens_before
 
 
+def _swap(data: bytes, a: int, b: int, n: int) -> bytes:
+    """`data` with its n-byte runs at offsets a < b exchanged."""
+    return data[:a] + data[b:b + n] + data[a + n:b] + data[a:a + n] + data[b + n:]
+
+
+@pytest.mark.parametrize("what", ["words", "chunks"])
+def test_swapped_words_or_chunks_inside_one_tensor_are_data_loss(rollout_server, rollout_stub, tiny_model_dir, what):
+    """Every byte arrives, in the wrong place: two 8-byte words, or the two halves of the tensor (two chunks
+    written at each other's offsets). A sum of the words would not see it; the position-dependent one does."""
+    state = load_hf_state(tiny_model_dir)
+    name = next(n for n, t in state.items() if t.dim() == 2 and t.numel() * t.element_size() >= 4096)
+    before = _version(rollout_stub)
+    address = rollout_server[0].address
+
+    def swap(_target, chunk):
+        if not chunk.HasField("bucket") or name not in [t.name for t in chunk.bucket.tensors]:
+            return chunk
+        bad = rollout_pb2.WeightUpdateChunk()
+        bad.CopyFrom(chunk)
+        tensor = next(t for t in bad.bucket.tensors if t.name == name).tensor
+        data = tensor.data
+        half = len(data) // 2 // 8 * 8
+        other = next(at for at in range(half + 8, len(data) - 7, 8) if data[at:at + 8] != data[half:half + 8])
+        tensor.data = _swap(data, half, other, 8) if what == "words" else _swap(data, 0, half, half)
+        assert tensor.data != data and sorted(tensor.data) == sorted(data)  # the same bytes, moved
+        return bad
+
+    transport = GrpcStreamTransport([address], bucket_bytes=1 << 20, timeout_s=60, tamper=swap)
+    out = transport.send(before + 1, iter(state.items()))[address]
+    assert isinstance(out, TargetFailure) and out.code == "DATA_LOSS", out
+    assert "checksum" in out.message
+    assert _version(rollout_stub) == before
+
+
 def test_silent_target_times_out():
     with socket.socket() as s:  # accepts TCP connections but never speaks HTTP/2
         s.bind(("127.0.0.1", 0))

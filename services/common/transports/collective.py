@@ -18,6 +18,16 @@ The group (gloo for host tensors; NCCL / HCCL, import-guarded, for tensors on th
 - it fails as one: every target fails (the one at fault with its own status, the others UNAVAILABLE naming it;
   DEADLINE_EXCEEDED on a timeout) and the next push forms a new group. A restarted replica is no member of the
   kept group: it refuses (UNAVAILABLE) and joins the next one.
+
+A failed push ends in this order, so that no healthy member still holds the group once the push's failure is
+reported: (1) the sender destroys its process group (that closes its connections: a member's pending broadcast
+fails at once; gloo's `abort()` would leave it waiting for the group timeout), or, when the group had not formed,
+has published "abort" in the store (a joining member reads it at once); (2) it ends each healthy member's stream without a commit, instead of
+cancelling it, so the member reads every bucket sent before the end (a cancelled stream can end before the
+member saw the new group's first bucket, and the member would keep its previous group); (3) the member, whose
+step failed or whose stream ended without a commit, leaves the group before it answers
+(services/rollout/server.py); (4) the sender waits for those answers (at most `_ANSWER_S`: a member that does
+not answer by then is stalled itself and is cancelled), then reports every target's failure and closes the store.
 """
 
 from __future__ import annotations
@@ -28,10 +38,12 @@ import secrets
 import socket
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta as _td
 
+import grpc
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -50,6 +62,9 @@ DEFAULT_COLLECTIVE_BUCKET_BYTES = 16 << 20
 # GB) takes seconds over gloo.
 DEFAULT_GROUP_TIMEOUT_S = 120.0
 _POLL_S = (0.0002, 0.01)  # first and longest sleep between polls of the store
+# A member whose group the sender destroyed answers its ended stream in milliseconds (its join reads the abort,
+# its broadcast sees the connections close); one that has not answered within this is stalled itself.
+_ANSWER_S = 10.0
 
 BACKENDS = {"cpu": common_pb2.COLLECTIVE_BACKEND_GLOO, "cuda": common_pb2.COLLECTIVE_BACKEND_NCCL,
             "npu": common_pb2.COLLECTIVE_BACKEND_HCCL}
@@ -251,8 +266,13 @@ class CollectiveTransport(WeightTransport):
                         group.keys.delete_key(f"{push_id}/ready/{i}")
                 return outcomes
             except CollectiveError as e:
+                if group is not None:
+                    group.pg = None  # destroyed: its connections close, a member's broadcast fails now
+                    traceback.clear_frames(e.__traceback__)  # a failed broadcast's frame holds the group too
                 return self._failed(streams, e, deadline)
             finally:
+                if not ok and group is not None:
+                    group.pg = None
                 for s in streams:
                     s.close()
                 if not ok:
@@ -312,6 +332,15 @@ class CollectiveTransport(WeightTransport):
         """Every target fails: the culprits with their own status, the others naming the group's failure."""
         # A stream that already ended is the likeliest culprit of a broken broadcast too.
         culprits = set(e.culprits) | {s for s in streams if s.call.done()}
+        members = [s for s in streams if s not in culprits]
+        until = min(deadline, time.monotonic() + min(self.group_timeout_s, _ANSWER_S))
+        for s in members:  # ended, not cancelled: each member reads what was sent, leaves the group and answers
+            s.offer(None, until)
+        for s in members:
+            try:
+                s.call.exception(timeout=max(0.0, until - time.monotonic()))
+            except (grpc.FutureTimeoutError, grpc.FutureCancelledError):
+                pass  # stalled: cancelled by `fail` below
         out: dict[str, WeightAck | TargetFailure] = {}
         for s in streams:
             if s in culprits:
@@ -336,6 +365,13 @@ class CollectiveReceiver:
         """Leave the group (as a restarted replica would have)."""
         with self._lock:
             self._id, self._pg, self._keys = None, None, None
+
+    def leave(self, group_id: str) -> None:
+        """Leave `group_id` if this replica is its member: a stream of that group failed, and the sender drops
+        the group on every failed push (module docstring: the replica leaves before it answers)."""
+        with self._lock:
+            if self._id == group_id:
+                self._id, self._pg, self._keys = None, None, None
 
     def receive(self, bucket: common_pb2.WeightBucket) -> list[np.ndarray]:
         """The bytes of each tensor of `bucket` (uint8 arrays, in order); raises CollectiveError."""
