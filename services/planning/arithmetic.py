@@ -99,15 +99,16 @@ def rank_params(shape: ModelShape, *, tp: int, pp: int, stage: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class StateBytes:
-    """Bytes of model and optimizer state on one device."""
+    """Bytes of model and optimizer state on one device: predicted here, counted by services/trainer/memory.py."""
 
-    params: int
-    grads: int
-    master: int
-    optimizer_states: int
+    params: int = 0
+    grads: int = 0
+    master: int = 0
+    optimizer_states: int = 0
 
     @property
     def optimizer(self) -> int:
+        """Master weights + optimizer states: what `memory/*/optimizer_bytes` reports."""
         return self.master + self.optimizer_states
 
     @property

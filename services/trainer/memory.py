@@ -34,7 +34,6 @@ metrics (the largest value over the group's ranks, since the most loaded rank is
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from services.planning.arithmetic import StateBytes
 from services.trainer import megatron_compat
 
 # Metric names under `memory/{role}/` (docs/memory.md).
@@ -68,25 +68,6 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int, torch.UntypedStorage] | Non
     if n == 0 or t.device.type == "meta":
         return None
     return s._cdata, n, s
-
-
-@dataclasses.dataclass(frozen=True)
-class StateBytes:
-    """One rank's bytes of model and optimizer state (see module docstring for what counts where)."""
-
-    params: int = 0
-    grads: int = 0
-    master: int = 0
-    optimizer_states: int = 0
-
-    @property
-    def optimizer(self) -> int:
-        """Master weights + optimizer states: what `memory/*/optimizer_bytes` reports."""
-        return self.master + self.optimizer_states
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.master + self.optimizer_states
 
 
 class _Claims:

@@ -9,7 +9,6 @@ rank 0 alone in a new one-rank group, loads the DP-2 checkpoint at DP 1. Rank 0 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,25 +22,9 @@ STEPS = 5  # update calls; each is two optimizer steps (8 rows, mini-batches of 
 
 def run(world: int, hf: Path, work: Path, timeout_s: float = 300) -> dict:
     """Launch the ranks, wait, return rank 0's results."""
-    from trainer_helpers import REPO, rank_env
+    from trainer_helpers import run_ranks
 
-    from services.common.net import free_port
-
-    port = free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), "--rank", str(r), "--world", str(world), "--port", str(port),
-         "--hf", str(hf), "--work", str(work)],
-        env=rank_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout_s)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs):
-        raise AssertionError(f"ranks exited {[p.returncode for p in procs]}:\n" + "\n".join(o[-4000:] for o in outputs))
+    run_ranks(Path(__file__).name, world, ["--hf", str(hf), "--work", str(work)], timeout_s=timeout_s)
     return torch.load(work / f"optimizer_w{world}.pt", weights_only=False)
 
 

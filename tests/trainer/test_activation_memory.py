@@ -10,15 +10,13 @@ pieces (TP 1 turns sequence parallelism off, padding, MindSpeed's switches) foll
 from __future__ import annotations
 
 import logging
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import REPO, rank_env
+from trainer_helpers import run_ranks
 
-from services.common.net import free_port
 from services.trainer import activation_memory, sequence_parallel
 from services.trainer.activation_memory import ActivationMemory
 
@@ -26,21 +24,8 @@ RECOMPUTE = ["full_uniform_1", "full_block_1", "selective", "activation", "full_
 
 
 def _launch(world: int, tp: int, cases: list[str], hf: Path, out: Path, timeout_s: float = 300) -> dict:
-    port = free_port()
-    cmd = [sys.executable, str(REPO / "tests/trainer/activation_checks.py"), "--world", str(world), "--port",
-           str(port), "--tp", str(tp), "--hf", str(hf), "--out", str(out)] + [a for c in cases for a in ("--case", c)]
-    procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=rank_env(), cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout_s)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs):
-        raise AssertionError("rank processes failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    run_ranks("activation_checks.py", world, ["--tp", str(tp), "--hf", str(hf), "--out", str(out),
+                                              *[a for c in cases for a in ("--case", c)]], timeout_s=timeout_s)
     return torch.load(out, weights_only=False)
 
 

@@ -9,8 +9,6 @@ Update reply and Prometheus endpoint carry the metrics.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from trainer_helpers import REPO, rank_env
+from trainer_helpers import run_ranks
 
 from services.common.net import free_port
 from services.planning.arithmetic import MicroBatch, ModelShape, Recompute, TrainShape, stage_activations
@@ -139,21 +137,7 @@ def test_prometheus_gauges_follow_an_update() -> None:
 
 
 def _launch(world: int, tp: int, out: Path, timeout_s: float = 300) -> dict:
-    port = free_port()
-    cmd = [sys.executable, str(REPO / "tests/trainer/memory_checks.py"), "--world", str(world), "--port", str(port),
-           "--tp", str(tp), "--out", str(out)]
-    procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=rank_env(), cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout_s)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs):
-        raise AssertionError("memory_checks failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    run_ranks("memory_checks.py", world, ["--tp", str(tp), "--out", str(out)], timeout_s=timeout_s)
     return json.loads(out.read_text())
 
 

@@ -7,17 +7,14 @@ token-budget micro-batches against padded ones at TP 1, and at TP 2, PP 2 and DP
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from trainer_helpers import REPO, rank_env
+from trainer_helpers import run_ranks
 
-from services.common.net import free_port
 from services.trainer.packing import (
     DEFAULT_MAX_PACKING_TOKENS,
     Packing,
@@ -184,19 +181,8 @@ def test_options_carry_each_pass_budget(repo_root: Path):
 
 
 def _run_ranks(world: int, layouts: list[str], hf: Path, work: Path) -> dict[str, dict]:
-    port = free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, str(REPO / "tests/trainer/packing_checks.py"), "--rank", str(r), "--world", str(world),
-         "--port", str(port), "--hf", str(hf), "--work", str(work), *[a for lay in layouts for a in ("--layout", lay)]],
-        env=rank_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outs = []
-    try:
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    run_ranks("packing_checks.py", world, ["--hf", str(hf), "--work", str(work),
+                                           *[a for lay in layouts for a in ("--layout", lay)]])
     return {lay: torch.load(work / f"packing_w{world}_tp{lay.split('x')[0]}_pp{lay.split('x')[1]}.pt",
                             weights_only=False) for lay in layouts}
 

@@ -7,8 +7,6 @@ resume at this layout, against TP 1.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,25 +14,11 @@ import torch
 from hf_reference import hf_log_probs, plain_torch_update
 from rank_checks import make_experience, make_rows
 from tp_pp_checks import KL_COEF, LR, TEMPERATURE
-from trainer_helpers import REPO, rank_env
-
-from services.common.net import free_port
+from trainer_helpers import run_ranks
 
 
-def run_ranks(hf: Path, work: Path, timeout_s: float = 600) -> dict:
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(REPO / "tests/trainer/tp_pp_checks.py"), "--rank", str(r),
-                               "--port", str(port), "--hf", str(hf), "--work", str(work)],
-                              env=rank_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(4)]
-    try:
-        outputs = [p.communicate(timeout=timeout_s)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    codes = [p.returncode for p in procs]
-    assert not any(codes), f"rank processes exited {codes}:\n" + "\n".join(o[-3000:] for o in outputs)
+def run_tp_pp_checks(hf: Path, work: Path, timeout_s: float = 600) -> dict:
+    run_ranks("tp_pp_checks.py", 4, ["--hf", str(hf), "--work", str(work)], timeout_s=timeout_s)
     return torch.load(work / "results.pt", weights_only=False)
 
 
@@ -44,7 +28,7 @@ def test_tp2_pp2_log_probs_and_one_update_equal_hf_and_plain_torch(tiny_model_di
     from services.trainer.convert import convert_mcore_to_hf, load_hf_state
 
     torch.set_num_threads(1)
-    got = run_ranks(tiny_model_dir, tmp_path)
+    got = run_tp_pp_checks(tiny_model_dir, tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     rows = make_rows(model.config.vocab_size, 1)
     assert (got["log_probs"] - hf_log_probs(model, rows, TEMPERATURE)).abs().max().item() < 1e-5

@@ -22,6 +22,7 @@ TEMPERATURE, KL_COEF, LR = 0.7, 0.05, 2e-4
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, default=4)  # always 4 (TP 2 x PP 2); given by trainer_helpers.run_ranks
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--hf", required=True)
     ap.add_argument("--work", required=True)

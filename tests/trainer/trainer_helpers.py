@@ -16,32 +16,34 @@ def rank_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
 
 
-def run_rank_checks(world: int, layouts: list[tuple[int, int]], hf: Path, work: Path, *, load: Path | None = None,
-                    timeout_s: float = 300) -> list[Path]:
-    """Run tests/trainer/rank_checks.py on `world` ranks for each (tp, pp) layout in turn (one set of processes);
-    return rank 0's results file of each layout. `load` applies to the first layout."""
+def run_ranks(script: str, world: int, args: list[str], *, timeout_s: float = 300) -> None:
+    """Run `tests/trainer/SCRIPT --rank R --world W --port P ARGS...` as `world` rank processes (gloo, loopback)
+    and wait for them; AssertionError with every rank's output tail if any exits non-zero or runs past
+    `timeout_s`."""
     port = free_port()
-    extra = ["--load", str(load)] if load else []
-    for tp, pp in layouts:
-        extra += ["--layout", f"{tp}x{pp}"]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(REPO / "tests/trainer/rank_checks.py"), "--rank", str(r), "--world", str(world),
-             "--port", str(port), "--hf", str(hf), "--work", str(work), *extra],
-            env=rank_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(world)
-    ]
+    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "trainer" / script), "--rank", str(r), "--world",
+                               str(world), "--port", str(port), *args],
+                              env=rank_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
     outputs = []
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=timeout_s)
-            outputs.append(out)
+            outputs.append(p.communicate(timeout=timeout_s)[0])
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     codes = [p.returncode for p in procs]
     if any(codes):
-        raise AssertionError(f"rank processes exited {codes}:\n" + "\n".join(o[-3000:] for o in outputs))
+        raise AssertionError(f"{script} ranks exited {codes}:\n" + "\n".join(o[-3000:] for o in outputs))
+
+
+def run_rank_checks(world: int, layouts: list[tuple[int, int]], hf: Path, work: Path, *, load: Path | None = None,
+                    timeout_s: float = 300) -> list[Path]:
+    """Run tests/trainer/rank_checks.py on `world` ranks for each (tp, pp) layout in turn (one set of processes);
+    return rank 0's results file of each layout. `load` applies to the first layout."""
+    extra = ["--load", str(load)] if load else []
+    for tp, pp in layouts:
+        extra += ["--layout", f"{tp}x{pp}"]
+    run_ranks("rank_checks.py", world, ["--hf", str(hf), "--work", str(work), *extra], timeout_s=timeout_s)
     return [work / f"results_w{world}_tp{tp}_pp{pp}.pt" for tp, pp in layouts]
