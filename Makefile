@@ -77,7 +77,7 @@ lint:
 	$(PY) -m ruff check services tests bench examples
 
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 soak:
 	$(PY) -m pytest -q -m slow tests
