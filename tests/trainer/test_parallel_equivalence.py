@@ -148,40 +148,15 @@ def test_one_update_equals_plain_torch_adamw_on_hf(runs, tiny_model_dir):
     weight decay on matrices only.
     """
     import transformers
+    from hf_reference import plain_torch_update
     from rank_checks import make_experience, make_rows
-
-    from services.trainer import grpo_loss
-    from services.trainer.step import response_slices
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     rows = make_rows(model.config.vocab_size, 1)
     exp = make_experience(rows, runs[1]["log_probs"], seed=7)
-    n_micro = len(rows) // 2
-    for m in range(n_micro):
-        idx = [2 * m, 2 * m + 1]
-        width = int(rows.response_lengths[idx].max())
-        logps, ents = [], []
-        for i in idx:
-            seq = rows.token_ids[rows.seq_offsets[i] : rows.seq_offsets[i + 1]]
-            p, r = int(rows.prompt_lengths[i]), int(rows.response_lengths[i])
-            logits = model(seq[None]).logits[:, p - 1 : p - 1 + r]
-            lp, ent = grpo_loss.compute_log_probs(logits, seq[None, p:], 0.7, with_entropy=True)
-            logps.append(torch.nn.functional.pad(lp, (0, width - r)))
-            ents.append(torch.nn.functional.pad(ent, (0, width - r)))
-        mask = (torch.arange(width)[None] < rows.response_lengths[idx][:, None]).float()
-        loss, _ = grpo_loss.grpo_loss(
-            torch.cat(logps), response_slices(exp.old_log_probs, rows, idx, width),
-            response_slices(exp.ref_log_probs, rows, idx, width), exp.advantages[idx], mask,
-            clip_ratio=0.2, kl_penalty="low_var_kl", kl_coef=0.05, entropy=torch.cat(ents).detach())
-        (loss / n_micro).backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    decay = [p for n, p in model.named_parameters() if not (n.endswith(".bias") or p.dim() == 1)]
-    no_decay = [p for n, p in model.named_parameters() if n.endswith(".bias") or p.dim() == 1]
-    opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=2e-4,
-                            betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
-    opt.step()
+    norm = plain_torch_update(model, rows, exp, temperature=0.7, kl_coef=0.05, lr=2e-4)
 
-    assert runs[1]["one_update_metrics"]["grad_norm"] == pytest.approx(norm.item(), rel=1e-5)
+    assert runs[1]["one_update_metrics"]["grad_norm"] == pytest.approx(norm, rel=1e-5)
     got = runs[1]["one_update_hf"]
     diffs = {name: (got[name] - p.detach()).abs().max().item() for name, p in model.state_dict().items()
              if name in got}
