@@ -7,9 +7,10 @@ trainer group's ranks included).
 
 Two policies, one per launcher (docs/architecture.md, "Process lifetimes"):
 - Attached (`rlfabric up`, `rlfabric eval`, tests): children die with their parent. Each one asks the kernel for
-  SIGKILL when the process that started it dies (`PR_SET_PDEATHSIG`), and `Reaper` (a small watchdog process holding a pipe from the parent) kills every
-child's process group (grandchildren included: a trainer's ranks, vLLM's engine core, reward pool slots) and
-Redis once that pipe closes, which is how a SIGKILLed `rlfabric up` still leaves no process or port behind.
+  SIGKILL when the process that started it dies (`PR_SET_PDEATHSIG`), and `Reaper` (a small watchdog process
+  holding a pipe from the parent) kills every child's process group (grandchildren included: a trainer's ranks,
+  vLLM's engine core, reward pool slots) and Redis once that pipe closes, which is how a SIGKILLed `rlfabric up`
+  still leaves no process or port behind.
 - Detached (`rlfabric system up`, i.e. `make up`, and `system scale`): children outlive the command that started
   them (own session, no parent-death signal, no reaper, stdin from /dev/null); they end by `system down` or by
   their own failure.
