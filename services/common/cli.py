@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import sys
+
+from services.common.tiny_model import FAMILIES
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "tiny-model",
-        help="write a tiny random Qwen2 model with a byte-level BPE tokenizer (for tests and the demo)",
-        description="Writes a seeded, randomly initialised Qwen2 model in HF layout, loadable by transformers "
-        "and vLLM, with a real byte-level BPE tokenizer carrying the ChatML special tokens. No hub access.",
+        help="write a tiny random Qwen2 (or Qwen3-MoE) model with a byte-level BPE tokenizer (tests, the demo)",
+        description="Writes a seeded, randomly initialised Qwen2 (or, with --family qwen3_moe, Qwen3-MoE) model "
+        "in HF layout, loadable by transformers, vLLM and Megatron, with a real byte-level BPE tokenizer carrying "
+        "the ChatML special tokens. No hub access.",
     )
-    p.add_argument("out_dir", help="output folder (created)")
+    p.add_argument("out_dir", help="output folder (created; must be empty if it exists)")
+    p.add_argument("--family", choices=FAMILIES, default="qwen2", help="model family (default qwen2)")
+    p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: routed experts (default 8)")
+    p.add_argument("--top-k", type=int, default=2, help="qwen3_moe: experts per token (default 2)")
     p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer and embedding size (default 4096)")
     p.add_argument("--hidden-size", type=int, default=128, help="hidden size (default 128)")
     p.add_argument("--num-layers", type=int, default=2, help="transformer layers (default 2)")
@@ -27,7 +34,12 @@ def _tiny_model(args: argparse.Namespace) -> int:
 
     if args.vocab_size < 300:
         raise SystemExit(f"--vocab-size {args.vocab_size} is too small: a byte-level BPE needs at least 259 entries")
-    out = write_tiny_model(args.out_dir, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-                           num_layers=args.num_layers, seed=args.seed, split_digits=args.split_digits)
+    try:
+        out = write_tiny_model(args.out_dir, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+                               num_layers=args.num_layers, seed=args.seed, split_digits=args.split_digits,
+                               family=args.family, num_experts=args.num_experts, num_experts_per_tok=args.top_k)
+    except (FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(out)
     return 0

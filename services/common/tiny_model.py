@@ -1,10 +1,14 @@
-"""A tiny, seeded, randomly initialised Qwen2 model with a real byte-level BPE tokenizer.
+"""A tiny, seeded, randomly initialised Qwen2 (dense) or Qwen3-MoE model with a real byte-level BPE tokenizer.
 
 Tests, the demo and the CPU benchmarks need a model that transformers, vLLM and Megatron all load, with no
 hub access. The tokenizer is trained here, deterministically, on arithmetic and math text (the W1
 workload of the benchmarks), and carries the ChatML special tokens of the Qwen family. With
 `split_digits` every digit is its own token (the W2 learning race: "A+B=" with a 512-entry vocabulary),
 so that a number's tokens are its digits and a small model can learn column addition.
+
+`family="qwen3_moe"` writes a Qwen3-MoE model instead (routed experts, softmax top-k router): the tiny
+mixture-of-experts model of the MoE tests, saved with the per-expert checkpoint names of the Qwen3-MoE
+releases (`mlp.experts.{e}.gate_proj.weight`, ...).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD_TOKEN, BOS_LIKE, EOS_TOKEN = SPECIAL_TOKENS
+FAMILIES = ("qwen2", "qwen3_moe")
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -77,15 +82,26 @@ def write_tiny_model(
     max_position_embeddings: int = 2048,
     seed: int = 0,
     split_digits: bool = False,
+    family: str = "qwen2",
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 64,
+    norm_topk_prob: bool = True,
 ) -> Path:
-    """Writes a Qwen2 HF folder (config, fp32 safetensors, tokenizer) to `out_dir` and returns it.
+    """Writes an HF folder (config, fp32 safetensors, tokenizer) to `out_dir` and returns it.
 
-    `split_digits` gives the tokenizer one token per digit (see `train_tokenizer`).
+    `split_digits` gives the tokenizer one token per digit (see `train_tokenizer`). `family` is one of
+    `FAMILIES`; the `num_experts*`, `moe_intermediate_size` and `norm_topk_prob` arguments apply to
+    "qwen3_moe" only. `out_dir` must be empty or absent (a model is never written over other files).
     """
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
+    if family not in FAMILIES:
+        raise ValueError(f"model family {family!r}: expected one of {', '.join(FAMILIES)}")
     out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty folder; give a new or empty one")
     out.mkdir(parents=True, exist_ok=True)
     raw = train_tokenizer(vocab_size, seed, split_digits=split_digits)
     tokenizer = PreTrainedTokenizerFast(
@@ -93,7 +109,7 @@ def write_tiny_model(
         additional_special_tokens=[BOS_LIKE], chat_template=CHATML_TEMPLATE,
     )
     tokenizer.save_pretrained(out)
-    config = Qwen2Config(
+    common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -109,8 +125,19 @@ def write_tiny_model(
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
         torch_dtype="float32",
     )
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig as Config
+        from transformers import Qwen3MoeForCausalLM as Model
+
+        common.update(head_dim=hidden_size // num_attention_heads, num_experts=num_experts,
+                      num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
+                      norm_topk_prob=norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+    else:
+        from transformers import Qwen2Config as Config
+        from transformers import Qwen2ForCausalLM as Model
+    config = Config(**common)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = Model(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     _pin_tokenizer_class(out)
     return out
