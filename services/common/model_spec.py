@@ -8,7 +8,19 @@ import json
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSpec:
+    """Mixture-of-experts facts of an HF config (Qwen3-MoE names): routed experts with a softmax top-k router."""
+
+    num_experts: int  # routed experts per MoE layer
+    num_experts_per_tok: int  # top-k
+    moe_intermediate_size: int  # each expert's MLP inner dimension
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1
+    moe_layers: tuple[int, ...]  # the layers whose MLP is a MoE block (others are dense, `intermediate_size`)
+    router_aux_loss_coef: float  # the HF config's aux-loss coefficient (the YAML's moe_aux_loss_coeff governs training)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +42,7 @@ class ModelSpec:
     attention_bias: bool  # bias on q, k, v projections (Qwen2 yes; Qwen3 / Llama per config)
     qk_norm: bool  # RMSNorm on q and k per head (Qwen3)
     rope_scaling_factor: float | None = None  # Llama-3.1 style ("llama3") scaling, else None
+    moe: MoeSpec | None = None  # None: a dense model
 
     def padded_vocab_size(self, tp: int) -> int:
         """Vocabulary rounded up to a multiple of the TP size (VocabParallelEmbedding needs it)."""
@@ -77,6 +90,7 @@ def spec_from_hf_config(raw: dict[str, Any], source: str = "config") -> ModelSpe
     if raw.get("mlp_bias"):
         raise ValueError(f"{source}: mlp_bias=true is not supported")
     return ModelSpec(
+        moe=_moe_spec(raw, source) if model_type == "qwen3_moe" else None,
         model_type=model_type,
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden,
@@ -90,6 +104,24 @@ def spec_from_hf_config(raw: dict[str, Any], source: str = "config") -> ModelSpe
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         rope_scaling_factor=factor,
     )
+
+
+def _moe_spec(raw: dict[str, Any], source: str) -> MoeSpec:
+    """Qwen3-MoE: layer l is a MoE layer unless listed in `mlp_only_layers`, when (l + 1) % decoder_sparse_step == 0."""
+    layers = int(raw["num_hidden_layers"])
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense = set(raw.get("mlp_only_layers") or [])
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    if experts < 1:
+        raise ValueError(f"{source}: num_experts must be at least 1 for model_type qwen3_moe")
+    top_k = int(raw["num_experts_per_tok"])
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"{source}: num_experts_per_tok {top_k} must be in [1, num_experts={experts}]")
+    return MoeSpec(num_experts=experts, num_experts_per_tok=top_k,
+                   moe_intermediate_size=int(raw["moe_intermediate_size"]),
+                   norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                   moe_layers=tuple(lay for lay in range(layers) if lay not in dense and step > 0 and (lay + 1) % step == 0),
+                   router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)))
