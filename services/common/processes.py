@@ -15,7 +15,10 @@ Two policies, one per launcher (docs/architecture.md, "Process lifetimes"):
   them (own session, no parent-death signal, no reaper, stdin from /dev/null); they end by `system down` or by
   their own failure.
 `ChildWatcher` polls the children on a thread, so a dead one is named while the run is in the middle of an
-iteration, not after it.
+iteration, not after it, and a stopped one (SIGSTOP: alive, silent) as soon as it stops.
+
+A child names why it exits, when it knows, with one `EXIT_REASON` line on stderr (a trainer group: which rank
+died of what); `ServiceProcess.check` puts that line in the error's first line, ahead of the log's tail.
 """
 
 from __future__ import annotations
@@ -70,6 +73,63 @@ def detach() -> None:
     os.setsid()
 
 
+# The prefix of the line a child writes to stderr, before it exits, to say why (see the module doc).
+EXIT_REASON = "exit reason: "
+
+
+def describe_exit(returncode: int) -> str:
+    """"exited with code 1", or "exited with code -9 (killed by SIGKILL)" for a process a signal ended."""
+    if returncode < 0:
+        try:
+            return f"exited with code {returncode} (killed by {signal.Signals(-returncode).name})"
+        except ValueError:
+            pass
+    return f"exited with code {returncode}"
+
+
+def exit_reason(log_path: Path) -> str | None:
+    """The last `EXIT_REASON` line of a child's log, without the prefix; None when it wrote none."""
+    for line in reversed(tail(log_path, 200).splitlines()):
+        if line.startswith(EXIT_REASON):
+            return line.removeprefix(EXIT_REASON).strip()
+    return None
+
+
+@dataclass(frozen=True)
+class ProcEntry:
+    """One row of the process table (Linux /proc)."""
+
+    pid: int
+    state: str  # R, S, D, T (stopped), t (traced), Z (zombie), ...
+    pgid: int
+    sid: int
+
+
+def process_table() -> list[ProcEntry]:
+    """Every process of this host (an empty list where there is no /proc)."""
+    rows = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        rows.append(ProcEntry(int(proc.name), fields[0], int(fields[2]), int(fields[3])))
+    return rows
+
+
+def group_members(pgids: set[int]) -> list[int]:
+    """Pids of live processes in the process groups or sessions `pgids` (every service leads both: a trainer's
+    ranks, vLLM's engine core, a reward worker's verifier processes... whether or not their leader still runs)."""
+    return [e.pid for e in process_table() if e.state != "Z" and (e.pgid in pgids or e.sid in pgids)]
+
+
+def stopped_members(pgid: int) -> list[int]:
+    """Pids of the process group or session `pgid` that are stopped (SIGSTOP, SIGTSTP: alive and doing nothing)."""
+    return [e.pid for e in process_table() if e.state in ("T", "t") and (e.pgid == pgid or e.sid == pgid)]
+
+
 def tail(path: Path, lines: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -119,8 +179,10 @@ class ServiceProcess:
 
     def check(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            raise ServiceStartError(f"{self.name} (pid {self.proc.pid}) exited with code {self.proc.returncode}; "
-                                    f"last lines of {self.log_path}:\n{tail(self.log_path)}")
+            reason = exit_reason(self.log_path)
+            raise ServiceStartError(f"{self.name} (pid {self.proc.pid}) {describe_exit(self.proc.returncode)}"
+                                    f"{': ' + reason if reason else ''}; last lines of {self.log_path}:\n"
+                                    f"{tail(self.log_path)}")
 
     def stop(self, grace_s: float = 10.0) -> None:
         if not self.alive():
@@ -167,17 +229,21 @@ def wait_until(ready: Callable[[], bool], processes: Sequence[ServiceProcess], t
 
 
 class ChildWatcher:
-    """Polls `processes()` every `interval_s` on a daemon thread; the first dead one's error goes to `on_death`.
+    """Polls `processes()` every `interval_s` on a daemon thread; the first fatal death's error goes to `on_death`.
 
-    The callback runs once, on the watcher's thread (`rlfabric up` uses it to interrupt its main thread).
-    `tick`, when given, runs on every poll first (`rlfabric up` restarts its private Redis there).
+    `on_death` runs once, on the watcher's thread (`rlfabric up` uses it to interrupt its main thread).
+    `survive(process, error)`, when given, is asked first about each death: True means the death was dealt
+    with (the process dropped from `processes()` or replaced) and the watch goes on. `tick`, when given,
+    runs on every poll first (`rlfabric up` restarts its private Redis there and reports stopped children);
+    a `ServiceStartError` from it is fatal.
     """
 
     def __init__(self, processes: Callable[[], Sequence[ServiceProcess]],
                  on_death: Callable[[ServiceStartError], None], interval_s: float = 0.5,
-                 tick: Callable[[], None] | None = None) -> None:
+                 tick: Callable[[], None] | None = None,
+                 survive: Callable[[ServiceProcess, ServiceStartError], bool] | None = None) -> None:
         self._processes, self._on_death, self._interval_s = processes, on_death, interval_s
-        self._tick = tick
+        self._tick, self._survive = tick, survive
         self._stop = threading.Event()
         self.error: ServiceStartError | None = None
         self._thread = threading.Thread(target=self._run, name="child-watcher", daemon=True)
@@ -196,6 +262,8 @@ class ChildWatcher:
                 try:
                     p.check()
                 except ServiceStartError as e:
+                    if self._survive is not None and self._survive(p, e):
+                        continue
                     self.error = e
                     self._on_death(e)
                     return

@@ -90,7 +90,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from rlfabric.v1 import coordinator_pb2
     from services.common.security import configure_client
-    from services.coordinator.follow import FINISHED_OK, start_and_follow
+    from services.coordinator.follow import FINISHED_OK, start_and_follow, stop_after_interrupt
 
     if args.config is None:
         from services.launcher.system import SystemStateError, system_run_config
@@ -129,37 +129,9 @@ def _train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         run_id = started[0] if started else args.run_id
         if run_id:
-            _stop_after_interrupt(args.coordinator, run_id)
+            stop_after_interrupt(args.coordinator, run_id)
         return INTERRUPTED
     return 0 if final.phase in FINISHED_OK else 1
 
 
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C'd command
-
-
-def _stop_after_interrupt(address: str, run_id: str) -> None:
-    """Ctrl-C while following a run: StopRun (the run stops after its current phase); a second Ctrl-C leaves at
-    once. The coordinator sets the run's stop flag as the StopRun arrives, so the run stops either way."""
-    import grpc
-
-    from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
-    from services.common.client import make_channel
-
-    print(f"interrupted: stopping run {run_id} after its current phase (Ctrl-C again to leave now; it stops "
-          "anyway)", file=sys.stderr, flush=True)
-    try:
-        with make_channel(address) as channel:
-            status = coordinator_pb2_grpc.CoordinatorStub(channel).StopRun(
-                coordinator_pb2.StopRunRequest(run_id=run_id), timeout=STOP_WAIT_S)
-    except KeyboardInterrupt:
-        print(f"left run {run_id} stopping on the coordinator", file=sys.stderr, flush=True)
-        return
-    except grpc.RpcError as e:
-        print(f"error: StopRun of {run_id}: {e.code().name}: {e.details()}", file=sys.stderr, flush=True)
-        return
-    print(f"run {run_id}: {coordinator_pb2.RunPhase.Name(status.phase)} at iteration {status.iteration}",
-          file=sys.stderr, flush=True)
-
-
-# How long a Ctrl-C'd `train` waits for the run to stop (the coordinator waits as long for the current phase).
-STOP_WAIT_S = 300.0

@@ -1,11 +1,14 @@
-"""The client side of a run: start it on a coordinator and print its iterations until it ends.
+"""The client side of a run: start it on a coordinator and print its iterations until it ends, or stop it.
 
 Used by `rlfabric train` (a coordinator somewhere) and `rlfabric up` (one it started itself).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+
+import grpc
 
 from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.common.client import make_channel
@@ -16,14 +19,14 @@ FINISHED_OK = (coordinator_pb2.RUN_PHASE_DONE, coordinator_pb2.RUN_PHASE_STOPPED
 
 def start_and_follow(address: str, request: coordinator_pb2.StartRunRequest, *, total: int | None = None,
                      on_started: Callable[[str], None] | None = None,
-                     after_iteration: Callable[[], None] | None = None,
+                     after_iteration: Callable[[int], None] | None = None,
                      full_metrics: bool = False) -> coordinator_pb2.RunStatus:
     """StartRun, then one console line per finished iteration; returns the final status (gRPC errors propagate).
 
     Args:
         total: train_iters, shown as "iteration k/total".
         on_started: called with the run id once the coordinator accepted the run.
-        after_iteration: called after each printed iteration (e.g. to check that local services still live).
+        after_iteration: called with each printed iteration (e.g. to check that local services still live).
         full_metrics: print every metric of an iteration instead of the short line.
     """
     with make_channel(address) as channel:
@@ -37,9 +40,44 @@ def start_and_follow(address: str, request: coordinator_pb2.StartRunRequest, *, 
         for m in stub.StreamMetrics(coordinator_pb2.StreamMetricsRequest(run_id=status.run_id)):
             sink.write(m.iteration, dict(m.metrics.values))
             if after_iteration is not None:
-                after_iteration()
+                after_iteration(m.iteration)
         final = stub.GetRun(coordinator_pb2.GetRunRequest(run_id=status.run_id), timeout=30)
     phase = coordinator_pb2.RunPhase.Name(final.phase)
     print(f"run {final.run_id}: {phase} at iteration {final.iteration}" + (f": {final.error}" if final.error else ""),
           flush=True)
     return final
+
+
+# How long a Ctrl-C'd client waits for the run to stop (the coordinator waits as long for the current phase).
+STOP_WAIT_S = 300.0
+
+
+def stop_after_interrupt(address: str, run_id: str, last_logged: int | None = None,
+                         ) -> coordinator_pb2.RunStatus | None:
+    """Ctrl-C while following a run: StopRun (the run stops after its current phase), then say where it stopped.
+
+    A second Ctrl-C leaves at once; the coordinator set the run's stop flag as the StopRun arrived, so the run
+    stops either way. `last_logged` is the last iteration the console printed (it can trail the journal's by
+    the one the coordinator finished while stopping). Returns the run's status, None when it is unknown.
+    """
+    from services.common.client import make_channel
+
+    print(f"interrupted: stopping run {run_id} after its current phase (Ctrl-C again to leave now; it stops "
+          "anyway)", file=sys.stderr, flush=True)
+    try:
+        with make_channel(address) as channel:
+            status = coordinator_pb2_grpc.CoordinatorStub(channel).StopRun(
+                coordinator_pb2.StopRunRequest(run_id=run_id), timeout=STOP_WAIT_S)
+    except KeyboardInterrupt:
+        print(f"left run {run_id} stopping on the coordinator", file=sys.stderr, flush=True)
+        return None
+    except grpc.RpcError as e:
+        print(f"error: StopRun of {run_id}: {e.code().name}: {e.details()}", file=sys.stderr, flush=True)
+        return None
+    logged = f"; the last iteration logged here: {last_logged}" if last_logged is not None else ""
+    where = "stopped" if status.phase == coordinator_pb2.RUN_PHASE_STOPPED else \
+        f"still {coordinator_pb2.RunPhase.Name(status.phase)} after {STOP_WAIT_S:.0f} s,"
+    of = f" of {status.total_iterations}" if status.total_iterations else ""
+    print(f"run {run_id} {where} at iteration {status.iteration}{of}{logged}"
+          + (f"; latest checkpoint {status.checkpoint}" if status.checkpoint else ""), file=sys.stderr, flush=True)
+    return status

@@ -52,7 +52,14 @@ class ClientPoolStats:
     workers_lost: int = 0
     drained: int = 0  # deregistered workers that answered everything they held before their stream ended
     gave_up: int = 0
+    answered: int = 0  # distinct samples answered, each exactly once (given-up ones included, scored 0)
     per_worker: dict[str, int] = field(default_factory=dict)
+
+
+# The iteration metrics of `RewardClientPool.take_failover_metrics`: metric name -> ClientPoolStats field.
+FAILOVER_METRICS = {"reward/samples_scored": "answered", "reward/workers_lost": "workers_lost",
+                    "reward/samples_resent": "resent", "reward/samples_hedged": "hedged",
+                    "reward/duplicate_scores_dropped": "duplicates_dropped", "reward/samples_given_up": "gave_up"}
 
 
 # Most samples one ScoreRequestBatch carries: what is waiting in the link's outbox, up to this.
@@ -167,8 +174,15 @@ class RewardClientPool:
         self._keepalive_s = keepalive_s
         self._service = service
         self.stats = ClientPoolStats()
+        self._taken = ClientPoolStats()
         # (instance_id, endpoint) -> when it was lost; kept across `score` calls (iterations).
         self.lost: dict[tuple[str, str], float] = {}
+
+    def take_failover_metrics(self) -> dict[str, float]:
+        """`FAILOVER_METRICS` since the last call: what scoring and failover did during one iteration."""
+        out = {name: float(getattr(self.stats, f) - getattr(self._taken, f)) for name, f in FAILOVER_METRICS.items()}
+        self._taken = ClientPoolStats(**{f: getattr(self.stats, f) for f in FAILOVER_METRICS.values()})
+        return out
 
     def score(self, requests: Iterable[reward_pb2.ScoreRequest]) -> Iterator[reward_pb2.ScoreResponse]:
         """Yields one response per distinct sample id of `requests`, in completion order."""
@@ -251,6 +265,7 @@ class _Session:
                 self.pool.stats.duplicates_dropped += 1
                 return None
             self.done.add(payload.sample_id)
+            self.pool.stats.answered += 1
             if link.instance_id:
                 per_worker = self.pool.stats.per_worker
                 per_worker[link.instance_id] = per_worker.get(link.instance_id, 0) + 1

@@ -120,12 +120,15 @@ class RunDriver:
         score: the reward stream (a `RewardClientPool.score` or a worker's `Score`).
         sink: where iteration metrics go.
         hf_config: the model's HF config.json (for resharding plans).
+        score_metrics: what scoring did since its previous call (the reward pool's `take_failover_metrics`:
+            samples scored, workers lost, samples re-sent); merged into each iteration's metrics.
     """
 
     def __init__(self, cfg: Any, run_id: str, registry: Registry, journal: RunJournal,
                  loader_factory: Callable[[int], Any], decode: Callable[[list[int]], str], score: Callable,
                  sink: MetricsSink, hf_config: dict[str, Any], *, token: str | None = None,
-                 discovery_timeout_s: float = 300.0) -> None:
+                 discovery_timeout_s: float = 300.0,
+                 score_metrics: Callable[[], dict[str, float]] = dict) -> None:
         self.cfg = cfg
         self.run_id = run_id
         self.registry = registry
@@ -137,6 +140,7 @@ class RunDriver:
         self.hf_config = hf_config
         self.token = token
         self.discovery_timeout_s = discovery_timeout_s
+        self.score_metrics = score_metrics
         self.settings = settings_from_config(cfg)
         self.validation = Validation(plan_from_config(cfg, decode))
         self.stop_event = threading.Event()
@@ -201,7 +205,7 @@ class RunDriver:
                 result, consumed = step(iteration, version)
                 version = result.weights_version
                 first = result.batches[0]
-                metrics = {**result.metrics, "iteration": float(iteration), "weights_version": float(version),
+                metrics = {**result.metrics, **self.score_metrics(), "iteration": float(iteration), "weights_version": float(version),
                            "data/batch_index": float(first.batch_index), "data/epoch": float(first.epoch),
                            "data/consumed_batches": float(consumed)}
                 metrics.update(self.validation.after_iteration(iteration, train_iters, version))

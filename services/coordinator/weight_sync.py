@@ -75,7 +75,10 @@ class WeightSync:
     The plan comes from `Trainer.Info` and `Rollout.Info` (both with parameters); replicas that load different
     parameter sets get their own plan. Plans are computed once and reused for every push: layouts do not change
     during a run, and a failed push drops them so the next push asks the services again. Every replica must
-    acknowledge the version, or the push fails naming the ones that did not.
+    acknowledge the version, or leave the run: a replica that cannot be reached (UNAVAILABLE: its process died
+    between its last stream and this push) is taken out of the run's `ReplicaSet` (`lose`, as the generator
+    does when its stream breaks) while another replica holds the version; with none left the push fails
+    naming them. A lost replica comes back through `ReplicaSet.refresh` and is synced before it serves.
 
     Attributes:
         version: the last version every replica acknowledged (None before the first push, or after a failed one).
@@ -103,8 +106,13 @@ class WeightSync:
         from services.coordinator.resharding import plan_resharding
 
         groups: dict[tuple, tuple[list[str], Any]] = {}
-        for r in self.replicas:
-            params = r.stub.Info(rollout_pb2.RolloutInfoRequest(include_parameters=True), timeout=60).parameters
+        for r in list(self.replicas):
+            try:
+                params = r.stub.Info(rollout_pb2.RolloutInfoRequest(include_parameters=True), timeout=60).parameters
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or not self._lose([r.address], e.details() or ""):
+                    raise
+                continue
             signature = tuple((p.name, tuple(p.shape), p.dtype) for p in params)
             groups.setdefault(signature, ([], params))[0].append(r.address)
         shards = self.actor.Info(trainer_pb2.TrainerInfoRequest(include_parameters=True), timeout=60).shards
@@ -142,9 +150,19 @@ class WeightSync:
                     self.transports[t] = GRPC  # no shared /dev/shm: that does not change during a run
             acked |= self._push_once(fallback, version, plan, GRPC, errors)
         missing = sorted(set(targets) - acked)
-        if missing:
+        if missing and not (acked and self._lose(missing, "; ".join(errors))):
             raise IterationError(f"weight sync: replicas {missing} did not acknowledge version {version}"
                                  + (f": {'; '.join(errors)}" if errors else ""))
+
+    def _lose(self, addresses: list[str], why: str) -> bool:
+        """Takes unreachable replicas out of the run when another one is left; False when that is not possible."""
+        lose = getattr(self.replicas, "lose", None)  # a ReplicaSet; a fixed list of replicas cannot shrink
+        gone = [r for r in self.replicas if r.address in addresses]
+        if lose is None or len(gone) >= len(self.replicas):
+            return False
+        for replica in gone:
+            lose(replica, f"unreachable at the weight push: {why}")
+        return True
 
     def _push_once(self, targets: Iterable[str], version: int, plan: trainer_pb2.ReshardPlan, transport: int,
                    errors: list[str]) -> set[str]:

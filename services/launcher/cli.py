@@ -14,6 +14,7 @@ them in rl_config.verifier_function like a built-in rule.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -54,7 +55,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--run-id", default="", help="run id (default: generated)")
     p.add_argument("--resume", action="store_true", help="continue --run-id from its journal (needs --redis-url "
                    "or the same --run-dir, whose Redis keeps an append-only file)")
-    p.add_argument("--reward-workers", type=int, default=1, help="reward worker processes (default 1)")
+    p.add_argument("--reward-workers", type=int, default=1,
+                   help="reward worker processes (default 1); with 2 or more, one may die: the others take its "
+                        "samples and it is restarted")
+    p.add_argument("--rollout-replicas", type=int, default=1,
+                   help="rollout replicas, each a vLLM engine (default 1); with 2 or more, one may die: the others "
+                        "take its prompts and it is restarted")
     p.add_argument("--reward-processes", type=int, default=1, help="verifier pool processes per worker (default 1)")
     p.add_argument("--trainer-threads", type=int, default=1, metavar="N",
                    help="torch threads of each trainer rank (default 1; 2 on a 2-core host makes a synchronous run's "
@@ -93,9 +99,11 @@ def _up(args: argparse.Namespace) -> int:
     from services.common.config import ConfigError, check_run_files, load_config
     from services.common.security import resolve_secrets
 
-    if args.trainer_threads < 1:
-        print(f"error: --trainer-threads must be at least 1, got {args.trainer_threads}", file=sys.stderr)
-        return 2
+    for flag, value in (("--trainer-threads", args.trainer_threads), ("--reward-workers", args.reward_workers),
+                        ("--rollout-replicas", args.rollout_replicas), ("--reward-processes", args.reward_processes)):
+        if value < 1:
+            print(f"error: {flag} must be at least 1, got {value}", file=sys.stderr)
+            return 2
     try:
         cfg = load_config(args.config, args.override)
         check_run_files(cfg)  # every missing file and model-block mismatch named before anything starts
@@ -117,7 +125,7 @@ def _up(args: argparse.Namespace) -> int:
                        auth_token=args.auth_token, tls=tls)
     grpo = GrpoStack(stack, args.config, args.override, cfg, reward_workers=args.reward_workers,
                      reward_processes=args.reward_processes, full_metrics=args.full_metrics,
-                     trainer_threads=args.trainer_threads)
+                     trainer_threads=args.trainer_threads, rollout_replicas=args.rollout_replicas)
     try:
         grpo.start()
         return grpo.train(run_id=args.run_id, resume=args.resume)
@@ -125,8 +133,12 @@ def _up(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted: stopping the run and the services", file=sys.stderr)
-        grpo.stop_run()
+        if grpo.run_id:
+            grpo.stop_run()
+            again = ["rlfabric", "up", str(args.config), "--resume", "--run-id", grpo.run_id, "--run-dir", str(run_dir),
+                     *[a for o in args.override for a in ("-o", o)]]
+            print(f"resume it with: {shlex.join(again)}", file=sys.stderr)
+        print("interrupted: stopping the services", file=sys.stderr, flush=True)
         return 130
     finally:
         stack.stop()

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from services.common.processes import ServiceStartError
+from services.common.processes import ServiceStartError, group_members
 from services.launcher.stack import Expected, LocalStack
 
 STATE = "state.json"
@@ -145,22 +145,6 @@ def port_open(address: str) -> bool:
             return True
     except OSError:
         return False
-
-
-def group_members(pgids: set[int]) -> list[int]:
-    """Pids of live processes in the process groups or sessions `pgids` (every service leads both: a trainer's
-    ranks, vLLM's engine core, a reward worker's verifier processes... whether or not their leader still runs)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and (int(fields[2]) in pgids or int(fields[3]) in pgids):
-            found.append(int(proc.name))
-    return found
 
 
 def stop_pid(pid: int, grace_s: float) -> None:

@@ -13,14 +13,13 @@ import shutil
 import time
 from pathlib import Path
 
-from services.common.processes import ServiceStartError, wait_until
+from services.common.processes import ServiceStartError, group_members, wait_until
 from services.launcher.system import (
     SECRETS,
     Entry,
     SystemStack,
     as_dicts,
     entries,
-    group_members,
     pid_alive,
     port_open,
     read_state,

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.common.processes import die_with_parent
+from services.common.processes import EXIT_REASON, describe_exit, die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def serve_group(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    code = supervise(procs, grace_s=args.grace_s)
+    code = supervise(procs, grace_s=args.grace_s, first_rank=args.node_rank * local)
     return 0 if stopping else code
 
 
@@ -134,11 +134,18 @@ def _check_nodes(args: argparse.Namespace, world: int) -> str | None:
     return None
 
 
-def supervise(procs: list[subprocess.Popen], *, grace_s: float) -> int:
-    """Wait for the ranks; once one exits, give the rest `grace_s`, then SIGTERM (then SIGKILL)."""
+def supervise(procs: list[subprocess.Popen], *, grace_s: float, first_rank: int = 0) -> int:
+    """Wait for the ranks; once one exits, give the rest `grace_s`, then SIGTERM (then SIGKILL).
+
+    `procs` are ranks `first_rank`, `first_rank` + 1, ... The first rank to exit is the group's story: it is named on stderr as the group's `EXIT_REASON` line,
+    and its code is the group's (a signal's death as a shell reports it, 128 + the signal number).
+    """
     while all(p.poll() is None for p in procs):
         time.sleep(0.2)
     first = next(p for p in procs if p.poll() is not None)
+    if first.returncode:
+        print(f"{EXIT_REASON}rank {first_rank + procs.index(first)} (pid {first.pid}) {describe_exit(first.returncode)}; "
+              "the group stops its other ranks", file=sys.stderr, flush=True)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.1)
@@ -151,7 +158,8 @@ def supervise(procs: list[subprocess.Popen], *, grace_s: float) -> int:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-    return first.returncode or max((p.returncode or 0) for p in procs)
+    code = first.returncode or max((p.returncode or 0) for p in procs)
+    return 128 - code if code < 0 else code
 
 
 def run_rank(args: argparse.Namespace) -> int:

@@ -17,7 +17,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from services.launcher.system import group_members, pid_alive, port_open
+from services.common.processes import group_members
+from services.launcher.system import pid_alive, port_open
 
 
 def make(repo_root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -7,6 +7,7 @@ command line; the trainer's sockets are bound to loopback. With `--tls`, the who
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -161,13 +162,18 @@ def test_default_up_refuses_unauthenticated_calls_and_completes(repo_root: Path,
         probe_with_token(trainer, token, run_dir, tmp_path)
         check_processes(proc, [token, url.split("@")[0].split(":")[-1]])
         wait_for_line(proc, "iteration 2/", seen)
-        with make_channel(coordinator, token=token, tls_ca=None) as ch:  # the token may stop it
-            coordinator_pb2_grpc.CoordinatorStub(ch).StopRun(coordinator_pb2.StopRunRequest(run_id=run_id), timeout=300)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: `up` stops the run (StopRun with the run's token), then it all
         out = finish(proc, seen)
     finally:
         stop(proc)
-    assert proc.returncode == 0, out
-    assert f"run {run_id}: RUN_PHASE_STOPPED at iteration" in out, out
+    assert proc.returncode == 130, out
+    stopped = re.search(rf"run {run_id} stopped at iteration (\d+) of 1000; the last iteration logged here: (\d+)",
+                        out)
+    assert stopped, out[-3000:]
+    at, logged = int(stopped.group(1)), int(stopped.group(2))
+    assert at >= logged >= 2, (at, logged)  # the stop may finish the iteration that was going
+    assert f"resume it with: rlfabric up configs/grpo_tiny_cpu.yaml --resume --run-id {run_id} --run-dir {run_dir}" \
+        in out, out[-3000:]
     saved = int((run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
     assert saved >= 2 and saved % 2 == 0, saved
 

@@ -38,7 +38,7 @@ def test_a_crash_after_a_redis_restart_resumes_by_the_docs_recipe(repo_root: Pat
         up.wait_for(r"(?m)^iteration 1/50", 600)
         (redis_pid,) = [p for p, cmd in descendants(up.proc.pid).items() if "redis-server" in cmd]
         os.kill(redis_pid, signal.SIGKILL)
-        restarted = up.wait_for(rf"redis \(pid {redis_pid}\) exited with code -9; restarting it", 120)
+        restarted = up.wait_for(rf"redis \(pid {redis_pid}\) exited with code -9 \(killed by SIGKILL\); restarting it", 120)
         # The first odd iteration finished after the restart: its checkpoint (save_interval 2) is one behind.
         odd = re.compile(r"^iteration (\d*[13579])/50", re.M)
         deadline = time.monotonic() + 300

@@ -56,3 +56,41 @@ def test_a_replica_that_registers_joins_at_the_next_push_synced_before_it_serves
     finally:
         for c in channels:
             c.close()
+
+
+def test_a_replica_unreachable_at_the_push_leaves_the_run_and_the_others_get_the_version(
+        rollout_server, rollout_engine, tiny_model_dir, start_trainer) -> None:
+    """The replica died after its last stream (so the generator never saw it go): the push, not the run, fails
+    for it; it leaves the set, the survivor holds the version. Alone, it fails the push naming it."""
+    import socket
+
+    import pytest
+
+    from services.coordinator.errors import IterationError
+    from services.coordinator.weight_sync import WeightSync
+
+    server, _ = rollout_server
+    _group, actor_address = start_trainer("--hf-dir", str(tiny_model_dir))
+    with socket.socket() as s:  # a port nothing listens on: a dead replica's address
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    channels: list = []
+    connect_to = connect_replica(channels)
+    channels.append(make_channel(actor_address))
+    actor = trainer_pb2_grpc.TrainerStub(channels[-1])
+    hf_config = json.loads((tiny_model_dir / "config.json").read_text())
+    try:
+        replica_set = ReplicaSet([connect_to(server.address), connect_to(dead)])
+        version = rollout_engine.weights_version + 1
+        sync = WeightSync(actor, replica_set, hf_config, 300.0)
+        sync.push(version)
+        assert sync.version == version and [r.address for r in replica_set] == [server.address]
+        assert replica_set.lost_count == 1 and dead in replica_set.quarantined
+        assert rollout_engine.weights_version == version
+        alone = ReplicaSet([connect_to(dead)])
+        with pytest.raises(IterationError, match=dead):
+            WeightSync(actor, alone, hf_config, 300.0).push(version + 1)
+        assert [r.address for r in alone] == [dead]
+    finally:
+        for c in channels:
+            c.close()

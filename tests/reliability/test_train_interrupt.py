@@ -85,7 +85,7 @@ def test_ctrl_c_stops_a_run_still_waiting_for_its_services(coordinator, repo_roo
     # The stop is answered after the discovery's next poll, not after its 900 s timeout.
     assert train.exit_code(timeout_s=60) == 130, train.output
     assert "interrupted: stopping run interrupt-discovery" in train.output
-    assert "run interrupt-discovery: RUN_PHASE_STOPPED at iteration 0" in train.output
+    assert "run interrupt-discovery stopped at iteration 0\n" in train.output
     assert phase(address, "interrupt-discovery") == coordinator_pb2.RUN_PHASE_STOPPED
 
 

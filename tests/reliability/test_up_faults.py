@@ -103,7 +103,7 @@ def test_redis_sigkilled_mid_run_is_restarted_and_the_run_continues(repo_root, t
         redis_pid = up.child("redis-server")
         os.kill(redis_pid, signal.SIGKILL)
         assert up.finish() == 0, up.output[-4000:]
-        assert f"redis (pid {redis_pid}) exited with code -9; restarting it" in up.output
+        assert f"redis (pid {redis_pid}) exited with code -9 (killed by SIGKILL); restarting it" in up.output
         rows = [json.loads(x) for x in (tmp_path / "run" / "runs" / "redis-restart" / "metrics.jsonl").read_text()
                 .splitlines()]
         assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
@@ -114,11 +114,12 @@ def test_redis_sigkilled_mid_run_is_restarted_and_the_run_continues(repo_root, t
 
 # (victim: a command-line fragment of the process to hit, signal, what up's output must then say)
 FAULTS = {
-    "reward-SIGKILL": ("reward serve", signal.SIGKILL, "reward-0 (pid {pid}) exited with code -9; last lines of"),
-    "rollout-SIGKILL": ("rollout serve", signal.SIGKILL, "rollout-0 (pid {pid}) exited with code -9; last lines of"),
+    "reward-SIGKILL": ("reward serve", signal.SIGKILL, "reward-0 (pid {pid}) exited with code -9 (killed by SIGKILL); last lines of"),
+    "rollout-SIGKILL": ("rollout serve", signal.SIGKILL, "rollout-0 (pid {pid}) exited with code -9 (killed by SIGKILL); last lines of"),
     "coordinator-SIGKILL": ("coordinator serve", signal.SIGKILL,
-                            "coordinator (pid {pid}) exited with code -9; last lines of"),
-    "trainer_rank-SIGKILL": ("trainer rank", signal.SIGKILL, "error: "),
+                            "coordinator (pid {pid}) exited with code -9 (killed by SIGKILL); last lines of"),
+    "trainer_rank-SIGKILL": ("trainer rank", signal.SIGKILL,
+                             "(pid {pid}) exited with code -9 (killed by SIGKILL); the group stops its other ranks"),
     "rollout-SIGSTOP": ("rollout serve", signal.SIGSTOP, "RUN_PHASE_FAILED"),
     "coordinator-SIGSTOP": ("coordinator serve", signal.SIGSTOP, "error: coordinator: UNAVAILABLE"),
     "trainer_rank-SIGSTOP": ("trainer rank", signal.SIGSTOP, "RUN_PHASE_FAILED"),

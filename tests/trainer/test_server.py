@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from rlfabric.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from services.common.processes import ServiceStartError
 from services.common.sequences import Sequences
 from services.common.tensors import to_numpy, to_proto
 
@@ -33,7 +34,7 @@ def group(start_trainer, tiny_model_dir: Path):
     channel = grpc.insecure_channel(address)
     try:
         yield {"stub": trainer_pb2_grpc.TrainerStub(channel), "channel": channel, "ranks": ranks,
-               "work": launcher.log_path.parent, "hf": tiny_model_dir}
+               "work": launcher.log_path.parent, "hf": tiny_model_dir, "launcher": launcher}
     finally:
         channel.close()
         launcher.stop(grace_s=30)
@@ -267,3 +268,11 @@ def test_killed_rank_fails_the_call_within_its_deadline(group):
     health = health_pb2_grpc.HealthStub(group["channel"])
     status = health.Check(health_pb2.HealthCheckRequest(service="rlfabric.v1.Trainer"), timeout=5).status
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    # The group then exits naming the rank (a launcher shows this line first, not a bare exit code).
+    launcher = group["launcher"]
+    assert launcher.proc.wait(timeout=120) == 128 + signal.SIGKILL
+    with pytest.raises(ServiceStartError) as died:
+        launcher.check()
+    assert str(died.value).startswith(f"{launcher.name} (pid {launcher.pid}) exited with code 137: rank 1 (pid {rank1}) "
+                                      "exited with code -9 (killed by SIGKILL); the group stops its other ranks; "
+                                      "last lines of"), str(died.value)[:400]
