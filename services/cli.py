@@ -3,6 +3,11 @@
 Each module in SUBCOMMAND_MODULES exposes `add_subcommands(subparsers)`; it declares its parsers and sets
 `func` on each, a callable taking the parsed args and returning an exit code. Only the chosen subcommand's
 heavy imports load (they live inside the funcs), so `rlfabric --help` stays fast.
+
+Exit codes, one per class of failure: 0 done, 2 a usage or configuration mistake the user can fix (a bad flag, a
+config error, a file or folder that is not there), 1 a runtime failure (a service that did not start, a run that
+failed), 130 interrupted. A `DataError` (ConfigError among them) that reaches here is a user's mistake: it is
+printed as its one-line message, without a traceback.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import argparse
 import importlib
 import logging
 import sys
+
+EXIT_USAGE = 2  # what argparse exits with for a bad flag; every user mistake gets it
 
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "services.common.cli",
@@ -51,8 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     from services.common.logs import setup_logging
 
     setup_logging(args.log_level, json_format=args.log_json)
+    from services.common.errors import DataError
+
     try:
         return int(args.func(args) or 0)
+    except DataError as e:  # ConfigError is one
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -33,7 +33,9 @@ def _tiny_model(args: argparse.Namespace) -> int:
     from services.common.tiny_model import write_tiny_model
 
     if args.vocab_size < 300:
-        raise SystemExit(f"--vocab-size {args.vocab_size} is too small: a byte-level BPE needs at least 259 entries")
+        print(f"error: --vocab-size {args.vocab_size} is too small: a byte-level BPE needs at least 300 entries",
+              file=sys.stderr)
+        return 2
     try:
         out = write_tiny_model(args.out_dir, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
                                num_layers=args.num_layers, seed=args.seed, split_digits=args.split_digits,

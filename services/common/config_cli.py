@@ -1,13 +1,13 @@
 """`rlfabric config ...`: check a MindSpeed-RL YAML and list the keys each section accepts.
 
-    rlfabric config check FILE [--override section.key=value ...] [--json]
+    rlfabric config check FILE [--override section.key=value ...] [--full] [--json]
     rlfabric config keys [SECTION] [--markdown]
 
-`check` prints the resolved configuration (every section, then the derived values), the algorithm and
-device count it resolves to, the model block's check against the `config.json` it will load (when the
-model folder is there), and the keys the file sets that rlfabric accepts but does not act on: inert keys
-with their reason, keys only another platform acts on (vllm-ascend's), keys the algorithm does not read.
-It exits 0, or prints every error to stderr and exits 2. With --json it prints one JSON document on
+`check` prints a summary: the keys the file sets that rlfabric accepts but does not act on (inert keys with
+their reason, keys only another platform acts on (vllm-ascend's), keys the algorithm does not read), the model
+block's check against the `config.json` it will load (when the model folder is there), the algorithm and the
+device count it resolves to. With --full the resolved configuration follows (every section, then the derived
+values; some 800 lines for the 7B config). It exits 0, or prints every error to stderr and exits 2. With --json it prints one JSON document on
 stdout either way: {"ok": true, "config": {...}, "keys": {...}, "model_checked": [...], "warnings": [...]}
 or {"ok": false, "errors": [...]}.
 """
@@ -33,6 +33,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("file", metavar="FILE", help="the config YAML, e.g. configs/grpo_qwen25_7b_A3.yaml")
     check.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                        help="dotted override, value parsed as YAML, e.g. rl_config.clip_ratio=0.3 (repeatable)")
+    check.add_argument("--full", action="store_true",
+                       help="after the summary, print the resolved configuration: every section, derived values")
     check.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     check.set_defaults(func=run_check)
 
@@ -67,7 +69,7 @@ def run_check(args: argparse.Namespace) -> int:
                           "model_checked": [str(d / "config.json") for d in checked], "warnings": cfg.warnings},
                          indent=2))
         return 0
-    print(_render(cfg, report, checked))
+    print(_render(cfg, report, checked, full=args.full))
     return 0
 
 
@@ -82,17 +84,12 @@ def _dump(data: dict) -> str:
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120).rstrip()
 
 
-def _render(cfg: Any, report: Any, checked: list) -> str:
-    data = cfg.to_dict()
-    derived = data.pop("derived")
+def _render(cfg: Any, report: Any, checked: list, *, full: bool = False) -> str:
+    """The summary (what to act on, then the one-line verdict); with `full`, the resolved YAML after it."""
     d = cfg.derived
     a = cfg.actor_config
-    lines = [f"# {cfg.path}: resolved configuration (model block: {cfg.model_name})",
-             _dump(data),
-             "",
-             "# derived values (sizes in samples unless named prompts)",
-             _dump({"derived": derived}),
-             "",
+    shown = "the resolved configuration follows" if full else "--full prints the resolved configuration"
+    lines = [f"# {cfg.path}: model block {cfg.model_name} ({shown})",
              *_key_lines(report),
              *(f"model block checked against {p / 'config.json'}: it matches" for p in checked),
              *([] if checked else ["model block not checked: no config.json in the tokenizer or load folder"]),
@@ -100,11 +97,28 @@ def _render(cfg: Any, report: Any, checked: list) -> str:
     # Warnings are already logged by the loader (stderr); they are in the --json document too.
     lines.append(
         f"OK: actor DP = {d.actor_data_parallel_size} ({d.actor_world_size} devices / TP {a.tensor_model_parallel_size}"
-        f" x PP {a.pipeline_model_parallel_size} x CP {a.context_parallel_size}), rollout DP = "
+        f" x PP {a.pipeline_model_parallel_size} x CP {a.context_parallel_size}){_experts(cfg)}, rollout DP = "
         f"{d.rollout_data_parallel_size}, {d.samples_per_iteration} samples per iteration "
         f"({d.prompts_per_iteration} prompts x {cfg.rl_config.n_samples_per_prompt}), "
         f"{d.micro_batches_per_mini_batch} micro-batches per mini-batch")
+    if full:
+        data = cfg.to_dict()
+        derived = data.pop("derived")
+        lines += ["", f"# {cfg.path}: resolved configuration (model block: {cfg.model_name})", _dump(data), "",
+                  "# derived values (sizes in samples unless named prompts)", _dump({"derived": derived})]
     return "\n".join(lines)
+
+
+def _experts(cfg: Any) -> str:
+    """The actor's expert layout for the OK line ("" for a dense model)."""
+    a, d = cfg.actor_config, cfg.derived
+    if a.num_experts is None:
+        return ""
+    ep, tp = a.expert_model_parallel_size, a.tensor_model_parallel_size
+    layout = f"EP {ep} x TP {tp} (moe_tp_extend_ep)" if a.moe_tp_extend_ep else f"EP {ep}"
+    split = "" if d.actor_expert_tensor_parallel_size == 1 else f", each split over TP {tp}"
+    return (f", experts: {layout}, {d.actor_experts_per_rank} of {a.num_experts} per rank{split}, "
+            f"top-{a.moe_router_topk}")
 
 
 def _key_lines(report: Any) -> list[str]:

@@ -94,14 +94,14 @@ def write_tiny_model(
     `FAMILIES`; the `num_experts*`, `moe_intermediate_size` and `norm_topk_prob` arguments apply to
     "qwen3_moe" only. `out_dir` must be empty or absent (a model is never written over other files).
     """
-    import torch
-    from transformers import PreTrainedTokenizerFast
-
     if family not in FAMILIES:
         raise ValueError(f"model family {family!r}: expected one of {', '.join(FAMILIES)}")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty folder; give a new or empty one")
+    import torch  # after the checks: a refused folder is said at once, not after torch's import
+    from transformers import PreTrainedTokenizerFast
+
     out.mkdir(parents=True, exist_ok=True)
     raw = train_tokenizer(vocab_size, seed, split_digits=split_digits)
     tokenizer = PreTrainedTokenizerFast(

@@ -12,7 +12,7 @@ import yaml
 
 from services.common.redis_store import Registry, RunJournal
 from services.coordinator.run import RunDriver
-from services.coordinator.sinks import FanOut, JsonlSink, MetricsSink, TensorBoardSink, WandbSink
+from services.coordinator.sinks import FanOut, JsonlSink, MetricsSink, SwanLabSink, TensorBoardSink, WandbSink
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,9 @@ def build_sinks(cfg: Any, run_dir: Path) -> MetricsSink:
         sinks.append(TensorBoardSink(getattr(cfg.actor_config, "tensorboard_dir", None) or run_dir / "tensorboard"))
     if rl.use_wandb:
         sinks.append(WandbSink(rl.wandb_project, rl.wandb_exp_name, rl.wandb_save_dir or None, {}))
+    if rl.use_swanlab:
+        sinks.append(SwanLabSink(rl.swanlab_project, rl.swanlab_exp_name, rl.swanlab_save_dir or run_dir / "swanlab",
+                                 rl.swanlab_mode or None))
     return FanOut(sinks)
 
 
@@ -73,6 +76,9 @@ def build_driver(config_yaml: str, overrides: list[str], run_id: str, *, redis_c
     from services.coordinator.reward_pool import RewardClientPool
 
     tokenizer_path = cfg.derived.rollout_tokenizer_name_or_path or mt.tokenizer_name_or_path
+    from services.common.model_paths import check_local_path
+
+    tokenizer_path = check_local_path(tokenizer_path, "tokenizer_name_or_path")  # missing: at once, no hub lookup
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     except (OSError, ValueError) as e:
@@ -97,4 +103,5 @@ def build_driver(config_yaml: str, overrides: list[str], run_id: str, *, redis_c
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_yaml)
     return RunDriver(cfg, run_id, registry, RunJournal(redis_client, run_id), loader, decode, pool.score,
-                     build_sinks(cfg, run_dir), hf_config, token=token, discovery_timeout_s=discovery_timeout_s)
+                     build_sinks(cfg, run_dir), hf_config, token=token, discovery_timeout_s=discovery_timeout_s,
+                     score_metrics=pool.take_failover_metrics)

@@ -89,6 +89,10 @@ def _eval(args: argparse.Namespace) -> int:
         verifiers = verifiers_from_args(args)
         if not args.model and not args.redis_url:
             raise ValueError("--model is required (unless --redis-url names running replicas)")
+        if args.model:
+            from services.common.model_paths import require_model_dir
+
+            require_model_dir(args.model, "--model")  # at once: transformers would try it as a hub id for a minute
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

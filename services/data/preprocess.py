@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from services.common.errors import DataError
+from services.common.model_paths import check_local_path
 from services.data.dataset_config import DatasetConfig
 from services.data.handlers import (
     DROP_REASONS,
@@ -118,14 +119,11 @@ class PreprocessSummary:
 def load_tokenizer(name_or_path: str) -> Any:
     """A Hugging Face tokenizer from a folder (or hub name); failures become a `DataError` naming the path."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are processes; no Rayon after fork
-    looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/")
-    if looks_local and not Path(name_or_path).expanduser().exists():
-        raise DataError(f"tokenizer_name_or_path {name_or_path!r} not found "
-                        f"(relative paths are resolved from {Path.cwd()})")
+    source = check_local_path(name_or_path, "tokenizer_name_or_path")  # a missing folder never reaches the hub
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(Path(name_or_path).expanduser()) if looks_local else name_or_path)
+        return AutoTokenizer.from_pretrained(source)
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError... for unusable folders
         raise DataError(f"cannot load a tokenizer from tokenizer_name_or_path {name_or_path!r}: "
                         f"{type(exc).__name__}: {exc}") from exc

@@ -137,6 +137,14 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_score(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    source, out = Path(args.input), Path(args.out)
+    if not source.is_file():  # before the verifiers' imports and pool
+        what = "is a directory; pass a .jsonl file" if source.is_dir() else "not found"
+        print(f"rlfabric reward score: input file {source} {what}", file=sys.stderr)
+        return 2
+    if not out.parent.is_dir():
+        print(f"rlfabric reward score: --out {out}: folder {out.parent} not found; create it first", file=sys.stderr)
+        return 2
     from services.common.security import resolve_secrets
     from services.reward.offline import open_verifier, print_progress, score_jsonl
 
@@ -144,9 +152,12 @@ def run_score(args: argparse.Namespace) -> int:
         resolve_secrets(args)
         with open_verifier(args.verifier, plugins=dict(args.verifier_plugin), processes=args.processes,
                            redis_url=args.redis_url, verifier_allow=args.verifier_allow) as submit:
-            summary = score_jsonl(Path(args.input), Path(args.out), submit, deadline_s=args.deadline_s,
+            summary = score_jsonl(source, out, submit, deadline_s=args.deadline_s,
                                   progress=None if args.quiet else print_progress())
-    except (ValueError, OSError) as e:
+    except OSError as e:  # a sentence, not "[Errno 13] ..."
+        print(f"rlfabric reward score: cannot use {e.filename or args.input}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
         print(f"rlfabric reward score: {e}", file=sys.stderr)
         return 2
     print(summary.line())

@@ -6,13 +6,19 @@ import argparse
 import sys
 
 from services.common.net import add_network_arguments, advertised_address, check_network_arguments
+from services.rollout.options import SamplingOptions  # no vLLM: cheap
+
+# Without a config, a request that sets no max_tokens gets SamplingOptions' default, or half the engine when that
+# is shorter: `--max-model-len 128` alone starts, and a request still has half the engine for its prompt.
+DEFAULT_MAX_TOKENS = SamplingOptions().max_tokens
 
 _DESCRIPTION = (
     "Serves the rlfabric.v1.Rollout gRPC API around one vLLM engine. Engine and sampling defaults come from "
     "the MindSpeed-RL YAML's generate_config (infer_tensor_parallel_size, max_num_seqs, max_model_len, "
     "max_num_batched_tokens, dtype, gpu_memory_utilization, enforce_eager, enable_prefix_caching, "
     "trust_remote_code, sampling_config); without --config, the flags below and built-in defaults apply. "
-    "The replica starts at weights version 0 (as loaded from --model)."
+    "The replica starts at weights version 0 (as loaded from --model). A usage or config mistake exits 2 with "
+    "one line naming it."
 )
 
 
@@ -34,6 +40,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, help="overrides generate_config.infer_tensor_parallel_size")
     p.add_argument("--max-num-seqs", type=int, help="overrides generate_config.max_num_seqs")
     p.add_argument("--max-model-len", type=int, help="overrides generate_config.max_model_len")
+    p.add_argument("--max-tokens", type=int,
+                   help="response tokens of a request that sets none; overrides "
+                        f"generate_config.sampling_config.max_tokens (without --config: {DEFAULT_MAX_TOKENS}, or half "
+                        "the engine length when that is shorter)")
     p.add_argument("--max-in-flight", type=int, default=None,
                    help="samples admitted into the engine at once (default 2 x max_num_seqs)")
     p.add_argument("--max-samples-per-group", type=int, default=None,
@@ -50,10 +60,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_options(args: argparse.Namespace):
-    """EngineOptions and default SamplingOptions from the config (if any) and the flags."""
+    """EngineOptions and default SamplingOptions from the config (if any) and the flags.
+
+    Raises:
+        DataError: no model, a model folder that is not there, or a config error (ConfigError).
+    """
     import dataclasses
 
-    from services.rollout.options import EngineOptions, SamplingOptions, options_from_config
+    from services.common.errors import DataError
+    from services.common.model_paths import require_model_dir
+    from services.rollout.options import EngineOptions, options_from_config
 
     extra = {"cpu_kv_cache_gib": args.cpu_kv_cache_gib, "num_threads": args.num_threads, "seed": args.seed}
     if args.config:
@@ -62,39 +78,55 @@ def build_options(args: argparse.Namespace):
         cfg = load_config(args.config, args.overrides)
         model = args.model or cfg.derived.rollout_tokenizer_name_or_path
         if not model:
-            raise SystemExit("rlfabric rollout serve: no model: pass --model or set "
-                             "generate_config.tokenizer_name_or_path / megatron_training.tokenizer_name_or_path")
+            raise DataError("no model: pass --model or set generate_config.tokenizer_name_or_path / "
+                            "megatron_training.tokenizer_name_or_path")
+        require_model_dir(model, "--model" if args.model else "tokenizer_name_or_path")
         engine, sampling = options_from_config(cfg.generate_config, model, **extra)
     else:
         if not args.model:
-            raise SystemExit("rlfabric rollout serve: pass --model DIR (or --config YAML)")
-        engine, sampling = EngineOptions(model=args.model, **extra), SamplingOptions()
+            raise DataError("pass --model DIR (or --config YAML)")
+        require_model_dir(args.model, "--model")
+        engine = EngineOptions(model=args.model, **extra)
+        length = args.max_model_len or engine.max_model_len
+        sampling = SamplingOptions(max_tokens=min(DEFAULT_MAX_TOKENS, max(1, length // 2)))
     changes = {k: v for k, v in (("dtype", args.dtype), ("tensor_parallel_size", args.tensor_parallel_size),
                                  ("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
                if v is not None}
+    if args.max_tokens is not None:
+        sampling = dataclasses.replace(sampling, max_tokens=args.max_tokens)
     return dataclasses.replace(engine, **changes), sampling
 
 
+def _usage_error(message: str) -> int:
+    print(f"rlfabric rollout serve: {message}", file=sys.stderr)
+    return 2
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    from services.common.errors import DataError
     from services.common.security import server_security
-
-    try:  # before the engine's imports, so that the auth mode is the first line logged
-        server_security(args, "rlfabric.v1.Rollout")  # create_server below serves with this process's token and TLS
-    except ValueError as e:
-        raise SystemExit(f"rlfabric rollout serve: {e}") from e
-    from services.common.server import serve_until_signal
-    from services.rollout.engine import RolloutEngine
     from services.rollout.options import InvalidSamplingValueError
-    from services.rollout.server import create_rollout_server
 
+    # Usage and config mistakes first: one line, exit 2, before anything is logged or imported.
     bad = check_network_arguments(args)
     if bad:
-        raise SystemExit(f"rlfabric rollout serve: {bad}")
-    engine_options, sampling = build_options(args)
+        return _usage_error(bad)
+    try:
+        engine_options, sampling = build_options(args)
+    except DataError as e:  # ConfigError included
+        return _usage_error(str(e))
     try:
         sampling.validate(engine_options.max_model_len)
     except InvalidSamplingValueError as e:
-        raise SystemExit(f"rlfabric rollout serve: generate_config.sampling_config: {e}") from e
+        return _usage_error(f"generate_config.sampling_config: {e} (flags: --max-tokens, --max-model-len)")
+    try:  # before the engine's imports, so that the auth mode is the first line logged
+        server_security(args, "rlfabric.v1.Rollout")  # create_server below serves with this process's token and TLS
+    except ValueError as e:
+        return _usage_error(str(e))
+    from services.common.server import serve_until_signal
+    from services.rollout.engine import RolloutEngine
+    from services.rollout.server import create_rollout_server
+
     engine = RolloutEngine(engine_options)
     server, _ = create_rollout_server(engine, sampling, args.address, max_in_flight_samples=args.max_in_flight,
                                       max_samples_per_group=args.max_samples_per_group,

@@ -78,9 +78,11 @@ def _read_rows(path: Path, prompt_key: str, answer_key: str) -> list[tuple[str, 
 
 def _sft(args: argparse.Namespace) -> int:
     from services.common.errors import DataError
+    from services.common.model_paths import require_model_dir
     from services.sft.train import train
 
     try:
+        require_model_dir(args.model, "model")  # before transformers, which would take it for a hub id
         settings = settings_from_args(args)
         rows = _read_rows(args.data, args.prompt_key, args.answer_key)
         held_out = _read_rows(args.held_out, args.prompt_key, args.answer_key) if args.held_out else []

@@ -317,7 +317,7 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path: Path, repo_root: Path):
     with pytest.raises(ConfigError) as exc:
         load_config(path)
     (error,) = exc.value.errors
-    assert error.startswith(f"{path}:4: YAML syntax error")
+    assert error.startswith(f"{path}:3: YAML syntax error")  # the unclosed bracket's line (PyYAML notices it on 4)
 
 
 def test_missing_file(tmp_path: Path):
@@ -332,7 +332,7 @@ def test_missing_model_file_and_unknown_block(tmp_path: Path, repo_root: Path, u
     with pytest.raises(ConfigError) as exc:
         load_config(path)
     errors = _issues(exc)
-    assert f"{tmp_path / 'model' / 'qwen25_7c.yaml'}: model file for `defaults: model: qwen25_7c` not found" in errors
+    assert f"model `qwen25_7c` not found: looked for qwen25_7c.yaml in {tmp_path.resolve() / 'model'}" in errors
     assert "model block `qwen25_7b` is not loaded (loaded: none)" in errors
 
 

@@ -78,7 +78,9 @@ def _refused_value(entry: KeyEntry):
     options = typing.get_args(annotation) if union else (annotation,)
     candidates = []
     for option in options:
-        if option is bool:
+        if typing.get_origin(option) is typing.Literal:
+            candidates += list(typing.get_args(option))
+        elif option is bool:
             candidates += [True, False]
         elif option is int:
             candidates += [3, 7]

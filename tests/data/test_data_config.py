@@ -55,7 +55,7 @@ BASE = "input: a\ntokenizer_name_or_path: t\noutput_prefix: o\nhandler_name: h\n
     (BASE, ["workers"], "--set workers: workers: override 'workers' must look like key=value"),
     (BASE, ["wrkers=3"], "--set wrkers=3: dataset.wrkers: unknown key `wrkers` in section `dataset`; did you mean"),
     (BASE + "workers: 2\nworkers: 3\n", [], "d.yaml:6: workers: duplicate key `workers` (first set at d.yaml:5)"),
-    ("input: [a\n", [], "d.yaml:2: YAML syntax error"),
+    ("input: [a\n", [], "d.yaml:1: YAML syntax error"),  # the unclosed bracket's line, not the stream end
     ("- input\n", [], "a dataset config must be a mapping of keys, got list"),
 ])
 def test_bad_configs(tmp_path, text, overrides, match):

@@ -15,6 +15,7 @@ import pytest
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 from services.cli import build_parser
 from services.common.client import make_channel
+from services.common.errors import DataError
 from services.rollout.cli import build_options, run_serve
 
 
@@ -40,15 +41,37 @@ def test_options_come_from_generate_config(repo_root: Path, tiny_model_dir: Path
 
 def test_serve_without_model_says_what_to_pass() -> None:
     args = build_parser().parse_args(["rollout", "serve"])
-    with pytest.raises(SystemExit, match="--model"):
+    with pytest.raises(DataError, match="--model"):
         build_options(args)
 
 
-def test_serve_refuses_a_max_tokens_the_engine_cannot_honour(tiny_model_dir: Path) -> None:
-    # Default sampling max_tokens is 128: an engine of max_model_len 128 could never give that many.
-    args = build_parser().parse_args(["rollout", "serve", "--model", str(tiny_model_dir), "--max-model-len", "128"])
-    with pytest.raises(SystemExit, match=r"max_tokens: 128 cannot be honoured: max_model_len=128"):
-        run_serve(args)
+def test_serve_refuses_a_max_tokens_the_engine_cannot_honour(tiny_model_dir: Path, capsys) -> None:
+    # An engine of max_model_len 128 could never give 128 response tokens beside a prompt.
+    args = build_parser().parse_args(["rollout", "serve", "--model", str(tiny_model_dir), "--max-model-len", "128",
+                                      "--max-tokens", "128"])
+    assert run_serve(args) == 2
+    err = capsys.readouterr().err
+    assert "max_tokens: 128 cannot be honoured: max_model_len=128" in err and "--max-tokens" in err
+
+
+def test_serve_without_config_fits_max_tokens_to_a_short_engine(tiny_model_dir: Path) -> None:
+    # Without a config the default max_tokens (128) would not fit --max-model-len 128: half the engine is used.
+    parse = build_parser().parse_args
+    _, sampling = build_options(parse(["rollout", "serve", "--model", str(tiny_model_dir), "--max-model-len", "128"]))
+    assert sampling.max_tokens == 64
+    _, sampling = build_options(parse(["rollout", "serve", "--model", str(tiny_model_dir)]))
+    assert sampling.max_tokens == 128  # the engine's default 2048 positions leave room for the default
+    _, sampling = build_options(parse(["rollout", "serve", "--model", str(tiny_model_dir), "--max-model-len", "128",
+                                       "--max-tokens", "100"]))
+    assert sampling.max_tokens == 100
+
+
+def test_max_tokens_flag_overrides_the_config(repo_root: Path, tiny_model_dir: Path) -> None:
+    args = build_parser().parse_args([
+        "rollout", "serve", "--config", str(repo_root / "configs/grpo_qwen25_7b_A3.yaml"),
+        "--model", str(tiny_model_dir), "--max-tokens", "300"])
+    _, sampling = build_options(args)
+    assert sampling.max_tokens == 300  # the config says 2048
 
 
 def test_cli_serves_a_replica_at_version_zero(repo_root: Path, tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -2,8 +2,9 @@
 
 rlfabric builds the model from the Hugging Face `config.json` it loads, never from these keys, so each
 key is either compared with that file (`hf_check.py`, at `config check` and `rlfabric up`), refused
-(architectures rlfabric does not have: MoE, MLA), or inert with the reason. Defaults follow
-MindSpeed-RL's `MegatronConfig`.
+(architectures rlfabric does not have: DeepSeek-V3's MLA, shared experts and routing), or inert with the
+reason. Mixture-of-experts keys describe a Qwen3-MoE model (routed experts, softmax top-k router); the
+trainer's MoE training keys are checked in moe.py. Defaults follow MindSpeed-RL's `MegatronConfig`.
 """
 
 from __future__ import annotations
@@ -11,19 +12,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config.schema import inert, read, refused, setting
-from services.common.config.statuses import DERIVED, FROM_HF, HF_CHECK, MLA, MOE, VALIDATION
+from services.common.config.statuses import (
+    DEEPSEEK_V3,
+    DERIVED,
+    FROM_HF,
+    HF_CHECK,
+    MOE_RULES,
+    TRAINER_OPTIONS,
+    VALIDATION,
+)
 
 _Layers = int | str | list[int] | None  # Megatron accepts "4,4,4", a list, or a pattern string.
 _NO_DROPOUT = refused("rlfabric trains without dropout, as every MindSpeed-RL RL config does (0.0); the "
                       "default 0.1 would train with dropout upstream", allowed=(0.0,))
 
 
-def _moe() -> object:
-    return refused("rlfabric's trainer and resharding support dense models only", feature=MOE)
+_HF_MOE = read(HF_CHECK, MOE_RULES, note="compared with the Qwen3-MoE config.json the model is built from")
 
 
-def _mla() -> object:
-    return refused("rlfabric's trainer supports standard (grouped-query) attention only", feature=MLA)
+def _deepseek(allowed: tuple | None = None) -> object:
+    return refused("their multi-latent attention, shared experts, sigmoid or group-limited routing and dense first "
+                   "layers are not supported yet; Qwen3-MoE models, routed experts with a softmax top-k router, are",
+                   feature=DEEPSEEK_V3, allowed=allowed)
 
 
 @dataclass(kw_only=True)
@@ -74,25 +84,31 @@ class ModelConfig:
     hidden_dropout: float = setting(0.1, "Dropout on hidden states.", _NO_DROPOUT)
     init_method_std: float = setting(0.02, "Standard deviation of the weight initialization.", inert(
         "weights always load from a checkpoint or a Hugging Face folder, which overwrites the initialisation"))
-    multi_latent_attention: bool = setting(False, "Multi-head latent attention (DeepSeek MLA).", _mla())
-    qk_pos_emb_head_dim: int | None = setting(None, "MLA: rotary part of the query/key head dimension.", _mla())
-    qk_head_dim: int | None = setting(None, "MLA: non-rotary query/key head dimension.", _mla())
-    q_lora_rank: int | None = setting(None, "MLA: low rank of the query projection.", _mla())
-    kv_lora_rank: int | None = setting(None, "MLA: low rank of the key/value projection.", _mla())
-    v_head_dim: int | None = setting(None, "MLA: value head dimension.", _mla())
-    num_experts: int | None = setting(None, "MoE: number of routed experts; unset means a dense model.", _moe())
-    n_shared_experts: int | None = setting(None, "MoE: number of shared experts.", _moe())
-    moe_ffn_hidden_size: int | None = setting(None, "MoE: expert MLP inner dimension.", _moe())
-    moe_router_topk: int = setting(2, "MoE: experts per token.", _moe())
-    moe_router_load_balancing_type: str = setting("aux_loss", "MoE: load balancing (aux_loss, seq_aux_loss, none, ...).",
-                                                  _moe())
-    moe_router_num_groups: int | None = setting(None, "MoE: expert groups for group-limited routing.", _moe())
-    moe_router_group_topk: int | None = setting(None, "MoE: groups chosen per token.", _moe())
-    moe_router_topk_scaling_factor: float | None = setting(None, "MoE: scaling of routed expert weights.", _moe())
-    norm_topk_prob: bool = setting(False, "MoE: renormalize the top-k routing weights.", _moe())
-    moe_router_score_function: str = setting("softmax", "MoE: routing score, softmax or sigmoid.", _moe())
-    moe_router_enable_expert_bias: bool = setting(False, "MoE: dynamic expert bias (aux-loss-free balancing).", _moe())
-    moe_aux_loss_coeff: float = setting(0.001, "MoE: auxiliary loss coefficient.", _moe())
-    first_k_dense_replace: int | None = setting(None, "MoE: the first k layers are dense.", _moe())
-    moe_layer_freq: _Layers = setting(None, "MoE: which layers are MoE layers.", _moe())
-    seq_aux: bool = setting(False, "MoE: compute the auxiliary loss per sequence.", _moe())
+    multi_latent_attention: bool = setting(False, "Multi-head latent attention (DeepSeek MLA).", _deepseek())
+    qk_pos_emb_head_dim: int | None = setting(None, "MLA: rotary part of the query/key head dimension.", _deepseek())
+    qk_head_dim: int | None = setting(None, "MLA: non-rotary query/key head dimension.", _deepseek())
+    q_lora_rank: int | None = setting(None, "MLA: low rank of the query projection.", _deepseek())
+    kv_lora_rank: int | None = setting(None, "MLA: low rank of the key/value projection.", _deepseek())
+    v_head_dim: int | None = setting(None, "MLA: value head dimension.", _deepseek())
+    num_experts: int | None = setting(None, "MoE: number of routed experts; unset means a dense model.", _HF_MOE)
+    n_shared_experts: int | None = setting(None, "MoE: number of shared experts.", _deepseek())
+    moe_ffn_hidden_size: int | None = setting(None, "MoE: expert MLP inner dimension; unset means ffn_hidden_size.",
+                                              read(HF_CHECK))
+    moe_router_topk: int = setting(2, "MoE: experts per token.", _HF_MOE)
+    moe_router_load_balancing_type: str = setting("aux_loss", "MoE: load balancing (aux_loss, seq_aux_loss, none).",
+                                                  read(TRAINER_OPTIONS, MOE_RULES))
+    moe_router_num_groups: int | None = setting(None, "MoE: expert groups for group-limited routing.", _deepseek())
+    moe_router_group_topk: int | None = setting(None, "MoE: groups chosen per token.", _deepseek())
+    moe_router_topk_scaling_factor: float | None = setting(None, "MoE: scaling of routed expert weights.", _deepseek())
+    norm_topk_prob: bool = setting(False, "MoE: renormalize the top-k routing weights.", read(HF_CHECK))
+    moe_router_score_function: str = setting("softmax", "MoE: routing score, softmax or sigmoid.",
+                                             _deepseek(allowed=("softmax",)))
+    moe_router_enable_expert_bias: bool = setting(False, "MoE: dynamic expert bias (aux-loss-free balancing).",
+                                                  _deepseek())
+    moe_aux_loss_coeff: float = setting(0.001, "MoE: auxiliary (load-balancing) loss coefficient.",
+                                        read(TRAINER_OPTIONS, MOE_RULES))
+    first_k_dense_replace: int | None = setting(None, "MoE: the first k layers are dense.", _deepseek(allowed=(None, 0)))
+    moe_layer_freq: _Layers = setting(None, "MoE: which layers are MoE layers (Megatron's: N = every N-th from layer 0, "
+                                            "or a 0/1 list); unset: every layer.", read(HF_CHECK))
+    seq_aux: bool = setting(False, "MoE: compute the auxiliary loss per sequence (MindSpeed-LLM's DeepSeek router).",
+                            _deepseek())

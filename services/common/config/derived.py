@@ -14,6 +14,11 @@ and the skip-old-log-probs rule (MindSpeed-RL's `set_actor_log_prob_skip_flag`) 
 `world_size` is the number of devices the run uses, as MindSpeed-RL's `world_size` metric counts them
 (utils.compute_tps): in integrated mode the actor's devices, which the reference and rollout share;
 disaggregated, rlfabric's actor, reference (when there is one) and rollout each hold their own.
+
+Experts (MoE models) in megatron-core's terms: `actor_expert_parallel_size` ranks share one copy of the
+experts, each split over `actor_expert_tensor_parallel_size` ranks. Without `moe_tp_extend_ep` these are
+expert_model_parallel_size (EP) and TP, as in Megatron; with it (MindSpeed) EP x TP and 1: the TP group
+holds whole experts instead of slices of each.
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ class Derived:
     actor_world_size: int | None
     actor_model_parallel_size: int | None
     actor_data_parallel_size: int | None
+    actor_expert_parallel_size: int | None
+    actor_expert_tensor_parallel_size: int
+    actor_experts_per_rank: int | None
     ref_world_size: int | None
     ref_model_parallel_size: int | None
     ref_data_parallel_size: int | None
@@ -153,9 +161,18 @@ def _layout(actor: MegatronConfig, ref: MegatronConfig, rl: RLConfig, gen: Gener
     else:
         world = None if None in (actor_world, rollout_world) else actor_world + rollout_world + (ref_world or 0)
     return dict(world_size=world, actor_world_size=actor_world, actor_model_parallel_size=actor_mp,
-                actor_data_parallel_size=_div(actor_world, actor_mp), ref_world_size=ref_world,
+                actor_data_parallel_size=_div(actor_world, actor_mp), **_experts(actor), ref_world_size=ref_world,
                 ref_model_parallel_size=ref_mp, ref_data_parallel_size=_div(ref_world, ref_mp),
                 rollout_engine_size=engine, rollout_data_parallel_size=rollout_dp, rollout_world_size=rollout_world)
+
+
+def _experts(actor: MegatronConfig) -> dict[str, int | None]:
+    """The actor's expert layout in megatron-core's terms (see module docstring)."""
+    tp, ep = actor.tensor_model_parallel_size, actor.expert_model_parallel_size
+    extend = actor.moe_tp_extend_ep
+    expert_ep = _mul(ep, tp) if extend else ep
+    return dict(actor_expert_parallel_size=expert_ep, actor_expert_tensor_parallel_size=1 if extend else tp,
+                actor_experts_per_rank=_div(actor.num_experts, expert_ep))
 
 
 def _batches(actor: MegatronConfig, ref: MegatronConfig, rl: RLConfig, layout: dict[str, int | None],

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.errors import DataError
+
 
 @dataclass(frozen=True)
 class ConfigIssue:
@@ -35,14 +37,18 @@ class ConfigIssue:
         return {"key": self.key, "message": self.message, "source": self.source}
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot be used; `.issues` lists every problem found."""
+class ConfigError(DataError):
+    """A configuration that cannot be used; `.issues` lists every problem found. A `DataError`: the user's to fix."""
 
     def __init__(self, issues: list[ConfigIssue], path: str | None = None):
         self.issues = list(issues)
         self.path = path
         where = f" in {path}" if path else ""
         count = len(self.issues)
+        if count == 1:  # one line: a single mistake needs no list
+            only = str(self.issues[0])
+            super().__init__(only if not path or path in only else f"{path}: {only}")
+            return
         header = f"{count} configuration error{'s' if count != 1 else ''}{where}:"
         super().__init__("\n".join([header, *(f"  - {issue}" for issue in self.issues)]))
 

@@ -10,10 +10,20 @@ Vocabulary: Megatron pads the vocabulary to a multiple of `make_vocab_size_divis
 rounded up to a multiple of TP as rlfabric's trainer does). Keys that default rather than being written
 (rotary_base, norm_epsilon, ...) are compared only when the YAML writes them; the tie of the embeddings is
 always compared (its default, tied, is a statement about the model).
+
+Mixture of experts (Qwen3-MoE): a block with `num_experts` must meet a config.json with experts and the
+other way round; the experts, the router's top-k (`moe_router_topk`, default 2 as upstream), their MLP size
+(`moe_ffn_hidden_size`, Megatron's default ffn_hidden_size), `norm_topk_prob` (default false) and which
+layers are MoE layers (`moe_layer_freq`, Megatron's meaning: N is every N-th layer from layer 0, unset is
+every layer) are always compared, since upstream trains what their defaults say. `ffn_hidden_size` is
+compared only when the model has a dense MLP layer (in an all-MoE model it sizes nothing). A DeepSeek
+config.json is named as such (rlfabric trains Qwen3-MoE; DeepSeek-V3 is not supported yet).
 """
 
 from __future__ import annotations
 
+import ast
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,7 +73,7 @@ def compare_with_hf(cfg: RLFabricConfig, hf_dir: Path) -> list[ConfigIssue]:
     try:
         spec, _raw = read_hf_config(hf_dir)
     except (ValueError, KeyError, OSError) as exc:
-        return [ConfigIssue(source, f"cannot use this model: {exc}")]
+        return [ConfigIssue(source, _deepseek_message(hf_dir) or f"cannot use this model: {exc}")]
     return [ConfigIssue(cfg.where(key), f"`{cfg.where(key)}` is {ours} but {source} has {hf_key}: {theirs}; "
                                         f"make the model block match the weights", cfg.source(key))
             for key, ours, hf_key, theirs in _mismatches(cfg, spec)]
@@ -82,8 +92,9 @@ def _mismatches(cfg: RLFabricConfig, spec: ModelSpec) -> Iterable[tuple[str, Any
         ("untie_embeddings_and_output_weights", a.untie_embeddings_and_output_weights,
          "tie_word_embeddings (negated)", not spec.tie_word_embeddings),
     ]
+    all_moe = spec.moe is not None and len(spec.moe.moe_layers) == spec.num_hidden_layers
     when_set = [
-        ("ffn_hidden_size", a.ffn_hidden_size, "intermediate_size", spec.intermediate_size),
+        ("ffn_hidden_size", None if all_moe else a.ffn_hidden_size, "intermediate_size", spec.intermediate_size),
         ("kv_channels", a.kv_channels, "head_dim", spec.head_dim),
         ("max_position_embeddings", a.max_position_embeddings, "max_position_embeddings",
          spec.max_position_embeddings),
@@ -112,6 +123,7 @@ def _mismatches(cfg: RLFabricConfig, spec: ModelSpec) -> Iterable[tuple[str, Any
     for key, ours, hf_key, theirs in when_written:
         if key in written and ours != theirs:
             yield key, ours, hf_key, theirs
+    yield from _moe_mismatches(cfg, spec)
     tp = a.tensor_model_parallel_size
     padded = a.padded_vocab_size or megatron_padded_vocab_size(spec.vocab_size, a.make_vocab_size_divisible_by, tp)
     if padded != spec.padded_vocab_size(tp):
@@ -119,3 +131,85 @@ def _mismatches(cfg: RLFabricConfig, spec: ModelSpec) -> Iterable[tuple[str, Any
         how = "" if a.padded_vocab_size else f"{a.make_vocab_size_divisible_by}, which pads the vocabulary to "
         hf_vocab = "vocab_size" + (f" (padded to a multiple of TP {tp})" if tp > 1 else "")
         yield key, f"{how}{padded}", hf_vocab, spec.padded_vocab_size(tp)
+
+
+def _moe_mismatches(cfg: RLFabricConfig, spec: ModelSpec) -> Iterable[tuple[str, Any, str, Any]]:
+    """The model block's experts against the config.json's (see module docstring)."""
+    a, moe = cfg.actor_config, spec.moe
+    if moe is None:
+        if a.num_experts is not None:
+            yield "num_experts", a.num_experts, "model_type", f"{spec.model_type} (a dense model, no experts)"
+        return
+    if a.num_experts is None:
+        yield "num_experts", "unset (a dense model)", "num_experts", moe.num_experts
+        return
+    expert_ffn = a.moe_ffn_hidden_size if a.moe_ffn_hidden_size is not None else a.ffn_hidden_size
+    ours_ffn = expert_ffn if a.moe_ffn_hidden_size is not None else f"unset, so ffn_hidden_size {expert_ffn}"
+    pattern = megatron_moe_layers(a.moe_layer_freq, spec.num_hidden_layers)
+    hf_pattern = [int(layer in moe.moe_layers) for layer in range(spec.num_hidden_layers)]
+    pairs = [
+        ("num_experts", a.num_experts, a.num_experts, "num_experts", moe.num_experts),
+        ("moe_router_topk", a.moe_router_topk, a.moe_router_topk, "num_experts_per_tok", moe.num_experts_per_tok),
+        ("moe_ffn_hidden_size", expert_ffn, ours_ffn, "moe_intermediate_size", moe.moe_intermediate_size),
+        ("norm_topk_prob", a.norm_topk_prob, a.norm_topk_prob, "norm_topk_prob", moe.norm_topk_prob),
+    ]
+    for key, value, ours, hf_key, theirs in pairs:
+        if value is not None and value != theirs:
+            yield key, ours, hf_key, theirs
+    if pattern != hf_pattern:
+        yield ("moe_layer_freq", _describe_layers(a.moe_layer_freq, pattern),
+               "MoE layers (decoder_sparse_step, mlp_only_layers)", _describe_layers(None, hf_pattern))
+
+
+def megatron_moe_layers(freq: int | str | list[int] | None, num_layers: int) -> list[int] | None:
+    """Megatron's `moe_layer_freq` as one 0/1 entry per layer (1: MoE); None when it cannot be read.
+
+    Unset is Megatron's default 1; N marks layers 0, N, 2N, ...; a list (or its Python spelling, e.g.
+    "[0]*3+[1]*58", which Megatron evaluates) gives every layer.
+    """
+    if freq is None:
+        freq = 1
+    if isinstance(freq, int):
+        return [int(i % freq == 0) for i in range(num_layers)] if freq >= 1 else None
+    if isinstance(freq, str):
+        try:
+            freq = _list_expression(ast.parse(freq.strip(), mode="eval").body)
+        except (SyntaxError, ValueError):
+            return None
+    return [int(v) for v in freq] if all(v in (0, 1) for v in freq) else None
+
+
+def _list_expression(node: ast.AST) -> list[int]:
+    """A list of ints built from literals with `+` and `* n` only (never evaluated as code)."""
+    if isinstance(node, ast.List | ast.Tuple) and all(isinstance(e, ast.Constant) and type(e.value) is int
+                                                      for e in node.elts):
+        return [e.value for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _list_expression(node.left) + _list_expression(node.right)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        if isinstance(node.right, ast.Constant) and type(node.right.value) is int:
+            return _list_expression(node.left) * node.right.value
+        if isinstance(node.left, ast.Constant) and type(node.left.value) is int:
+            return _list_expression(node.right) * node.left.value
+    raise ValueError("not a list expression")
+
+
+def _describe_layers(freq: Any, pattern: list[int] | None) -> str:
+    if pattern is None:
+        return f"{freq!r}, which is not a layer frequency or a 0/1 list"
+    moe = [i for i, v in enumerate(pattern) if v]
+    what = "every layer a MoE layer" if len(moe) == len(pattern) else f"MoE layers {moe} of {len(pattern)}"
+    return what if freq is None else f"{freq!r} ({what})"
+
+
+def _deepseek_message(hf_dir: Path) -> str | None:
+    """The message for a DeepSeek config.json, whose model_type the model spec refuses generically."""
+    try:
+        model_type = str(json.loads((hf_dir / "config.json").read_text()).get("model_type", ""))
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not model_type.startswith("deepseek"):
+        return None
+    return (f"cannot use this model: model_type {model_type} is a DeepSeek model (multi-latent attention, shared "
+            f"experts, group-limited routing, multi-token prediction); rlfabric trains Qwen3-MoE mixture-of-experts "
+            f"models, DeepSeek-V3 is not supported yet")

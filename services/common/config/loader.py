@@ -88,8 +88,11 @@ def load_config_dict(
     """Like `load_config` for an already-parsed mapping (model includes resolved from `base_dir`)."""
     issues: list[ConfigIssue] = []
     bad: set[str] = set()
-    if data is None:
-        data = SourcedDict()
+    if data is None or isinstance(data, Mapping) and not data:
+        # One error, not the rules' list of every required key that is not set.
+        raise ConfigError([ConfigIssue(label, "CONFIG is empty: a MindSpeed-RL config maps its sections "
+                                              "(megatron_training, rl_config, generate_config, ...); start from one "
+                                              "of configs/*.yaml")], label)
     if not isinstance(data, Mapping):
         raise ConfigError([ConfigIssue(label, f"a config must be a mapping of sections, got {type(data).__name__}")],
                           label)
@@ -97,8 +100,10 @@ def load_config_dict(
     apply_overrides(raw, overrides, issues)
     top = _check_top_level(raw, issues)
     config_dir = Path(base_dir) if base_dir is not None else None
-    blocks = _model_blocks(top.get("defaults"), top.get("model"), config_dir, raw, issues)
-    views = _megatron_views(top, raw, blocks, issues, bad)
+    included, missing = len(issues), set()
+    blocks = _model_blocks(top.get("defaults"), top.get("model"), config_dir, raw, issues, missing)
+    include_failed = len(issues) > included
+    views = _megatron_views(top, raw, blocks, issues, bad, missing)
     rl, gen, msprobe, fabric = (_parse(name, top.get(name), raw, issues, bad)
                                 for name in ("rl_config", "generate_config", "msprobe_config", "rlfabric"))
     profilers = _profilers(top.get("profiler_config"), raw, issues, bad)
@@ -120,7 +125,7 @@ def load_config_dict(
         provenance=Provenance(megatron_origin=_megatron_origin(views.sections, views.model_name, views.blocks),
                               sources=_collect_sources(raw, blocks)),
     )
-    _validate(cfg, top, raw, bad, issues, label)
+    _validate(cfg, top, raw, bad, issues, label, rules=not include_failed)
     return cfg
 
 
@@ -142,8 +147,9 @@ class _MegatronViews:
 
 
 def _megatron_views(top: Mapping[str, Any], raw: Mapping, blocks: Mapping[str, tuple[Any, str | None]],
-                    issues: list[ConfigIssue], bad: set[str]) -> _MegatronViews:
-    """Parse megatron_training / actor_config / ref_config and merge each view over its model block."""
+                    issues: list[ConfigIssue], bad: set[str], missing: set[str]) -> _MegatronViews:
+    """Parse megatron_training / actor_config / ref_config and merge each view over its model block (blocks
+    whose include file is `missing` were reported already: they count as empty)."""
     sections: dict[str, dict[str, Any]] = {}
     for name in MEGATRON_SECTIONS:
         if name in top:
@@ -155,7 +161,7 @@ def _megatron_views(top: Mapping[str, Any], raw: Mapping, blocks: Mapping[str, t
     parsed_blocks: dict[str, dict[str, Any]] = {}
 
     def block(name: str | None, owner: str) -> dict[str, Any]:
-        if name is None:
+        if name is None or name in missing and name not in blocks:
             return {}
         if name not in parsed_blocks and name not in blocks:
             available = ", ".join(sorted(blocks)) or "none"
@@ -182,15 +188,16 @@ def _megatron_views(top: Mapping[str, Any], raw: Mapping, blocks: Mapping[str, t
 
 
 def _validate(cfg: RLFabricConfig, top: Mapping[str, Any], raw: Mapping, bad: set[str], issues: list[ConfigIssue],
-              label: str) -> None:
-    """Refused features, then the rules; raise every problem together, log the warnings."""
+              label: str, *, rules: bool = True) -> None:
+    """Refused features, then the rules; raise every problem together, log the warnings. Without `rules` (a
+    model include could not be read), the rules are skipped: they would only list the block's missing keys."""
     # A config of a feature rlfabric does not have gets one message per feature, not a list of its symptoms.
     features = feature_issues(cfg, refused_values(cfg) + section_refusals(list(top)))
     if features:
         raise ConfigError(features, label)
     suppressed = {_canonical(key) for key in bad}
     # With a misspelled or misplaced section, rule results would only repeat "not set" for its keys.
-    structure_ok = set(map(normalize_key, raw)) <= set(TOP_LEVEL_KEYS)
+    structure_ok = set(map(normalize_key, raw)) <= set(TOP_LEVEL_KEYS) and rules
     for problem in run_rules(cfg, RULES if structure_ok else ()):
         if not _touches(problem, suppressed):
             issues.append(ConfigIssue(cfg.where(problem.keys[0]), problem.message, cfg.source(problem.keys[0])))
@@ -216,8 +223,9 @@ def _check_top_level(raw: SourcedDict, issues: list[ConfigIssue]) -> dict[str, A
 
 
 def _model_blocks(defaults: Any, inline: Any, config_dir: Path | None, raw: Mapping,
-                  issues: list[ConfigIssue]) -> dict[str, tuple[Any, str | None]]:
-    """Model blocks by name -> (raw mapping, file:line of its name), from includes then inline."""
+                  issues: list[ConfigIssue], missing: set[str]) -> dict[str, tuple[Any, str | None]]:
+    """Model blocks by name -> (raw mapping, file:line of its name), from includes then inline; adds the names
+    whose include file is not there to `missing`."""
     names: list[str] = []
     entries = defaults if isinstance(defaults, list) else ([] if defaults is None else [defaults])
     for entry in entries:
@@ -242,6 +250,10 @@ def _model_blocks(defaults: Any, inline: Any, config_dir: Path | None, raw: Mapp
                                                         f"(load from a file, or pass base_dir)"))
             continue
         file = config_dir / "model" / f"{name}.yaml"
+        if not file.is_file():
+            issues.append(ConfigIssue("defaults.model", _include_not_found(name, file), source_of(raw, "defaults")))
+            missing.add(name)
+            continue
         try:
             content = read_yaml(file, what=f"model file for `defaults: model: {name}`")
         except ConfigError as exc:
@@ -269,6 +281,16 @@ def _model_blocks(defaults: Any, inline: Any, config_dir: Path | None, raw: Mapp
                 else:
                     blocks[str(block_name)] = (block, inline.key_sources.get(block_name))
     return blocks
+
+
+def _include_not_found(name: str, file: Path) -> str:
+    """Where `defaults: - model: [name]` looked, and where rlfabric's own copy of that file is (if it has one)."""
+    message = (f"model `{name}` not found: looked for {file.name} in {file.parent.resolve()} (includes are read from "
+               f"the `model/` folder next to the config)")
+    shipped = Path(__file__).resolve().parents[3] / "configs" / "model" / file.name
+    if shipped.is_file() and shipped.resolve() != file.resolve():
+        message += f"; rlfabric ships {shipped}: copy it there"
+    return message
 
 
 def _profilers(raw_section: Any, raw: Mapping, issues: list[ConfigIssue], bad: set[str]) -> dict[str, Any]:

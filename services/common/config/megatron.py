@@ -25,7 +25,7 @@ from services.common.config.statuses import (
     LOADER,
     LORA,
     MEMORY,
-    MOE,
+    MOE_RULES,
     MULTIMODAL,
     RESUME,
     TRAINER_LAUNCH,
@@ -48,10 +48,6 @@ def _lora() -> object:
 
 def _dpo() -> object:
     return refused("rlfabric trains GRPO and DAPO", feature=DPO)
-
-
-def _moe_kernel() -> object:
-    return refused("an expert-parallel kernel option; rlfabric's trainer supports dense models only", feature=MOE)
 
 
 @dataclass(kw_only=True)
@@ -81,14 +77,20 @@ class MegatronConfig(ModelConfig):
     no_gradient_accumulation_fusion: bool = setting(False, "Disable fused gradient accumulation into main_grad.",
                                                     KERNEL)
     gemm_gradient_accumulation_fusion: bool = setting(False, "Fuse GEMM and gradient accumulation (Ascend).", KERNEL)
-    moe_grouped_gemm: bool = setting(False, "MoE: grouped GEMM for experts.", _moe_kernel())
-    moe_permutation_async_comm: bool = setting(False, "MoE: overlap permutation all-gathers.", _moe_kernel())
-    moe_tp_extend_ep: bool = setting(False, "MoE: use the TP group to extend expert parallelism.", _moe_kernel())
-    moe_alltoall_overlap_comm: bool = setting(False, "MoE: overlap all-to-all communication.", _moe_kernel())
-    use_fused_moe_token_permute_and_unpermute: bool = setting(False, "MoE: fused token permutation.", _moe_kernel())
-    moe_token_dispatcher_type: str | None = setting(None, "MoE: token dispatcher (allgather, alltoall).",
-                                                    _moe_kernel())
-
+    moe_grouped_gemm: bool = setting(False, "MoE: grouped GEMM for experts.", KERNEL)
+    moe_permutation_async_comm: bool = setting(False, "MoE: overlap permutation all-gathers.", MEMORY)
+    moe_tp_extend_ep: bool = setting(False, "MoE: experts are not split over TP ranks; the TP group extends expert "
+                                            "parallelism (EP x TP ranks share the experts).", read(
+        DERIVED, MOE_RULES, note="MindSpeed's expert layout (the same math): derived sizes give megatron-core's "
+                                 "expert parallel size EP x TP and expert tensor parallel size 1; validated as "
+                                 "MindSpeed does (num_experts divisible by TP x EP, moe_grouped_gemm and "
+                                 "moe_permutation_async_comm set)"))
+    moe_alltoall_overlap_comm: bool = setting(False, "MoE: overlap all-to-all communication.", MEMORY)
+    use_fused_moe_token_permute_and_unpermute: bool = setting(False, "MoE: fused token permutation.", KERNEL)
+    moe_token_dispatcher_type: str | None = setting(None, "MoE: token dispatcher (allgather, alltoall, alltoall_seq); "
+                                                          "unset: Megatron's allgather.", read(
+        TRAINER_OPTIONS, MOE_RULES, note="how tokens reach their experts (the same math); MindSpeed's alltoall_seq "
+                                         "runs as megatron-core's alltoall, which replaced it"))
     # Precision.
     bf16: bool = setting(True, "Train in bfloat16 with fp32 main grads, master weights and Adam state (Megatron's mixed "
                                "precision, services/trainer/optimizer.py); false trains in fp32.",
@@ -118,7 +120,8 @@ class MegatronConfig(ModelConfig):
     context_parallel_algo: str = setting("ulysses_cp_algo", "CP algorithm: ulysses_cp_algo or megatron_cp_algo.",
                                          inert("how a sequence is split over CP ranks: the same math; rlfabric "
                                                "does not split sequences"))
-    expert_model_parallel_size: int = setting(1, "Expert parallel size (EP) of the trainer.", _moe_kernel())
+    expert_model_parallel_size: int = setting(1, "Expert parallel size (EP) of the trainer (MoE models).",
+                                              read(TRAINER_OPTIONS, DERIVED, MOE_RULES))
     num_layers_per_virtual_pipeline_stage: int | None = setting(None, "Layers per virtual pipeline stage.", refused(
         "interleaved (virtual) pipeline stages are not implemented by rlfabric's trainer"))
     num_layer_list: _Layers = setting(None, "Layers per pipeline stage, e.g. \"4,4,4,4\".", inert(

@@ -2,7 +2,7 @@
 
 Every section's refused keys are checked the same way: the value must be one of the status's `allowed`
 values (default: the field's default). A refused key that belongs to a feature rlfabric does not have
-(PPO, DPO, LoRA, multi-turn, MoE, ...) is grouped with the other keys of that feature, and the loader
+(PPO, DPO, LoRA, multi-turn, DeepSeek-V3, ...) is grouped with the other keys of that feature, and the loader
 refuses such a config with one message per feature instead of a list of symptoms; refused keys of no
 feature become ordinary validation problems.
 """
@@ -92,8 +92,8 @@ def feature_issues(cfg: RLFabricConfig, refusals: list[Refusal]) -> list[ConfigI
         first = _where(cfg, found[0].key)
         issues.append(ConfigIssue(
             first, f"rlfabric does not support {feature} ({found[0].reason}); this config asks for it with {keys}. "
-                   f"rlfabric trains GRPO and DAPO on dense text models: remove these keys, or run this config with "
-                   f"MindSpeed-RL", cfg.provenance.sources.get(first)))
+                   f"rlfabric trains GRPO and DAPO on dense and Qwen3-MoE text models: remove these keys, or run this "
+                   f"config with MindSpeed-RL", cfg.provenance.sources.get(first)))
     return issues
 
 

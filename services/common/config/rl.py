@@ -18,7 +18,6 @@ from services.common.config.statuses import (
     DERIVED,
     DISPATCH,
     ITERATION,
-    MOE,
     MULTI_TURN,
     MULTIMODAL,
     PPO,
@@ -44,7 +43,6 @@ _PER_PASS_DEFAULT_ONLY = inert(
     "MindSpeed-RL copies this key's default into the ref_/actor_/update_ keys before it reads the YAML, so a "
     "value set here reaches no pass there either; rlfabric does the same: set the per-pass keys")
 _PARTIAL_ONLY = inert("partial rollout only (partial_rollout_max_split > 1 is refused)")
-_SWANLAB_ONLY = inert("only read with use_swanlab (refused)")
 _DYNAMIC_SAMPLING = read(COORDINATOR_SETTINGS, ITERATION)
 
 
@@ -172,8 +170,8 @@ class RLConfig:
                                     RAY)
     hccl_buffersize: int = setting(256, "HCCL buffer size in MB (Ascend).",
                                    inert("Ascend HCCL buffer; rlfabric has no HCCL on this path"))
-    tp_split_expert: bool = setting(False, "Split experts over TP ranks.",
-                                    refused("experts only", feature=MOE))
+    tp_split_expert: bool = setting(False, "Split experts over TP ranks (declared, never read upstream).",
+                                    UPSTREAM_UNUSED)
     enable_sharding_validate: bool = setting(False, "Validate resharded weights.", inert(
         "no longer in MindSpeed-RL's RLConfig; rlfabric always checksums every weight bucket it reshards"))
     zmq_communication: bool = setting(True, "Dispatch data over ZeroMQ (MindSpeed-RL transport).", RAY)
@@ -250,10 +248,11 @@ class RLConfig:
     wandb_project: str = setting("", "Weights & Biases project (required with use_wandb).", read(COORDINATOR_APP))
     wandb_exp_name: str = setting("", "Weights & Biases run name (required with use_wandb).", read(COORDINATOR_APP))
     wandb_save_dir: str = setting("", "Weights & Biases local directory.", read(COORDINATOR_APP))
-    use_swanlab: bool = setting(False, "Write metrics to SwanLab (unsupported).",
-                                refused("rlfabric writes metrics to TensorBoard, wandb and metrics.jsonl"))
-    swanlab_mode: str = setting("", "SwanLab mode.", _SWANLAB_ONLY)
-    swanlab_project: str = setting("", "SwanLab project.", _SWANLAB_ONLY)
-    swanlab_exp_name: str = setting("", "SwanLab run name.", _SWANLAB_ONLY)
-    swanlab_save_dir: str = setting("", "SwanLab local directory.", _SWANLAB_ONLY)
+    use_swanlab: bool = setting(False, "Write metrics to SwanLab.", read(COORDINATOR_APP))
+    swanlab_mode: str = setting("", "SwanLab mode (cloud, local, offline, disabled; empty: SwanLab's default).",
+                                read(COORDINATOR_APP))
+    swanlab_project: str = setting("", "SwanLab project (required with use_swanlab).", read(COORDINATOR_APP))
+    swanlab_exp_name: str = setting("", "SwanLab run name (required with use_swanlab).", read(COORDINATOR_APP))
+    swanlab_save_dir: str = setting("", "SwanLab local directory (empty: swanlab/ in the run's directory).",
+                                    read(COORDINATOR_APP))
     log_max_throughput: bool = setting(True, "Compute throughput from maximum (padded) lengths.", read(COORDINATOR_SETTINGS))

@@ -114,6 +114,8 @@ def describe(annotation: Any) -> str:
     if annotation is Any:
         return "any value"
     origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
         names = [describe(a) for a in typing.get_args(annotation) if a is not type(None)]
         tail = " or null" if type(None) in typing.get_args(annotation) else ""
@@ -140,11 +142,16 @@ def coerce(value: Any, annotation: Any) -> Any:
     """Check `value` against `annotation`; return it (possibly converted) or raise `_TypeMismatchError`.
 
     Conversions allowed: int -> float for float fields; a numeric string -> float for float fields
-    (PyYAML reads `lr: 1e-6` as the string "1e-6"). Booleans are never accepted as numbers.
+    (PyYAML reads `lr: 1e-6` as the string "1e-6"). Booleans are never accepted as numbers. A `Literal`
+    field (an enumeration) takes exactly one of its values.
     """
     if annotation is Any:
         return value
     origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        if any(type(value) is type(option) and value == option for option in typing.get_args(annotation)):
+            return value
+        raise _TypeMismatchError(describe(annotation))
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
         if value is None:

@@ -4,15 +4,15 @@
 One dataclass per section; field names are the YAML keys, each default and status is written once,
 here. Defaults follow MindSpeed-RL's config classes; where MindSpeed-RL keeps a placeholder
 (`tokenizer_name_or_path: /path/to/tokenizer`) rlfabric uses None and resolves it (see derived.py).
-The vllm-ascend keys (`torchair_graph`, `ascend_scheduler_config_enabled`, `expert_map_path`,
-`enable_expert_parallel`) reach the engine as MindSpeed-RL passes them (`vllm_additional_config`) and
-only act where vllm-ascend runs.
+The vllm-ascend keys (`torchair_graph`, `ascend_scheduler_config_enabled`, `expert_map_path`) reach the
+engine as MindSpeed-RL passes them (`vllm_additional_config`) and only act where vllm-ascend runs;
+`enable_expert_parallel` is vLLM's own switch, passed on as upstream passes it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from services.common.config.schema import inert, read, refused, setting
 from services.common.config.statuses import (
@@ -21,7 +21,6 @@ from services.common.config.statuses import (
     COORDINATOR_SETTINGS,
     COORDINATOR_VALIDATION,
     DERIVED,
-    MOE,
     MULTIMODAL,
     ROLLOUT_OPTIONS,
     TRAINER_OPTIONS,
@@ -33,8 +32,10 @@ _SAMPLING = read(ROLLOUT_OPTIONS, COORDINATOR_SETTINGS)
 _ASCEND_CONFIG = read(CONFIG_SECTIONS, platform="ascend", note="in vLLM's additional_config as MindSpeed-RL builds "
                                                                "it (vllm_additional_config, passed on by "
                                                                "services/rollout/vllm_args.py); only vllm-ascend acts on it")
-_EXPERT_PARALLEL = read(ROLLOUT_OPTIONS, platform="ascend", note="passed to vLLM as MindSpeed-RL passes it; only MoE "
-                                                                "layers (refused here) use it")
+_EXPERT_PARALLEL = read(ROLLOUT_OPTIONS, note="passed to vLLM (`enable_expert_parallel`) as MindSpeed-RL passes it: "
+                                              "an engine's MoE layers place whole experts on its ranks instead of "
+                                              "splitting each expert over them (the same outputs); dense models "
+                                              "have no MoE layer to act on")
 _NO_PROFILER = refused("MindStudio profiling is not available in rlfabric; use the timing/* metrics and each "
                        "service's Prometheus endpoint")
 _PROFILE_ONLY = inert("only read with profile: true (refused)")
@@ -44,6 +45,8 @@ _MSPROBE_ONLY = inert("only read with msprobe: true (refused)")
 
 # The values of rlfabric.weight_transport (validated in validation.py, chosen in coordinator/weight_sync.py).
 WEIGHT_TRANSPORTS = ("auto", "grpc", "collective")
+# rlfabric.routing_replay: none, or replay the rollout's expert choices in training (MoE; not wired yet).
+RoutingReplay = Literal["none", "rollout"]
 
 
 @dataclass(kw_only=True)
@@ -76,8 +79,11 @@ class GenerateConfig:
                                               read(ROLLOUT_OPTIONS, DERIVED))
     infer_pipeline_parallel_size: int = setting(1, "Pipeline parallel size of rollout (must be 1).",
                                                 refused("rollout runs without pipeline parallelism", allowed=(1,)))
-    infer_expert_parallel_size: int = setting(1, "Expert parallel size of rollout.",
-                                              refused("experts only", feature=MOE, allowed=(1,)))
+    infer_expert_parallel_size: int = setting(1, "Expert parallel size of rollout (vLLM data-parallel engines that "
+                                                 "share the experts, with enable_expert_parallel).", inert(
+        "how upstream's rollout spreads experts over engines (VLLM_DP_SIZE engines sharing them): the same samples; "
+        "rlfabric's rollout engines are independent replicas, each holding every expert (spread over its own "
+        "infer_tensor_parallel_size ranks with enable_expert_parallel)"))
     max_num_seqs: int = setting(1, "Most sequences an engine runs at once.", _ENGINE)
     max_model_len: int = setting(2048, "Longest prompt + response an engine accepts.", _ENGINE)
     max_num_batched_tokens: int = setting(2048, "Most tokens an engine processes per step.", _ENGINE)
@@ -98,10 +104,11 @@ class GenerateConfig:
     ascend_scheduler_config_enabled: bool = setting(True, "vllm-ascend: use the Ascend scheduler.", _ASCEND_CONFIG)
     enable_expert_parallel: bool = setting(False, "vLLM expert parallelism for MoE layers.", _EXPERT_PARALLEL)
     expert_map_path: str | None = setting(None, "vllm-ascend: expert placement map (EPLB).", _ASCEND_CONFIG)
-    eplb_token_collects: bool = setting(False, "MindSpeed-RL EPLB: record tokens per expert.",
-                                        refused("experts only", feature=MOE))
+    eplb_token_collects: bool = setting(False, "MindSpeed-RL EPLB: record tokens per expert.", refused(
+        "MindSpeed-RL's EPLB token statistics come from its own vllm-ascend MoE kernel patch, which rlfabric does not "
+        "have; the trainer logs moe/expert_load_max_over_mean every iteration"))
     eplb_token_save_path: str = setting("./", "MindSpeed-RL EPLB: where token counts are written.",
-                                        refused("experts only", feature=MOE))
+                                        inert("only read with eplb_token_collects: true (refused)"))
     limit_mm_image_per_prompt: int = setting(1, "Multimodal: images per prompt.",
                                              refused("rlfabric trains text-only models", feature=MULTIMODAL))
     limit_mm_video_per_prompt: int = setting(0, "Multimodal: videos per prompt.",
@@ -189,6 +196,11 @@ class FabricConfig:
     importance_sampling_cap: float = setting(
         2.0, "Truncation of the per-token importance weight old-policy / behaviour-policy applied to the samples "
              "of pipelined mode (max_staleness >= 1); unused when max_staleness is 0.", read(TRAINER_OPTIONS))
+    # MoE: the trainer's router may pick other experts than the rollout's engine did for the same tokens.
+    routing_replay: RoutingReplay = setting(
+        "none", "MoE routing in training: none (the trainer's router chooses the experts) or rollout (replay the "
+                "experts vLLM chose for each sampled token).",
+        refused("routing replay is not wired yet (issue 24)", allowed=("none",)))
 
 
 @dataclass(kw_only=True)

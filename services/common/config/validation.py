@@ -8,8 +8,8 @@ problems about keys that already failed to parse, and can point at the file:line
 Messages follow TRL's style: say what was set, why it cannot work, and what to change, with the
 numbers involved. MindSpeed-RL's rules are kept (see parity.md), plus checks that catch upstream
 failures early (head counts vs TP, vLLM limits). Refused keys (refusals.py), the algorithm's rules
-(algorithm.py), the resume rule (resume.py) and the activation-memory rules (activations.py) join them in
-`RULES`. `WARNINGS` lists rules whose findings are only warnings.
+(algorithm.py), the resume rule (resume.py), the activation-memory rules (activations.py) and the
+mixture-of-experts rules (moe.py) join them in `RULES`. `WARNINGS` lists rules whose findings are only warnings.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from services.common.config.activations import activation_rules, activation_warnings
 from services.common.config.algorithm import algorithm_rules
+from services.common.config.moe import moe_rules
 from services.common.config.resume import resume_rule
 from services.common.config.rl import ADV_ESTIMATORS, KL_CTRL_TYPES, KL_PENALTIES
 from services.common.config.sections import WEIGHT_TRANSPORTS
@@ -394,7 +395,7 @@ def refused_keys(cfg: RLFabricConfig) -> Iterable[Problem]:
 
 
 RULES: tuple[Rule, ...] = (
-    required_training_keys, model_architecture, positive_sizes, sequence_lengths, device_layout,
+    required_training_keys, model_architecture, positive_sizes, sequence_lengths, device_layout, moe_rules,
     batch_divisibility, dispatch_sizes, algorithm_choices, algorithm_rules, rewards, sampling, placement,
     pipelining, resume_rule, activation_rules, refused_keys,
 )

@@ -8,6 +8,7 @@ the file and line.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +50,51 @@ def _make_loader(label: str) -> type[yaml.SafeLoader]:
     return _Loader
 
 
+def _culprit(exc: yaml.MarkedYAMLError, text: str) -> tuple[int, int] | None:
+    """(line, column), 1-based, of the mistake. PyYAML's problem mark is where parsing got stuck, often past the
+    mistake: a key without its colon is noticed on the next line, an unclosed quote or bracket later still. For
+    those (a scanner's "while scanning ...", an open flow collection) the context mark is the mistake."""
+    context = exc.context or ""
+    mark = exc.problem_mark or exc.context_mark
+    if exc.context_mark is not None and context.startswith(("while scanning", "while parsing a flow")):
+        mark = exc.context_mark
+    if mark is None:
+        return None
+    lines = text.splitlines()
+    if 0 < len(lines) <= mark.line:  # "<stream end>" sits past the last line; the unfinished text is on the last one
+        return len(lines), 1
+    line = mark.line
+    if exc.problem == "mapping values are not allowed here":
+        # `key value` (colon forgotten) and the next line's `key:` read as one plain scalar spanning both lines,
+        # so the colon is refused on the later line: go back to where that scalar began.
+        while line > 0 and _continues_scalar(lines[line - 1]):
+            line -= 1
+        if line != mark.line:
+            return line + 1, len(lines[line]) - len(lines[line].lstrip()) + 1
+    return line + 1, mark.column + 1  # PyYAML's marks are 0-based
+
+
+def _continues_scalar(line: str) -> bool:
+    """Whether a line can be part of a multi-line plain scalar: text with no `key:` and no list dash."""
+    body = re.split(r"(^|\s)#", line, maxsplit=1)[0].strip()
+    return bool(body) and not body.startswith("- ") and re.search(r":(\s|$)", body) is None
+
+
 def parse_yaml(text: str, label: str) -> Any:
     """Parse YAML text; `label` (a path or "--override ...") is used in messages and key sources."""
     try:
         return yaml.load(text, Loader=_make_loader(label))
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = f":{mark.line + 1}" if mark is not None else ""
-        column = f" (column {mark.column + 1})" if mark is not None else ""
+        mark = _culprit(exc, text)
+        line = f":{mark[0]}" if mark is not None else ""
+        column = f" (column {mark[1]})" if mark is not None else ""
         problem = exc.problem or exc.context or "invalid YAML"
+        if exc.context and exc.problem:
+            problem = f"{exc.context}: {exc.problem}"
+        noticed = min(exc.problem_mark.line + 1, len(text.splitlines())) if exc.problem_mark is not None else 0
+        if mark is not None and mark[0] < noticed:
+            problem += (f" (noticed at line {noticed}; a key without its `:` or an unclosed quote or bracket on "
+                        f"this line?)")
         raise ConfigError([ConfigIssue(label, f"YAML syntax error{column}: {problem}; fix the file "
                                               f"at this line", f"{label}{line}")], label) from exc
     except yaml.YAMLError as exc:
