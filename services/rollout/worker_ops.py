@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from services.rollout import moe_weights
+
 
 def parameter_shapes(model: Any) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -181,21 +183,15 @@ class _Backup:
 
     def __init__(self, model: Any) -> None:
         self.params = dict(model.named_parameters())
-        # vLLM loads q/k/v and gate/up shard by shard into one fused parameter: the backup covers all of it.
-        self.packed = {part: fused for fused, parts in getattr(model, "packed_modules_mapping", {}).items()
-                       for part in parts}
+        # vLLM loads q/k/v, gate/up and each expert shard by shard into one fused parameter: the backup
+        # covers all of it (moe_weights.target).
+        self.packed = dict(getattr(model, "packed_modules_mapping", {}))
         self.buffers: dict[str, Any] = {}
         self.saved: set[str] = set()
 
     def target(self, hf_name: str) -> str | None:
         """The vLLM parameter loading `hf_name` writes into, or None when this mapping does not know it."""
-        if hf_name in self.params:
-            return hf_name
-        for part, fused in self.packed.items():
-            name = hf_name.replace(f".{part}.", f".{fused}.")
-            if name != hf_name and name in self.params:
-                return name
-        return None
+        return moe_weights.target(hf_name, self.params, self.packed)
 
     def save(self, hf_names: list[str]) -> None:
         import torch
@@ -214,6 +210,21 @@ class _Backup:
                                                        pin_memory=param.is_cuda)
             buf.copy_(param.detach())
             self.saved.add(name)
+
+
+def read_weights(names: list[str], hf_shapes: Mapping[str, tuple[int, ...]], model: Any) -> dict[str, Any]:
+    """Host copies of the named HF tensors as the engine holds them (moe_weights.view); a name without a
+    known view maps to None."""
+    import torch
+
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules_mapping", {})
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for name in names:
+            held = moe_weights.view(name, params, packed, hf_shapes)
+            out[name] = None if held is None else held.detach().to("cpu", copy=True)
+    return out
 
 
 def load_weights_with_backup(names: list[str], tensors: Any, model: Any, first: bool = True) -> int:
