@@ -136,16 +136,18 @@ class PushWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., targets: _Optional[_Iterable[str]] = ..., bucket_bytes: _Optional[int] = ..., transport: _Optional[_Union[WeightTransport, str]] = ..., plan: _Optional[_Union[ReshardPlan, _Mapping]] = ...) -> None: ...
 
 class ReshardPlan(_message.Message):
-    __slots__ = ("trainer_tensor_parallel_size", "trainer_pipeline_parallel_size", "dtype", "tensors")
+    __slots__ = ("trainer_tensor_parallel_size", "trainer_pipeline_parallel_size", "dtype", "tensors", "trainer_expert_parallel_size")
     TRAINER_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRAINER_PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_EXPERT_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     trainer_tensor_parallel_size: int
     trainer_pipeline_parallel_size: int
     dtype: _common_pb2.DType
     tensors: _containers.RepeatedCompositeFieldContainer[PlannedTensor]
-    def __init__(self, trainer_tensor_parallel_size: _Optional[int] = ..., trainer_pipeline_parallel_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., tensors: _Optional[_Iterable[_Union[PlannedTensor, _Mapping]]] = ...) -> None: ...
+    trainer_expert_parallel_size: int
+    def __init__(self, trainer_tensor_parallel_size: _Optional[int] = ..., trainer_pipeline_parallel_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., tensors: _Optional[_Iterable[_Union[PlannedTensor, _Mapping]]] = ..., trainer_expert_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PlannedTensor(_message.Message):
     __slots__ = ("name", "shape", "concat_dim", "sources")
@@ -160,7 +162,7 @@ class PlannedTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., concat_dim: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[ShardSlice, _Mapping]]] = ...) -> None: ...
 
 class ShardSlice(_message.Message):
-    __slots__ = ("name", "tp_rank", "pp_rank", "shard_shape", "groups", "start", "stop")
+    __slots__ = ("name", "tp_rank", "pp_rank", "shard_shape", "groups", "start", "stop", "ep_rank")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +170,7 @@ class ShardSlice(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    EP_RANK_FIELD_NUMBER: _ClassVar[int]
     name: str
     tp_rank: int
     pp_rank: int
@@ -175,7 +178,8 @@ class ShardSlice(_message.Message):
     groups: int
     start: int
     stop: int
-    def __init__(self, name: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., shard_shape: _Optional[_Iterable[int]] = ..., groups: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+    ep_rank: int
+    def __init__(self, name: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., shard_shape: _Optional[_Iterable[int]] = ..., groups: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., ep_rank: _Optional[int] = ...) -> None: ...
 
 class PushWeightsProgress(_message.Message):
     __slots__ = ("target", "bytes_sent", "bytes_total", "done", "checksum", "elapsed_s")
@@ -230,18 +234,20 @@ class TrainerInfoRequest(_message.Message):
     def __init__(self, include_parameters: _Optional[bool] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("name", "shape", "tp_rank", "pp_rank", "partition_dim")
+    __slots__ = ("name", "shape", "tp_rank", "pp_rank", "partition_dim", "ep_rank")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
     PARTITION_DIM_FIELD_NUMBER: _ClassVar[int]
+    EP_RANK_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     tp_rank: int
     pp_rank: int
     partition_dim: int
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., partition_dim: _Optional[int] = ...) -> None: ...
+    ep_rank: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., partition_dim: _Optional[int] = ..., ep_rank: _Optional[int] = ...) -> None: ...
 
 class TrainerInfo(_message.Message):
     __slots__ = ("role", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "weights_version", "iteration", "shards", "dtype")

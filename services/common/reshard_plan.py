@@ -33,10 +33,11 @@ class ReshardPlan:
     trainer_pp: int
     tensors: tuple[TensorRecipe, ...]
     dtype: str = ""  # dtype to send ("float32", "bfloat16", ...); "" keeps the trainer's
+    trainer_ep: int = 1  # expert-parallel size (MoE); the slices' ep_rank is below it
 
-    def shards_of(self, tp_rank: int, pp_rank: int) -> list[str]:
+    def shards_of(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> list[str]:
         """Stage-local names of the shards this rank must contribute (first use order, no repeats)."""
-        names = {s.name: None for r in self.tensors for s in r.sources if s.key == (tp_rank, pp_rank)}
+        names = {s.name: None for r in self.tensors for s in r.sources if s.key == (tp_rank, pp_rank, ep_rank)}
         return list(names)
 
     def num_elements(self) -> int:
@@ -54,12 +55,14 @@ class ReshardPlan:
             trainer_pipeline_parallel_size=self.trainer_pp,
             dtype=dtype_code(self.dtype) if self.dtype else common_pb2.DTYPE_UNSPECIFIED,
             tensors=[_tensor_to_proto(r) for r in self.tensors],
+            trainer_expert_parallel_size=self.trainer_ep,
         )
 
     @classmethod
     def from_proto(cls, msg: trainer_pb2.ReshardPlan) -> ReshardPlan:
         """The plan, checked (see module docstring); raises ReshardError naming the first problem."""
         tp, pp = msg.trainer_tensor_parallel_size, msg.trainer_pipeline_parallel_size
+        ep = msg.trainer_expert_parallel_size or 1  # unset: a plan without expert parallelism
         if tp < 1 or pp < 1:
             raise ReshardError(f"plan: trainer sizes must be >= 1, got TP={tp} PP={pp}; build plans with "
                                "plan_resharding (services/coordinator/resharding.py)")
@@ -70,19 +73,19 @@ class ReshardPlan:
             dtype = dtype_name(msg.dtype) if msg.dtype in common_pb2.DType.values() else ""
             if dtype not in _FLOAT_DTYPES:
                 raise ReshardError(f"plan: dtype {msg.dtype} is not a float type ({', '.join(_FLOAT_DTYPES)})")
-        return cls(tp, pp, tuple(_tensor_from_proto(t, tp, pp) for t in msg.tensors), dtype)
+        return cls(tp, pp, tuple(_tensor_from_proto(t, tp, pp, ep) for t in msg.tensors), dtype, ep)
 
 
 def _tensor_to_proto(r: TensorRecipe) -> trainer_pb2.PlannedTensor:
     return trainer_pb2.PlannedTensor(
         name=r.hf_name, shape=r.hf_shape, concat_dim=r.concat_dim,
-        sources=[trainer_pb2.ShardSlice(name=s.name, tp_rank=s.tp_rank, pp_rank=s.pp_rank,
+        sources=[trainer_pb2.ShardSlice(name=s.name, tp_rank=s.tp_rank, pp_rank=s.pp_rank, ep_rank=s.ep_rank,
                                         shard_shape=s.shard_shape, groups=s.groups, start=s.start, stop=s.stop)
                  for s in r.sources],
     )
 
 
-def _tensor_from_proto(t: trainer_pb2.PlannedTensor, tp: int, pp: int) -> TensorRecipe:
+def _tensor_from_proto(t: trainer_pb2.PlannedTensor, tp: int, pp: int, ep: int) -> TensorRecipe:
     where = f"plan tensor {echo(t.name)}"
     shape = tuple(int(n) for n in t.shape)
     if not shape or any(n < 1 for n in shape):
@@ -91,7 +94,7 @@ def _tensor_from_proto(t: trainer_pb2.PlannedTensor, tp: int, pp: int) -> Tensor
         raise ReshardError(f"{where}: concat_dim {t.concat_dim} is not a dimension of shape {shape}")
     if not t.sources:
         raise ReshardError(f"{where}: no sources")
-    sources = tuple(_slice_from_proto(s, where, tp, pp) for s in t.sources)
+    sources = tuple(_slice_from_proto(s, where, tp, pp, ep) for s in t.sources)
     for s in sources:
         if len(s.shape) != len(shape) or any(a != b for i, (a, b) in enumerate(zip(s.shape, shape, strict=True))
                                              if i != t.concat_dim):
@@ -103,10 +106,11 @@ def _tensor_from_proto(t: trainer_pb2.PlannedTensor, tp: int, pp: int) -> Tensor
     return TensorRecipe(t.name, shape, sources, int(t.concat_dim))
 
 
-def _slice_from_proto(s: trainer_pb2.ShardSlice, where: str, tp: int, pp: int) -> ShardSlice:
+def _slice_from_proto(s: trainer_pb2.ShardSlice, where: str, tp: int, pp: int, ep: int) -> ShardSlice:
     here = f"{where}, source {echo(s.name)}"
-    if s.tp_rank >= tp or s.pp_rank >= pp:
-        raise ReshardError(f"{here}: tp_rank {s.tp_rank}, pp_rank {s.pp_rank} is outside TP={tp} PP={pp}")
+    if s.tp_rank >= tp or s.pp_rank >= pp or s.ep_rank >= ep:
+        raise ReshardError(f"{here}: tp_rank {s.tp_rank}, pp_rank {s.pp_rank}, ep_rank {s.ep_rank} is outside "
+                           f"TP={tp} PP={pp} EP={ep}")
     shard_shape = tuple(int(n) for n in s.shard_shape)
     if not shard_shape or any(n < 1 for n in shard_shape):
         raise ReshardError(f"{here}: shard_shape {echo(shard_shape)} must have positive dimensions")
@@ -117,4 +121,4 @@ def _slice_from_proto(s: trainer_pb2.ShardSlice, where: str, tp: int, pp: int) -
     if not s.start < (block if stop is None else stop) <= block:
         raise ReshardError(f"{here}: rows [{s.start}, {stop}) must be non-empty and inside a block of {block}")
     return ShardSlice(s.name, int(s.tp_rank), int(s.pp_rank), shard_shape, int(s.groups), int(s.start),
-                      None if stop is None else int(stop))
+                      None if stop is None else int(stop), int(s.ep_rank))

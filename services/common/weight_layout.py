@@ -1,8 +1,8 @@
-"""Megatron-core <-> Hugging Face weight names and layouts (dense Qwen2 / Qwen2.5 / Qwen3 / Llama).
+"""Megatron-core <-> Hugging Face weight names and layouts (Qwen2 / Qwen2.5 / Qwen3 / Llama, Qwen3-MoE).
 
-The one place that knows how an HF tensor is laid out across Megatron's per-(TP, PP) rank state dicts.
+The one place that knows how an HF tensor is laid out across Megatron's per-(TP, PP, EP) rank state dicts.
 Checkpoint conversion (services/trainer/convert.py) and the weight-sync resharding plan
-(services/coordinator/resharding.py) are both built from `recipes(spec, tp, pp)`. Pure torch tensor ops,
+(services/coordinator/resharding.py) are both built from `recipes(spec, tp, pp, ep)`. Pure torch tensor ops,
 no Megatron import, no I/O.
 
     HF name                                   Megatron name (per rank)                   TP split
@@ -16,6 +16,10 @@ no Megatron import, no I/O.
     mlp.down_proj.weight                      ...mlp.linear_fc2.weight                   dim 1
     model.norm.weight                         decoder.final_layernorm.weight             replicated
     lm_head.weight                            output_layer.weight                        dim 0 (vocab, padded)
+  Qwen3-MoE layers (spec.moe.moe_layers; the other layers keep the dense mlp rows above):
+    mlp.gate.weight [E, H] (the router)       ...mlp.router.weight                       replicated (TP and EP)
+    mlp.experts.X.{gate,up}_proj.weight       ...mlp.experts.local_experts.i.linear_fc1.weight  dim 0, [gate_r; up_r]
+    mlp.experts.X.down_proj.weight            ...mlp.experts.local_experts.i.linear_fc2.weight  dim 1
 
 Facts encoded here:
 - Fused QKV: Megatron orders the rows by query group g: [q heads of g (heads/groups * head_dim); k_g; v_g],
@@ -27,6 +31,11 @@ Facts encoded here:
   `global_layer_name`).
 - Tied embeddings: no lm_head in HF; with PP > 1 the last stage keeps its own copy of the embedding as
   output_layer.weight (Megatron keeps the two in sync), a *mirror* of the embedding's shards.
+- Experts (megatron-core's local spec, SequentialMLP, no grouped GEMM): EP rank e holds global experts
+  X in [e * E/ep, (e + 1) * E/ep), numbered i = X - e * E/ep locally; each expert's fc1 / fc2 follow the dense
+  fc1 / fc2 TP rules (the expert TP size is the TP size, Megatron's default). Every other tensor, the router
+  included, is the same on every EP rank: the EP ranks other than 0 hold mirrors. A rank is keyed
+  (tp_rank, pp_rank, ep_rank); ep_rank is 0 without expert parallelism.
 
 A `TensorRecipe` says which shard slices compose one HF tensor: each `ShardSlice` views a shard's dim 0 as
 [groups, block] and keeps rows [start, stop) of every block (a QKV part, a gate/up half, the unpadded
@@ -44,9 +53,18 @@ import torch
 
 from services.common.model_spec import ModelSpec
 
-ShardKey = tuple[int, int]  # (tp_rank, pp_rank)
+ShardKey = tuple[int, int, int]  # (tp_rank, pp_rank, ep_rank); ep_rank is 0 without expert parallelism
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = ".mlp.experts.local_experts."  # in the names of the tensors that EP shards (the others EP mirrors)
+
+
+def shard_key(key: Sequence[int]) -> ShardKey:
+    """(tp_rank, pp_rank[, ep_rank]) as a ShardKey: a rank key without an ep_rank is a rank without EP."""
+    if len(key) not in (2, 3):
+        raise ValueError(f"a rank key is (tp_rank, pp_rank) or (tp_rank, pp_rank, ep_rank), got {tuple(key)}")
+    t, p, *e = (int(k) for k in key)
+    return (t, p, e[0] if e else 0)
 
 
 def padded_vocab_size(spec: ModelSpec, tp: int) -> int:
@@ -78,19 +96,26 @@ def global_layer_name(local_name: str, pp_rank: int, layers_per_stage: int) -> s
 
 @dataclasses.dataclass(frozen=True)
 class ShardSlice:
-    """Rows [start, stop) of every block when shard `name` of rank (tp_rank, pp_rank) is viewed as [groups, block, ...]."""
+    """Rows [start, stop) of every block when shard `name` of rank (tp_rank, pp_rank, ep_rank) is viewed as
+    [groups, block, ...]."""
 
-    name: str  # stage-local Megatron name
+    name: str  # stage-local Megatron name (experts numbered locally to their EP rank)
     tp_rank: int
     pp_rank: int
     shard_shape: tuple[int, ...]
     groups: int = 1
     start: int = 0
     stop: int | None = None  # None: to the end of the block
+    ep_rank: int = 0
 
     @property
     def key(self) -> ShardKey:
-        return (self.tp_rank, self.pp_rank)
+        return (self.tp_rank, self.pp_rank, self.ep_rank)
+
+    @property
+    def rank_text(self) -> str:
+        """"tp_rank T, pp_rank P[, ep_rank E]", for messages."""
+        return f"tp_rank {self.tp_rank}, pp_rank {self.pp_rank}" + (f", ep_rank {self.ep_rank}" if self.ep_rank else "")
 
     @property
     def _block(self) -> int:
@@ -109,8 +134,8 @@ class ShardSlice:
     def take(self, shard: torch.Tensor) -> torch.Tensor:
         """The piece of `shard` (a view when the slice is the whole shard or one contiguous range)."""
         if tuple(shard.shape) != self.shard_shape:
-            raise ValueError(f"{self.name} (tp_rank {self.tp_rank}, pp_rank {self.pp_rank}): shard has shape "
-                             f"{tuple(shard.shape)}, the layout expects {self.shard_shape}")
+            raise ValueError(f"{self.name} ({self.rank_text}): shard has shape {tuple(shard.shape)}, the layout "
+                             f"expects {self.shard_shape}")
         if self.whole:
             return shard
         tail = self.shard_shape[1:]
@@ -132,7 +157,7 @@ class TensorRecipe:
     sources: tuple[ShardSlice, ...]  # concatenated in this order along concat_dim
     concat_dim: int
     relay: str = ""  # "", "qkv:q|k|v" or "gate_up:gate|up" (the re-lay the slices perform), "vocab" (pad cut)
-    mirrors: tuple[tuple[ShardSlice, ...], ...] = ()  # other shards holding the same values (TP replicas, tied copy)
+    mirrors: tuple[tuple[ShardSlice, ...], ...] = ()  # other shards with the same values (TP / EP replicas, tied copy)
     layer: int | None = None
 
 
@@ -149,23 +174,25 @@ def split(recipe: TensorRecipe, hf: torch.Tensor) -> list[torch.Tensor]:
     return list(hf.split(sizes, dim=recipe.concat_dim))
 
 
-def recipes(spec: ModelSpec, tp: int, pp: int) -> list[TensorRecipe]:
-    """Every HF tensor of the model in HF order, with the shard slices of a TP x PP Megatron layout."""
+def recipes(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> list[TensorRecipe]:
+    """Every HF tensor of the model in HF order, with the shard slices of a TP x PP x EP Megatron layout."""
     if spec.num_hidden_layers % pp:
         raise ValueError(f"num_hidden_layers={spec.num_hidden_layers} is not divisible by pipeline size {pp}")
     if spec.num_key_value_heads % tp or spec.num_attention_heads % tp:
         raise ValueError(f"tensor parallel size {tp} must divide num_attention_heads={spec.num_attention_heads} "
                          f"and num_key_value_heads={spec.num_key_value_heads}")
+    _check_ep(spec, tp, ep)
     h, d, f = spec.hidden_size, spec.head_dim, spec.intermediate_size
     g = spec.num_key_value_heads  # query groups
     qpg = spec.num_attention_heads // g
     q_rows, kv_rows = spec.num_attention_heads * d, g * d
+    moe_layers = set(spec.moe.moe_layers) if spec.moe else set()
     out: list[TensorRecipe] = []
 
-    def split_dim(hf_name, hf_shape, name, p, dim, layer=None) -> TensorRecipe:
+    def split_dim(hf_name, hf_shape, name, p, dim, layer=None, e=0) -> TensorRecipe:
         shard = tuple(n // tp if i == dim else n for i, n in enumerate(hf_shape))
-        return TensorRecipe(hf_name, hf_shape, tuple(ShardSlice(name, t, p, shard) for t in range(tp)), dim,
-                            layer=layer)
+        return TensorRecipe(hf_name, hf_shape, tuple(ShardSlice(name, t, p, shard, ep_rank=e) for t in range(tp)),
+                            dim, layer=layer)
 
     def replicated(hf_name, hf_shape, name, p, layer=None) -> TensorRecipe:
         copies = [(ShardSlice(name, t, p, hf_shape),) for t in range(tp)]
@@ -182,6 +209,29 @@ def recipes(spec: ModelSpec, tp: int, pp: int) -> list[TensorRecipe]:
                          relay=f"qkv:{part}", layer=layer)
             for part, (a, b, rows) in parts.items()
         ]
+
+    def gate_up(hf_prefix, name, inner, p, layer, e=0) -> list[TensorRecipe]:
+        fc1, per = (2 * inner // tp, h), inner // tp
+        return [TensorRecipe(f"{hf_prefix}{half}_proj.weight", (inner, h),
+                             tuple(ShardSlice(name, t, p, fc1, 1, a, a + per, e) for t in range(tp)), 0,
+                             relay=f"gate_up:{half}", layer=layer)
+                for half, a in (("gate", 0), ("up", per))]
+
+    def mlp(src, dst, p, layer) -> list[TensorRecipe]:
+        if layer not in moe_layers:
+            return [*gate_up(src + "mlp.", dst + "mlp.linear_fc1.weight", f, p, layer),
+                    split_dim(src + "mlp.down_proj.weight", (h, f), dst + "mlp.linear_fc2.weight", p, 1, layer)]
+        moe = spec.moe
+        assert moe is not None  # moe_layers is empty without it
+        inner, per_rank = moe.moe_intermediate_size, moe.num_experts // ep
+        res = [replicated(src + "mlp.gate.weight", (moe.num_experts, h), dst + "mlp.router.weight", p, layer)]
+        for x in range(moe.num_experts):
+            e, i = divmod(x, per_rank)
+            hf_prefix, name = f"{src}mlp.experts.{x}.", f"{dst}mlp.experts.local_experts.{i}."
+            res += gate_up(hf_prefix, name + "linear_fc1.weight", inner, p, layer, e)
+            res.append(split_dim(hf_prefix + "down_proj.weight", (h, inner), name + "linear_fc2.weight", p, 1,
+                                 layer, e))
+        return res
 
     def vocab(hf_name, name, p) -> TensorRecipe:
         padded = padded_vocab_size(spec, tp)
@@ -215,23 +265,40 @@ def recipes(spec: ModelSpec, tp: int, pp: int) -> list[TensorRecipe]:
                                  p, 1, layer))
             out.append(replicated(src + "post_attention_layernorm.weight", (h,), dst + "pre_mlp_layernorm.weight", p,
                                   layer))
-            fc1 = (2 * f // tp, h)
-            for half, (a, b) in (("gate", (0, f // tp)), ("up", (f // tp, 2 * f // tp))):
-                out.append(TensorRecipe(
-                    f"{src}mlp.{half}_proj.weight", (f, h),
-                    tuple(ShardSlice(dst + "mlp.linear_fc1.weight", t, p, fc1, 1, a, b) for t in range(tp)), 0,
-                    relay=f"gate_up:{half}", layer=layer))
-            out.append(split_dim(src + "mlp.down_proj.weight", (h, f), dst + "mlp.linear_fc2.weight", p, 1, layer))
+            out += mlp(src, dst, p, layer)
     out.append(replicated("model.norm.weight", (h,), "decoder.final_layernorm.weight", pp - 1))
     if not spec.tie_word_embeddings:
         out.append(vocab("lm_head.weight", "output_layer.weight", pp - 1))
-    return out
+    return out if ep == 1 else [r if _EXPERT in r.sources[0].name else _mirror_over_ep(r, ep) for r in out]
 
 
-def shard_shapes(spec: ModelSpec, tp: int, pp: int) -> dict[ShardKey, dict[str, tuple[int, ...]]]:
+def _check_ep(spec: ModelSpec, tp: int, ep: int) -> None:
+    if ep < 1:
+        raise ValueError(f"expert parallel size must be >= 1, got {ep}")
+    if spec.moe is None:
+        if ep > 1:
+            raise ValueError(f"expert parallel size {ep} needs a mixture-of-experts model; model_type "
+                             f"{spec.model_type} has no experts (use expert parallel size 1)")
+        return
+    if spec.moe.num_experts % ep:
+        raise ValueError(f"expert parallel size {ep} must divide num_experts={spec.moe.num_experts}")
+    if spec.moe.moe_intermediate_size % tp:
+        raise ValueError(f"tensor parallel size {tp} must divide moe_intermediate_size="
+                         f"{spec.moe.moe_intermediate_size} (experts are split over TP)")
+
+
+def _mirror_over_ep(r: TensorRecipe, ep: int) -> TensorRecipe:
+    """`r` (held on EP rank 0) with the copies on EP ranks 1..ep-1 added as mirrors."""
+    copies = tuple(tuple(dataclasses.replace(s, ep_rank=e) for s in group)
+                   for e in range(1, ep) for group in (r.sources, *r.mirrors))
+    return dataclasses.replace(r, mirrors=(*r.mirrors, *copies))
+
+
+def shard_shapes(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> dict[ShardKey, dict[str, tuple[int, ...]]]:
     """Every rank's Megatron parameter names (stage-local) and shapes, as the layout implies them."""
-    out: dict[ShardKey, dict[str, tuple[int, ...]]] = {(t, p): {} for t in range(tp) for p in range(pp)}
-    for r in recipes(spec, tp, pp):
+    out: dict[ShardKey, dict[str, tuple[int, ...]]] = {
+        (t, p, e): {} for t in range(tp) for p in range(pp) for e in range(ep)}
+    for r in recipes(spec, tp, pp, ep):
         for s in _all_slices(r):
             out[s.key][s.name] = s.shard_shape
     return out
@@ -252,19 +319,20 @@ def to_hf(
 
 
 def to_mcore(
-    recipe_list: Sequence[TensorRecipe], hf: Callable[[str], torch.Tensor], only: ShardKey | None = None,
+    recipe_list: Sequence[TensorRecipe], hf: Callable[[str], torch.Tensor], only: Sequence[int] | None = None,
     on_recipe: Callable[[TensorRecipe], None] | None = None,
 ) -> dict[ShardKey, dict[str, torch.Tensor]]:
-    """Scatter HF tensors (`hf(name)`) into rank state dicts keyed by (tp_rank, pp_rank).
+    """Scatter HF tensors (`hf(name)`) into rank state dicts keyed by (tp_rank, pp_rank, ep_rank).
 
     Shards start as zeros, so vocabulary padding rows are zero. `only` builds one rank's dict.
     """
+    want = None if only is None else shard_key(only)
     shards: dict[ShardKey, dict[str, torch.Tensor]] = {}
     for r in recipe_list:
         pieces = split(r, hf(r.hf_name))
         for mirror in (r.sources, *r.mirrors):
             for s, piece in zip(mirror, pieces, strict=True):
-                if only is not None and s.key != only:
+                if want is not None and s.key != want:
                     continue
                 dst = shards.setdefault(s.key, {})
                 if s.name not in dst:

@@ -3,7 +3,8 @@
 `plan_resharding(trainer_shards, rollout_params, model_config) -> ReshardPlan` is a pure function (no I/O):
 
 - `trainer_shards`: the trainer's layout, as `Trainer.Info(include_parameters=True)` reports it (Megatron
-  names with model-wide layer numbers, per (tp_rank, pp_rank) shapes); the TP and PP sizes follow from it.
+  names with model-wide layer numbers and, for MoE models, expert numbers local to the EP rank, per
+  (tp_rank, pp_rank, ep_rank) shapes); the TP, PP and EP sizes follow from it.
 - `rollout_params`: what one replica loads, as `Rollout.Info(include_parameters=True)` reports it: the HF
   checkpoint names and full shapes that `UpdateWeights` takes. The replica receives full, unsharded HF
   tensors and fuses and shards them itself, so its own TP size does not change the plan.
@@ -33,18 +34,20 @@ from services.common.tensors import dtype_name
 class TrainerShard:
     """One parameter shard on one trainer rank (a `trainer_pb2.ShardInfo`)."""
 
-    name: str  # Megatron name, model-wide layer numbering
+    name: str  # Megatron name, model-wide layer numbering (experts numbered locally to the EP rank)
     shape: tuple[int, ...]
     tp_rank: int
     pp_rank: int
+    ep_rank: int = 0
 
     @classmethod
     def of(cls, x: Any) -> TrainerShard:
-        """From a ShardInfo proto, a dict (worker shard_infos) or a TrainerShard."""
+        """From a ShardInfo proto, a dict (worker shard_infos) or a TrainerShard (no ep_rank: 0)."""
         if isinstance(x, TrainerShard):
             return x
-        get = x.get if isinstance(x, Mapping) else lambda k: getattr(x, k)
-        return cls(str(get("name")), tuple(int(n) for n in get("shape")), int(get("tp_rank")), int(get("pp_rank")))
+        get = x.get if isinstance(x, Mapping) else lambda k, default=None: getattr(x, k, default)
+        return cls(str(get("name")), tuple(int(n) for n in get("shape")), int(get("tp_rank")), int(get("pp_rank")),
+                   int(get("ep_rank", 0) or 0))
 
 
 def model_facts(model_config: Mapping[str, Any] | ModelSpec) -> ModelSpec:
@@ -72,11 +75,12 @@ def plan_resharding(
         raise ReshardError("the trainer reported no shards; call Trainer.Info with include_parameters=true")
     tp = max(s.tp_rank for s in shards) + 1
     pp = max(s.pp_rank for s in shards) + 1
+    ep = max(s.ep_rank for s in shards) + 1
     try:
-        recipes = weight_layout.recipes(spec, tp, pp)
+        recipes = weight_layout.recipes(spec, tp, pp, ep)
     except ValueError as e:
-        raise ReshardError(f"trainer layout TP={tp} PP={pp} does not fit the model: {e}") from e
-    _check_trainer_shards(shards, spec, tp, pp)
+        raise ReshardError(f"trainer layout TP={tp} PP={pp} EP={ep} does not fit the model: {e}") from e
+    _check_trainer_shards(shards, spec, tp, pp, ep)
     wanted, dtypes = _rollout_hf_shapes(rollout_params, spec)
     by_name = {r.hf_name: r for r in recipes}
     for name, shape in wanted.items():
@@ -94,31 +98,32 @@ def plan_resharding(
         dtype = dtypes.pop() if len(dtypes) == 1 else ""
     # What the trainer needs to cut and join each tensor; mirrors, re-lay and layer labels stay layout facts.
     tensors = tuple(weight_layout.TensorRecipe(r.hf_name, r.hf_shape, r.sources, r.concat_dim) for r in recipes)
-    return ReshardPlan(tp, pp, tensors, dtype)
+    return ReshardPlan(tp, pp, tensors, dtype, ep)
 
 
-def _check_trainer_shards(shards: list[TrainerShard], spec: ModelSpec, tp: int, pp: int) -> None:
+def _check_trainer_shards(shards: list[TrainerShard], spec: ModelSpec, tp: int, pp: int, ep: int) -> None:
     per_stage = spec.num_hidden_layers // pp
-    expected = weight_layout.shard_shapes(spec, tp, pp)
-    seen: set[tuple[str, int, int]] = set()
+    expected = weight_layout.shard_shapes(spec, tp, pp, ep)
+    seen: set[tuple[str, int, int, int]] = set()
     for s in shards:
+        where = f"tp_rank {s.tp_rank}, pp_rank {s.pp_rank}" + (f", ep_rank {s.ep_rank}" if ep > 1 else "")
         local, stage = weight_layout.local_layer_name(s.name, per_stage)
         if stage is not None and stage != s.pp_rank:
             raise ReshardError(f"trainer shard {s.name!r} is on pp_rank {s.pp_rank}, but layer numbering puts it "
                                f"on stage {stage} of {pp}")
-        want = expected[(s.tp_rank, s.pp_rank)].get(local)
+        want = expected[(s.tp_rank, s.pp_rank, s.ep_rank)].get(local)
         if want is None:
-            raise ReshardError(f"trainer shard {s.name!r} (tp_rank {s.tp_rank}, pp_rank {s.pp_rank}) is not part of "
-                               f"the supported layout (dense Qwen2 / Qwen3 / Llama)")
+            raise ReshardError(f"trainer shard {s.name!r} ({where}) is not part of the supported layout "
+                               f"(Qwen2 / Qwen3 / Llama, Qwen3-MoE)")
         if tuple(s.shape) != want:
-            raise ReshardError(f"trainer shard {s.name!r} (tp_rank {s.tp_rank}, pp_rank {s.pp_rank}) has shape "
-                               f"{s.shape}, the layout for TP={tp} PP={pp} expects {want}")
-        seen.add((local, s.tp_rank, s.pp_rank))
-    for key, names in expected.items():
+            raise ReshardError(f"trainer shard {s.name!r} ({where}) has shape {s.shape}, the layout for TP={tp} "
+                               f"PP={pp} EP={ep} expects {want}")
+        seen.add((local, s.tp_rank, s.pp_rank, s.ep_rank))
+    for (t, p, e), names in expected.items():
         for name in names:
-            if (name, *key) not in seen:
-                raise ReshardError(f"trainer shard {name!r} of tp_rank {key[0]}, pp_rank {key[1]} (stage-local name) "
-                                   f"was not reported")
+            if (name, t, p, e) not in seen:
+                rank = f"tp_rank {t}, pp_rank {p}" + (f", ep_rank {e}" if ep > 1 else "")
+                raise ReshardError(f"trainer shard {name!r} of {rank} (stage-local name) was not reported")
 
 
 def _rollout_hf_shapes(params: Any, spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], set[str]]:

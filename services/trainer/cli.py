@@ -23,6 +23,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     h2m.add_argument("out_dir", help="output Megatron checkpoint directory (use it as `load`)")
     h2m.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size (default: 1)")
     h2m.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size (default: 1)")
+    h2m.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1,
+                     help="expert_model_parallel_size: experts split over EP ranks, one mp_rank_*_EEE folder each "
+                          "(MoE models; default: 1)")
     h2m.add_argument("--quiet", action="store_true", help="no progress output")
     h2m.set_defaults(func=_convert)
 
@@ -101,6 +104,14 @@ def add_group_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from services.common.model_paths import require_model_dir
+
+    # A missing input is named at once, before torch loads (a DataError: `rlfabric` prints one line, exits 2).
+    if args.convert_command == "hf2mcore":
+        require_model_dir(args.hf_dir, "HF_DIR")
+    else:
+        require_model_dir(args.mcore_dir, "MCORE_DIR", needs=("latest_checkpointed_iteration.txt",),
+                          kind="a Megatron checkpoint folder (`rlfabric convert hf2mcore` or a trainer's save)")
     from services.trainer.convert import convert_hf_to_mcore, convert_mcore_to_hf
 
     def progress(msg: str) -> None:
@@ -109,24 +120,36 @@ def _convert(args: argparse.Namespace) -> int:
 
     try:
         if args.convert_command == "hf2mcore":
-            out = convert_hf_to_mcore(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, progress=progress)
+            out = convert_hf_to_mcore(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep,
+                                      progress=progress)
         else:
             out = convert_mcore_to_hf(args.mcore_dir, args.out_dir, iteration=args.iteration,
                                       hf_assets=args.hf_assets, progress=progress)
-    except (FileNotFoundError, ValueError, KeyError) as e:
+    except (FileNotFoundError, ValueError, KeyError) as e:  # an input that is not there or not what it should be
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print(out)
     return 0
+
+
+def _check_hf_dir(args: argparse.Namespace) -> None:
+    """A missing --hf-dir is named here, at once, not in a rank's traceback after torch has loaded (a DataError:
+    `rlfabric` prints it as one line and exits 2)."""
+    if args.hf_dir:
+        from services.common.model_paths import require_model_dir
+
+        require_model_dir(args.hf_dir, "--hf-dir")
 
 
 def _serve(args: argparse.Namespace) -> int:
     from services.trainer.launch import serve_group
 
+    _check_hf_dir(args)
     return serve_group(args)
 
 
 def _rank(args: argparse.Namespace) -> int:
     from services.trainer.launch import run_rank
 
+    _check_hf_dir(args)
     return run_rank(args)

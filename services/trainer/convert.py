@@ -2,16 +2,17 @@
 
 Owns reading and writing HF folders and Megatron release checkpoints, and the in-memory state-dict
 conversions `hf_to_mcore` / `mcore_to_hf`. The name and layout mapping itself (fused QKV per query group,
-[gate; up], vocabulary padding, TP split dims, PP renumbering, tied embeddings) lives in
-services/common/weight_layout.py, shared with the weight-sync resharding plan. The conversion is pure
-slicing and concatenation, so HF -> mcore -> HF is bitwise exact.
+[gate; up], vocabulary padding, TP split dims, PP renumbering, tied embeddings, experts over EP ranks) lives
+in services/common/weight_layout.py, shared with the weight-sync resharding plan. The conversion is pure
+slicing and concatenation, so HF -> mcore -> HF is bitwise exact. With expert parallelism (`ep` > 1, a
+Qwen3-MoE model) every (tp, pp, ep) rank gets its own folder, as Megatron writes them (ckpt_layout.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from services.trainer import ckpt_layout
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
-ShardKey = weight_layout.ShardKey  # (tp_rank, pp_rank)
+ShardKey = weight_layout.ShardKey  # (tp_rank, pp_rank, ep_rank)
 layers_of_stage = weight_layout.layers_of_stage
 
 
@@ -51,11 +52,12 @@ def _layer_progress(spec: ModelSpec, progress: Progress, arrow: str) -> Callable
 
 def hf_to_mcore(
     hf: dict[str, torch.Tensor], spec: ModelSpec, tp: int, pp: int, progress: Progress = _noop,
-    only: ShardKey | None = None,
+    only: Sequence[int] | None = None, *, ep: int = 1,
 ) -> dict[ShardKey, dict[str, torch.Tensor]]:
-    """Split an HF state dict into Megatron state dicts keyed by (tp_rank, pp_rank).
+    """Split an HF state dict into Megatron state dicts keyed by (tp_rank, pp_rank, ep_rank).
 
-    `only` = (tp_rank, pp_rank) builds just that rank's dict (what a trainer rank loads).
+    `only` = (tp_rank, pp_rank[, ep_rank]) builds just that rank's dict (what a trainer rank loads), returned
+    under `only` as given.
     """
 
     def take(name: str) -> torch.Tensor:
@@ -63,19 +65,30 @@ def hf_to_mcore(
             raise KeyError(f"HF checkpoint lacks {name!r} (model_type={spec.model_type}); is the folder complete?")
         return hf[name]
 
-    keys = [only] if only is not None else [(t, p) for t in range(tp) for p in range(pp)]
-    shards = weight_layout.to_mcore(weight_layout.recipes(spec, tp, pp), take, only=only,
+    shards = weight_layout.to_mcore(weight_layout.recipes(spec, tp, pp, ep), take, only=only,
                                     on_recipe=_layer_progress(spec, progress, "->"))
-    return {k: shards.get(k, {}) for k in keys}
+    if only is not None:
+        return {tuple(only): shards.get(weight_layout.shard_key(only), {})}
+    return {(t, p, e): shards.get((t, p, e), {}) for t in range(tp) for p in range(pp) for e in range(ep)}
 
 
 def mcore_to_hf(
-    shards: dict[ShardKey, dict[str, torch.Tensor]], spec: ModelSpec, tp: int, pp: int, progress: Progress = _noop
+    shards: Mapping[Sequence[int], dict[str, torch.Tensor]], spec: ModelSpec, tp: int, pp: int,
+    progress: Progress = _noop, *, ep: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """Merge Megatron rank state dicts back into one HF state dict (names in HF's order)."""
+    """Merge Megatron rank state dicts (keyed by (tp_rank, pp_rank[, ep_rank])) into one HF state dict."""
     report = _layer_progress(spec, progress, "<-")
+    by_key = {weight_layout.shard_key(k): sd for k, sd in shards.items()}
     hf: dict[str, torch.Tensor] = {}
-    for r, tensor in weight_layout.to_hf(weight_layout.recipes(spec, tp, pp), lambda s: shards[s.key][s.name]):
+
+    def fetch(s: weight_layout.ShardSlice) -> torch.Tensor:
+        if s.key not in by_key:
+            raise KeyError(f"no state dict for {s.rank_text} (the layout is TP={tp} PP={pp} EP={ep})")
+        if s.name not in by_key[s.key]:
+            raise KeyError(f"{s.name!r} is missing from the state dict of {s.rank_text}")
+        return by_key[s.key][s.name]
+
+    for r, tensor in weight_layout.to_hf(weight_layout.recipes(spec, tp, pp, ep), fetch):
         hf[r.hf_name] = tensor
         report(r)
     return hf
@@ -103,7 +116,7 @@ def save_hf_state(state: dict[str, torch.Tensor], out_dir: Path) -> Path:
 
 
 def convert_hf_to_mcore(
-    hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, progress: Progress = _noop
+    hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, progress: Progress = _noop
 ) -> Path:
     """Write `{out_dir}/release/mp_rank_*/model_optim_rng.pt` (+ tracker, hf_assets); return the root."""
     from services.trainer.model import transformer_config  # validates tp/pp against the model
@@ -112,42 +125,49 @@ def convert_hf_to_mcore(
     hf_dir, root = Path(hf_dir), Path(out_dir)
     spec, raw = read_hf_config(hf_dir)
     transformer_config(spec, tp=tp, pp=pp)
+    weight_layout.recipes(spec, tp, pp, ep)  # refuses an EP size that does not fit before any reading
     progress(f"read {hf_dir} ({spec.model_type}, {spec.num_hidden_layers} layers)")
-    shards = hf_to_mcore(load_hf_state(hf_dir), spec, tp, pp, progress)
+    shards = hf_to_mcore(load_hf_state(hf_dir), spec, tp, pp, progress, ep=ep)
     root.mkdir(parents=True, exist_ok=True)
     tmp = ckpt_layout.tmp_iter_dir(root, ckpt_layout.RELEASE)
-    for (t, p), sd in sorted(shards.items()):
-        path = ckpt_layout.shard_path(tmp, t, p, pp)
+    for (t, p, e), sd in sorted(shards.items()):
+        path = ckpt_layout.shard_path(tmp, t, p, pp, e, ep)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(release_payload(sd, raw, tp, pp), path)
-        progress(f"wrote {ckpt_layout.rank_dirname(t, p, pp)}")
+        torch.save(release_payload(sd, raw, tp, pp, ep), path)
+        progress(f"wrote {path.parent.name}")
     ckpt_layout.copy_hf_assets(hf_dir, root / ckpt_layout.HF_ASSETS)
     ckpt_layout.commit_iter_dir(root, ckpt_layout.RELEASE)
     progress(f"done in {time.monotonic() - t0:.1f}s: {root}")
     return root
 
 
-def release_payload(sd: dict[str, torch.Tensor], hf_config: dict, tp: int, pp: int) -> dict:
+def release_payload(sd: dict[str, torch.Tensor], hf_config: dict, tp: int, pp: int, ep: int = 1) -> dict:
     return {
         "model": sd,
         "checkpoint_version": 3.0,
         "iteration": 0,
-        "rlfabric": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "hf_config": hf_config},
+        "rlfabric": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                     "expert_model_parallel_size": ep, "hf_config": hf_config},
     }
 
 
-def read_shards(iter_dir: Path, progress: Progress = _noop) -> tuple[dict[ShardKey, dict[str, torch.Tensor]], dict, int, int]:
-    """Model state dicts of every rank in a checkpoint iteration dir; also the stored HF config."""
-    tp, pp = ckpt_layout.detect_tp_pp(iter_dir)
+def read_shards(
+    iter_dir: Path, progress: Progress = _noop
+) -> tuple[dict[ShardKey, dict[str, torch.Tensor]], dict, int, int, int]:
+    """Model state dicts of every rank in a checkpoint iteration dir, the stored HF config, TP, PP and EP."""
+    tp, pp, ep = ckpt_layout.detect_tp_pp_ep(iter_dir)
     shards, hf_config = {}, None
     for t in range(tp):
         for p in range(pp):
-            path = ckpt_layout.shard_path(iter_dir, t, p, pp)
-            payload = torch.load(path, map_location="cpu", weights_only=False)
-            shards[(t, p)] = payload["model"]
-            hf_config = hf_config or payload.get("rlfabric", {}).get("hf_config")
-            progress(f"read {path.parent.name}")
-    return shards, hf_config, tp, pp
+            for e in range(ep):
+                path = ckpt_layout.shard_path(iter_dir, t, p, pp, e, ep)
+                if not path.is_file():
+                    raise FileNotFoundError(f"{path} missing (the other folders say TP={tp} PP={pp} EP={ep})")
+                payload = torch.load(path, map_location="cpu", weights_only=False)
+                shards[(t, p, e)] = payload["model"]
+                hf_config = hf_config or payload.get("rlfabric", {}).get("hf_config")
+                progress(f"read {path.parent.name}")
+    return shards, hf_config, tp, pp, ep
 
 
 def convert_mcore_to_hf(
@@ -167,14 +187,14 @@ def convert_mcore_to_hf(
     root, out = Path(mcore_dir), Path(out_dir)
     iter_dir, _ = ckpt_layout.resolve_iter_dir(root, iteration)
     assets = Path(hf_assets) if hf_assets else root / ckpt_layout.HF_ASSETS
-    shards, hf_config, tp, pp = read_shards(iter_dir, progress)
+    shards, hf_config, tp, pp, ep = read_shards(iter_dir, progress)
     if hf_config is None:
         cfg_path = assets / "config.json"
         if not cfg_path.is_file():
             raise FileNotFoundError(f"{iter_dir}: no HF config stored and no {cfg_path}; pass --hf-assets HF_DIR")
         hf_config = json.loads(cfg_path.read_text())
     spec = spec_from_hf_config(hf_config, source=str(iter_dir))
-    hf = mcore_to_hf(shards, spec, tp, pp, progress)
+    hf = mcore_to_hf(shards, spec, tp, pp, progress, ep=ep)
     out.mkdir(parents=True, exist_ok=True)
     if assets.is_dir():
         ckpt_layout.copy_hf_assets(assets, out)

@@ -9,6 +9,7 @@ Entry points:
     accelerator_present()      -> bool: the gate every patch checks.
     apply_cpu_patches()        -> bool: idempotent, process-wide; True when patches were applied
                                  (also keeps freed host memory for reuse: memory.keep_freed_memory).
+    apply_moe_patches()        : a MoE model's patches (any platform: Megatron's router without TransformerEngine).
     seed_model_parallel_rng(s) : Megatron's model-parallel seeding, CPU-safe.
     cpu_device_mode()          : context in which tensors that Megatron allocates with
                                  ``device="cuda"`` are created on the CPU instead.
@@ -79,6 +80,7 @@ def apply_cpu_patches() -> bool:
 
     tp_random._get_cuda_rng_state = _no_cuda_rng_state
     tp_random._set_cuda_rng_state = _set_no_cuda_rng_state
+    _patch_alltoall_dispatcher()
     # Not Megatron's code but the same CPU-only step: on a GPU the caching allocator reuses the
     # activations' memory between micro-batches; on the CPU glibc would unmap (and page-fault again) every
     # block over 32 MiB, which made the W1 update cost per token double from 64 to 128 response tokens.
@@ -86,6 +88,44 @@ def apply_cpu_patches() -> bool:
     _PATCHED = True
     logger.info("megatron_compat: no accelerator, CPU patches applied")
     return True
+
+
+def apply_moe_patches() -> None:
+    """Patches a MoE model needs on any platform (idempotent); call before its first forward."""
+    # Upstream: megatron/core/transformer/moe/moe_utils.py imports `te_general_gemm` only when TransformerEngine
+    # is importable, yet RouterGatingLinearFunction.forward/backward test `te_general_gemm is not None` always:
+    # without TE (a CPU, or an Ascend NPU with MindSpeed) every router call raises NameError. The name is
+    # defined as None, which selects the function's own torch.mm path, as upstream intends.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _patch_alltoall_dispatcher() -> None:
+    # Upstream: megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher.__init__ makes a
+    # `torch.cuda.Stream()` for its device-to-host copies (a CPU-only torch raises "requires CUDA support"), and
+    # `_maybe_dtoh_and_synchronize` copies the all-to-all split sizes to host on that stream, turning them into
+    # numpy arrays; `maybe_move_tensor_to_cpu` converts only CUDA tensors, so on a CPU they would stay tensors.
+    # The stream is never used once the method is replaced: the CPU version converts the splits as upstream
+    # does (same values, same types) without a stream. Used by `moe_token_dispatcher_type: alltoall`.
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
+
+
+class _NoStream:
+    """Stands in for the all-to-all dispatcher's CUDA side stream on a CPU (never used: see above)."""
+
+
+def _cpu_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
 
 
 def patches_applied() -> bool:

@@ -1,7 +1,9 @@
-"""Megatron-core GPTModel built from a Hugging Face config (dense Qwen2 / Qwen2.5 / Qwen3 / Llama).
+"""Megatron-core GPTModel built from a Hugging Face config (dense Qwen2 / Qwen2.5 / Qwen3 / Llama, Qwen3-MoE).
 
 Owns: turning a `ModelSpec` (services/common/model_spec.py, read from an HF `config.json`) into Megatron's TransformerConfig,
-and building this rank's GPTModel (pre/post-process flags set by the pipeline stage).
+and building this rank's GPTModel (pre/post-process flags set by the pipeline stage). A MoE model's MoE fields and
+expert-parallel sharding are services/trainer/moe.py's; its MoE layers use Megatron's MoELayer spec, the others the
+dense MLP (per layer, as the HF config's MoE layers say).
 
 Choices:
 - Layer spec: TransformerEngine's when TE is importable and an accelerator is present, else Megatron's
@@ -28,8 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from services.common.model_spec import ModelSpec
-from services.trainer import activation_memory, megatron_compat, sequence_parallel
+from services.trainer import activation_memory, megatron_compat, moe, sequence_parallel
 from services.trainer.activation_memory import ActivationMemory
+from services.trainer.moe import MoeOptions
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +56,9 @@ def _maybe_import_mindspeed(memory: ActivationMemory) -> None:
 
 
 def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
-                       memory: ActivationMemory = ActivationMemory()):
-    """Megatron TransformerConfig for `spec` at this TP/PP."""
+                       memory: ActivationMemory = ActivationMemory(), ep: int = 1, etp: int | None = None,
+                       moe_opts: MoeOptions = MoeOptions()):
+    """Megatron TransformerConfig for `spec` at this TP/PP (and EP / expert TP, for a MoE model; etp None: TP)."""
     from megatron.core.transformer import TransformerConfig
 
     on_accel = megatron_compat.accelerator_present()
@@ -67,6 +71,7 @@ def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch
             f"tensor_model_parallel_size={tp} must divide num_attention_heads={spec.num_attention_heads} "
             f"and num_key_value_heads={spec.num_key_value_heads}"
         )
+    moe.check_expert_parallel(spec, ep=ep, etp=tp if etp is None else etp)
     return TransformerConfig(
         num_layers=spec.num_hidden_layers,
         hidden_size=spec.hidden_size,
@@ -100,11 +105,15 @@ def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch
         gradient_accumulation_fusion=False,
         persist_layer_norm=on_accel,
         **activation_memory.transformer_config_kwargs(memory, tp=tp, layers_per_stage=spec.num_hidden_layers // pp),
+        **moe.transformer_config_kwargs(spec, moe_opts, ep=ep, etp=etp),
     )
 
 
-def layer_spec(spec: ModelSpec, memory: ActivationMemory = ActivationMemory()):
-    """TE layer spec on an accelerator with TransformerEngine, else the local (CPU-capable) spec."""
+def layer_spec(spec: ModelSpec, memory: ActivationMemory = ActivationMemory(), *, num_experts: int | None = None):
+    """TE layer spec on an accelerator with TransformerEngine, else the local (CPU-capable) spec.
+
+    `num_experts`: a MoE layer's spec (Megatron's MoELayer, experts as SequentialMLP), else a dense layer's.
+    """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -114,8 +123,10 @@ def layer_spec(spec: ModelSpec, memory: ActivationMemory = ActivationMemory()):
     if megatron_compat.accelerator_present():
         _maybe_import_mindspeed(memory)
         if _have_te():
-            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    return _with_torch_norms(get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm"))
+            return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                              qk_layernorm=spec.qk_norm)
+    return _with_torch_norms(get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                      qk_layernorm=spec.qk_norm, normalization="RMSNorm"))
 
 
 def _with_torch_norms(local_spec):
@@ -139,18 +150,26 @@ def build_gpt_model(
     pp: int,
     params_dtype: torch.dtype = torch.float32,
     memory: ActivationMemory = ActivationMemory(),
+    moe_opts: MoeOptions = MoeOptions(),
 ):
-    """This rank's GPTModel (parallel_state must be initialised). Weights are uninitialised."""
+    """This rank's GPTModel (parallel_state must be initialised; EP and expert TP are read from it). Weights are
+    uninitialised."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     megatron_compat.apply_cpu_patches()
-    config = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, memory=memory)
+    if spec.moe is not None:
+        megatron_compat.apply_moe_patches()
+    config = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, memory=memory,
+                                ep=parallel_state.get_expert_model_parallel_world_size(),
+                                etp=parallel_state.get_expert_tensor_parallel_world_size(), moe_opts=moe_opts)
     # With tied embeddings and PP > 1 Megatron moves the embedding to "cuda" to all-reduce it
     # between the first and last stage (see megatron_compat.cpu_device_mode).
     with megatron_compat.cpu_device_mode():
         model = _gpt_model(GPTModel, spec, config, tp, memory)
     activation_memory.apply_to_model(model, memory)
     sequence_parallel.install(model)
+    moe.install(model)
     if megatron_compat.accelerator_present():
         model = model.to(torch.cuda.current_device()) if torch.cuda.is_available() else model.to("npu")
     return model
@@ -164,10 +183,21 @@ def _gpt_model(gpt_model_class, spec: ModelSpec, config, tp: int, memory: Activa
     )
 
     layers = layer_spec(spec, memory)
-    if not (megatron_compat.accelerator_present() and _have_te()):
+    te = megatron_compat.accelerator_present() and _have_te()
+    if spec.moe is not None or not te:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        n = get_num_layers_to_build(config, pp_rank=pp_rank)
+        per_layer = [layers] * n
+        if spec.moe is not None:
+            moe_layer = layer_spec(spec, memory, num_experts=spec.moe.num_experts)
+            stage = moe.moe_layer_pattern(spec)[pp_rank * n:(pp_rank + 1) * n]
+            per_layer = [moe_layer if is_moe else layers for is_moe in stage]
         # The block's final norm too: TransformerBlock picks WrappedTorchNorm for a bare layer spec.
-        n = get_num_layers_to_build(config, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
-        layers = TransformerBlockSubmodules(layer_specs=[layers] * n, layer_norm=megatron_compat.TorchNorm)
+        layers = TransformerBlockSubmodules(layer_specs=per_layer, layer_norm=megatron_compat.TorchNorm)
+        if te:
+            from megatron.core.extensions.transformer_engine import TENorm
+
+            layers = dataclasses.replace(layers, layer_norm=TENorm)
     return gpt_model_class(
         config=config,
         transformer_layer_spec=layers,

@@ -8,6 +8,7 @@ is enforced when the config loads (services/common/config/resume.py).
 from __future__ import annotations
 
 from services.trainer.activation_memory import ActivationMemory
+from services.trainer.moe import MoeOptions
 from services.trainer.optimizer import OptimizerOptions
 from services.trainer.packing import DEFAULT_MAX_PACKING_TOKENS, Packing
 from services.trainer.update import UpdateOptions
@@ -68,6 +69,7 @@ def worker_options_from_config(cfg, role: str = "actor", *, hf_dir: str | None =
         optimizer=optim,
         params_dtype=d.params_dtype if actor else d.ref_params_dtype,
         activation_memory=activation_memory_from_config(mt),
+        moe=moe_options_from_config(mt),
     )
     return opts, rl.init_kl_coef
 
@@ -94,4 +96,18 @@ def activation_memory_from_config(mt) -> ActivationMemory:
         recompute_activation_function=mt.recompute_activation_function,
         sequence_parallel=mt.sequence_parallel,
         swap_attention=mt.swap_attention,
+    )
+
+
+def moe_options_from_config(mt) -> MoeOptions:
+    """The MoE training keys of one role's Megatron section (validated when the config loaded; unused when dense).
+
+    An unset `moe_token_dispatcher_type` is Megatron's allgather; MindSpeed's `alltoall_seq` runs as
+    megatron-core's alltoall, which replaced it (the same math).
+    """
+    dispatcher = mt.moe_token_dispatcher_type or "allgather"
+    return MoeOptions(
+        moe_aux_loss_coeff=mt.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=mt.moe_router_load_balancing_type,
+        moe_token_dispatcher_type="alltoall" if dispatcher == "alltoall_seq" else dispatcher,
     )

@@ -2,7 +2,15 @@
 
 Owns: choosing the backend (gloo on CPU, nccl on CUDA, hccl on Ascend), initialising the default
 process group from explicit rank/world/master arguments (or torchrun's environment), Megatron's
-TP/PP/DP groups, and a `Layout` record of where this rank sits. Nothing here knows about models.
+TP/PP/DP groups and, for mixture-of-experts models, its expert-parallel (EP) groups, and a `Layout`
+record of where this rank sits. Nothing here knows about models.
+
+Expert parallelism as Megatron lays it out: EP ranks share one copy of the experts, each expert split over
+the expert-TP ranks (TP unless given: Megatron's default; 1 under MindSpeed's moe_tp_extend_ep, where EP
+is then EP x TP, as services/common/config/derived.py derives), and expert-TP x EP x PP must divide the
+world. The expert-data-parallel ranks (world / (expert-TP x EP x PP)) hold the same experts: the experts'
+gradients are summed over them and divided by the data-parallel size (Megatron's DDP), not averaged over
+the whole data-parallel group as the other weights are.
 """
 
 from __future__ import annotations
@@ -34,6 +42,9 @@ class Layout:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    ep: int = 1  # megatron-core's expert parallel size
+    ep_rank: int = 0
+    etp: int = 1  # expert tensor parallel size
 
 
 def default_backend() -> str:
@@ -84,17 +95,27 @@ def init_distributed(
     logger.info("rank %d/%d joined (%s)", rank, world_size, backend)
 
 
-def init_model_parallel(tp: int, pp: int, *, seed: int = 1) -> Layout:
-    """Megatron's parallel groups (TP innermost, then DP, then PP) and the RNG tracker."""
+def init_model_parallel(tp: int, pp: int, *, seed: int = 1, ep: int = 1, etp: int | None = None) -> Layout:
+    """Megatron's parallel groups (TP innermost, then DP, then PP; experts: expert-TP, EP) and the RNG tracker.
+
+    `ep` / `etp`: megatron-core's expert parallel and expert tensor parallel sizes (etp None: TP).
+    """
     from megatron.core import parallel_state as ps
 
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size*pipeline_model_parallel_size={tp * pp}")
+    expert_tp = tp if etp is None else etp
+    if ep < 1 or expert_tp < 1 or world % (expert_tp * ep * pp):
+        raise ValueError(f"expert parallel size {ep} x expert tensor parallel size {expert_tp} x "
+                         f"pipeline_model_parallel_size {pp} must divide the world size {world} "
+                         f"(expert_model_parallel_size must divide the data-parallel size)")
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=expert_tp,
             create_gloo_process_groups=dist.get_backend() != "gloo",
         )
     megatron_compat.seed_model_parallel_rng(seed)
@@ -113,6 +134,9 @@ def current_layout() -> Layout:
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
     )
 
 

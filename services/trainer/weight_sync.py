@@ -118,7 +118,7 @@ def local_parameters(model) -> dict[str, torch.Tensor]:
 def _check_local(plan: ReshardPlan, params: dict[str, torch.Tensor], tp_rank: int, pp_rank: int) -> str | None:
     for r in plan.tensors:
         for s in r.sources:
-            if s.key != (tp_rank, pp_rank):
+            if s.key != (tp_rank, pp_rank, 0):
                 continue
             p = params.get(s.name)
             if p is None:
@@ -138,7 +138,7 @@ def plan_dtype(plan: ReshardPlan, params: dict[str, torch.Tensor]) -> torch.dtyp
     return next(iter(params.values())).dtype
 
 
-def hf_tensors(plan: ReshardPlan, params: dict[str, torch.Tensor], owners: dict[tuple[int, int], int],
+def hf_tensors(plan: ReshardPlan, params: dict[str, torch.Tensor], owners: dict[weight_layout.ShardKey, int],
                dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Every rank runs this to the end; only rank 0 yields anything (the assembled HF tensors)."""
     rank, _ = _rank_and_world()
@@ -168,6 +168,9 @@ def push_weights(worker, *, plan: ReshardPlan, version: int, targets: list[str],
     if (plan.trainer_tp, plan.trainer_pp) != (layout.tp, layout.pp):
         raise ValueError(f"the plan is for trainer TP={plan.trainer_tp} PP={plan.trainer_pp}, this group is "
                          f"TP={layout.tp} PP={layout.pp}; recompute it")
+    if plan.trainer_ep != 1:
+        raise ValueError(f"the plan is for trainer EP={plan.trainer_ep}; this trainer group runs without expert "
+                         "parallelism; recompute it")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport {transport} is not available; available: {sorted(TRANSPORTS)}")
     params = local_parameters(worker.model)
@@ -177,7 +180,7 @@ def push_weights(worker, *, plan: ReshardPlan, version: int, targets: list[str],
     problems = [p for *_, p in everyone if p]
     if problems:
         raise ValueError(problems[0])
-    owners = {(t, p): rank for rank, (t, p, dp, _) in enumerate(everyone) if dp == 0}
+    owners = {(t, p, 0): rank for rank, (t, p, dp, _) in enumerate(everyone) if dp == 0}
     dtype = plan_dtype(plan, params)
     tensors = hf_tensors(plan, params, owners, dtype)
     rank, _ = _rank_and_world()

@@ -21,6 +21,7 @@ from services.trainer import checkpoint, convert, megatron_compat
 from services.trainer.activation_memory import ActivationMemory
 from services.trainer.memory import UpdateMemory
 from services.trainer.model import build_gpt_model
+from services.trainer.moe import MoeOptions
 from services.trainer.offload import StateOffloader
 from services.trainer.optimizer import OptimizerOptions, build_optimizer
 from services.trainer.packing import Packing
@@ -48,6 +49,7 @@ class WorkerOptions:
     optimizer: OptimizerOptions = OptimizerOptions()
     params_dtype: str = "float32"
     activation_memory: ActivationMemory = ActivationMemory()  # recompute_*, sequence_parallel, swap_attention
+    moe: MoeOptions = MoeOptions()  # moe_aux_loss_coeff, moe_router_load_balancing_type, moe_token_dispatcher_type
 
 
 class TrainerWorker:
@@ -61,7 +63,7 @@ class TrainerWorker:
         self.spec, self.hf_config = self._read_spec()
         dtype = getattr(torch, opts.params_dtype)
         self.model = build_gpt_model(self.spec, tp=self.layout.tp, pp=self.layout.pp, params_dtype=dtype,
-                                     memory=opts.activation_memory)
+                                     memory=opts.activation_memory, moe_opts=opts.moe)
         self.optimizer = self.scheduler = None
         if opts.role == "actor":
             self.optimizer, self.scheduler = build_optimizer(self.model, opts.optimizer)

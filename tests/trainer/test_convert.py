@@ -110,8 +110,8 @@ def test_fused_qkv_groups_query_heads_with_their_kv_head():
     hf["model.layers.0.self_attn.k_proj.weight"] = torch.tensor([[10.0], [11.0]]).expand(2, 4)
     hf["model.layers.0.self_attn.v_proj.weight"] = torch.tensor([[20.0], [21.0]]).expand(2, 4)
     shards = hf_to_mcore(hf, spec, tp=2, pp=1)
-    assert shards[(0, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"][:, 0].tolist() == [0, 1, 10, 20]
-    assert shards[(1, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"][:, 0].tolist() == [2, 3, 11, 21]
+    assert shards[(0, 0, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"][:, 0].tolist() == [0, 1, 10, 20]
+    assert shards[(1, 0, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"][:, 0].tolist() == [2, 3, 11, 21]
 
 
 def test_unsupported_family_is_named():
@@ -122,7 +122,7 @@ def test_unsupported_family_is_named():
 def test_tp_that_does_not_divide_heads_is_refused(tiny_model_dir: Path, tmp_path: Path):
     from services.cli import main
 
-    assert main(["convert", "hf2mcore", "--tp", "3", str(tiny_model_dir), str(tmp_path / "x")]) == 1
+    assert main(["convert", "hf2mcore", "--tp", "3", str(tiny_model_dir), str(tmp_path / "x")]) == 2  # a usage mistake
 
 
 def test_one_rank_shard_equals_the_full_split():
@@ -131,5 +131,6 @@ def test_one_rank_shard_equals_the_full_split():
     hf = _random_state(cfg)
     full = hf_to_mcore(hf, spec, 2, 2)
     one = hf_to_mcore(hf, spec, 2, 2, only=(1, 1))
-    assert list(one) == [(1, 1)] and one[(1, 1)].keys() == full[(1, 1)].keys()
-    assert all(torch.equal(one[(1, 1)][k], full[(1, 1)][k]) for k in one[(1, 1)])
+    # A dense caller's (tp_rank, pp_rank) key is the rank without expert parallelism, (1, 1, 0).
+    assert list(one) == [(1, 1)] and one[(1, 1)].keys() == full[(1, 1, 0)].keys()
+    assert all(torch.equal(one[(1, 1)][k], full[(1, 1, 0)][k]) for k in one[(1, 1)])

@@ -37,12 +37,12 @@ def trainer_shards(shards: dict, spec, pp: int) -> list[TrainerShard]:
     """What Trainer.Info reports for these rank state dicts (model-wide layer numbers)."""
     per = spec.num_hidden_layers // pp
     out = []
-    for (t, p), sd in shards.items():
+    for (t, p, e), sd in shards.items():
         for name, x in sd.items():
             parts = name.split(".")
             if name.startswith("decoder.layers."):
                 parts[2] = str(int(parts[2]) + p * per)
-            out.append(TrainerShard(".".join(parts), tuple(x.shape), t, p))
+            out.append(TrainerShard(".".join(parts), tuple(x.shape), t, p, e))
     return out
 
 
