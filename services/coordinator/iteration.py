@@ -65,7 +65,7 @@ from services.coordinator.iteration_metrics import (
     timeline_metrics,
     timing_metrics,
 )
-from services.coordinator.off_policy import behavior_log_probs, fence
+from services.coordinator.off_policy import behavior_log_probs, fence, rollout_mismatch
 from services.coordinator.placement import Placement
 from services.coordinator.settings import IterationSettings
 from services.coordinator.weight_sync import Replica
@@ -235,8 +235,9 @@ class GrpoIteration:
         adv_of = self._advantages(trained, clock)
         old_lp, ref_lp = self._log_prob_passes(trained.seqs, rollout.ref_stream, clock)
         behavior = behavior_log_probs(trained.groups) if self.settings.max_staleness else {}
+        mismatch = rollout_mismatch(trained.groups, old_lp, actor_version)
         actor_metrics = self._update(trained.seqs, adv_of, old_lp, ref_lp, iteration, clock, behavior)
-        return _Trained(trained, {**actor_metrics, **staleness})
+        return _Trained(trained, {**actor_metrics, **staleness, **mismatch})
 
     def _finish(self, rollout: Rollout, parts: _Trained, actor_version: int, t0: float, t_end: float,
                 also_busy: PhaseClock | None = None) -> IterationResult:

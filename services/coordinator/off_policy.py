@@ -1,4 +1,5 @@
-"""Pipelined (one-step off-policy) mode, the coordinator's side: the version fence and the behaviour log-probs.
+"""Off-policy facts of a batch: the version fence and the behaviour log-probs of the pipelined mode, and how far
+the rollout's log-probs are from the trainer's (`rollout_mismatch`, every mode).
 
 With `rlfabric.max_staleness: 1` the rollout generates iteration k+1 with the weights of k-1 while the actor
 updates on k (`GrpoIteration.run_overlapped`), so the samples an update trains on may be one weight version
@@ -42,3 +43,31 @@ def behavior_log_probs(groups: Sequence[Group]) -> dict[str, np.ndarray]:
                                  "tokens; pipelined mode needs the log-prob of every sampled token")
         out[x.sample_id] = lp
     return out
+
+
+def rollout_mismatch(groups: Sequence[Group], trainer_log_probs: dict[str, np.ndarray],
+                     actor_version: int) -> dict[str, float]:
+    """How far the rollout engine's log-probs of the sampled tokens are from the trainer's at the same weights.
+
+    Over every response token of the trainable samples generated at `actor_version` (the weights the trainer's
+    old-log-prob pass used; older samples differ by an update, not by the engines): `rollout_mismatch/
+    abs_log_prob_diff` is the mean |log p_rollout - log p_trainer|, `rollout_mismatch/max_abs_log_prob_diff`
+    its maximum, and `rollout_mismatch/kl` the k3 estimate of KL(rollout || trainer) on the rollout's own
+    samples, mean(r - 1 - log r) with r = p_trainer / p_rollout (non-negative, zero only when they agree).
+    Kernels, precision and (for MoE) routing make them differ; routing replay is meant to shrink it.
+    Empty when there is no such token or no trainer log-prob (old-log-prob pass skipped).
+    """
+    diffs = []
+    for x in (x for g in groups for x in g.trainable()):
+        trainer = trainer_log_probs.get(x.sample_id)
+        if trainer is None or int(x.weights_version) != actor_version:
+            continue
+        rollout = to_numpy(x.response_log_probs).astype(np.float64).reshape(-1)
+        if rollout.shape[0] == trainer.shape[0]:
+            diffs.append(trainer.astype(np.float64) - rollout)
+    if not diffs:
+        return {}
+    d = np.concatenate(diffs)
+    return {"rollout_mismatch/abs_log_prob_diff": float(np.abs(d).mean()),
+            "rollout_mismatch/max_abs_log_prob_diff": float(np.abs(d).max()),
+            "rollout_mismatch/kl": float(np.mean(np.expm1(d) - d))}

@@ -9,7 +9,7 @@ from rlfabric.v1 import common_pb2, reward_pb2
 from services.common.tensors import to_proto
 from services.coordinator.errors import IterationError
 from services.coordinator.generation import Group, GroupPrompt
-from services.coordinator.off_policy import behavior_log_probs, fence
+from services.coordinator.off_policy import behavior_log_probs, fence, rollout_mismatch
 
 
 def _group(versions: list[int], lengths: list[int] | None = None) -> Group:
@@ -106,3 +106,23 @@ def test_pipelined_step_with_a_failed_prefetch_fails(fails_after_generation: boo
         order.loop.run_overlapped(_rollout("this"), 3, 5, prefetch)
     # A rollout that failed before its last sample never sees new weights pushed for it.
     assert ("push 6" in order.events) == fails_after_generation
+
+
+def test_rollout_mismatch_compares_the_samples_made_at_the_trainers_weights() -> None:
+    # g/0 and g/1 at version 7 (the trainer's), g/2 one version behind: left out (an update, not the engines).
+    groups = [_group([7, 7, 6], [2, 1, 2])]  # rollout log-probs: -0.5, -1.0, -1.5 per token
+    trainer = {"g/0": np.array([-0.5, -0.7], np.float32), "g/1": np.array([-1.2], np.float32),
+               "g/2": np.array([0.0, 0.0], np.float32)}
+    d = np.array([0.0, -0.2, -0.2])
+    metrics = rollout_mismatch(groups, trainer, actor_version=7)
+    assert metrics["rollout_mismatch/abs_log_prob_diff"] == pytest.approx(np.abs(d).mean(), rel=1e-6)
+    assert metrics["rollout_mismatch/max_abs_log_prob_diff"] == pytest.approx(0.2, rel=1e-6)
+    assert metrics["rollout_mismatch/kl"] == pytest.approx(np.mean(np.exp(d) - 1 - d), rel=1e-6)
+    assert metrics["rollout_mismatch/kl"] > 0
+    same = {k: v.copy() for k, v in trainer.items()}
+    same["g/0"][:] = -0.5
+    same["g/1"][:] = -1.0
+    assert rollout_mismatch(groups, same, 7) == {"rollout_mismatch/abs_log_prob_diff": 0.0,
+                                                 "rollout_mismatch/max_abs_log_prob_diff": 0.0,
+                                                 "rollout_mismatch/kl": 0.0}
+    assert rollout_mismatch(groups, {}, 7) == {}  # no old-log-prob pass: nothing to compare

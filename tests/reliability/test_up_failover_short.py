@@ -33,6 +33,8 @@ def test_up_with_two_workers_and_two_replicas_survives_losing_one_of_each(replic
                                                                         arith_prefix, tmp_path) -> None:
     up = Up(repo_root, tiny_model_dir, arith_prefix, tmp_path / "run", "-o", f"megatron_training.train_iters={ITERS}",
             "-o", "generate_config.sampling_config.max_tokens=16", "--run-id", "failover",
+            # two optimizer steps per iteration: the old-log-prob pass runs, so rollout_mismatch/* is logged
+            "-o", "rl_config.mini_batch_size=4",
             "--reward-workers", "2", "--rollout-replicas", "2")
     try:
         up.wait_for(rf"(?m)^iteration 1/{ITERS}")
@@ -61,4 +63,6 @@ def test_up_with_two_workers_and_two_replicas_survives_losing_one_of_each(replic
     assert sum(r["reward/samples_scored"] for r in rows) == ITERS * PROMPTS * SAMPLES, [
         r["reward/samples_scored"] for r in rows]
     assert sum(r["reward/samples_given_up"] for r in rows) == 0
+    # The engines agree on the sampled tokens' log-probs at the same weights (fp32 on both sides).
+    assert all(0 <= r["rollout_mismatch/abs_log_prob_diff"] < 1e-2 and r["rollout_mismatch/kl"] >= 0 for r in rows)
     assert not re.search(r"RUN_PHASE_FAILED|Traceback", up.output), up.output[-3000:]
