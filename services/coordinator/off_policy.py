@@ -50,11 +50,11 @@ def rollout_mismatch(groups: Sequence[Group], trainer_log_probs: dict[str, np.nd
     """How far the rollout engine's log-probs of the sampled tokens are from the trainer's at the same weights.
 
     Over every response token of the trainable samples generated at `actor_version` (the weights the trainer's
-    old-log-prob pass used; older samples differ by an update, not by the engines): `rollout_mismatch/
-    abs_log_prob_diff` is the mean |log p_rollout - log p_trainer|, `rollout_mismatch/max_abs_log_prob_diff`
-    its maximum, and `rollout_mismatch/kl` the k3 estimate of KL(rollout || trainer) on the rollout's own
-    samples, mean(r - 1 - log r) with r = p_trainer / p_rollout (non-negative, zero only when they agree).
-    Kernels, precision and (for MoE) routing make them differ; routing replay is meant to shrink it.
+    old-log-prob pass used; older samples differ by an update, not by the engines), with d = log p_trainer -
+    log p_rollout: `rollout_mismatch/mean_abs_logp_diff` is mean |d|, `rollout_mismatch/max_ratio` the largest
+    importance ratio exp(d), and `rollout_mismatch/kl` the k3 estimate of KL(rollout || trainer) on the
+    rollout's own samples, mean(exp(d) - 1 - d) (non-negative, zero only when they agree). Kernels, precision
+    and (for MoE) routing make them differ; routing replay is meant to shrink it.
     Empty when there is no such token or no trainer log-prob (old-log-prob pass skipped).
     """
     diffs = []
@@ -68,6 +68,6 @@ def rollout_mismatch(groups: Sequence[Group], trainer_log_probs: dict[str, np.nd
     if not diffs:
         return {}
     d = np.concatenate(diffs)
-    return {"rollout_mismatch/abs_log_prob_diff": float(np.abs(d).mean()),
-            "rollout_mismatch/max_abs_log_prob_diff": float(np.abs(d).max()),
+    return {"rollout_mismatch/mean_abs_logp_diff": float(np.abs(d).mean()),
+            "rollout_mismatch/max_ratio": float(np.exp(d.max())),
             "rollout_mismatch/kl": float(np.mean(np.expm1(d) - d))}

@@ -115,14 +115,13 @@ def test_rollout_mismatch_compares_the_samples_made_at_the_trainers_weights() ->
                "g/2": np.array([0.0, 0.0], np.float32)}
     d = np.array([0.0, -0.2, -0.2])
     metrics = rollout_mismatch(groups, trainer, actor_version=7)
-    assert metrics["rollout_mismatch/abs_log_prob_diff"] == pytest.approx(np.abs(d).mean(), rel=1e-6)
-    assert metrics["rollout_mismatch/max_abs_log_prob_diff"] == pytest.approx(0.2, rel=1e-6)
+    assert metrics["rollout_mismatch/mean_abs_logp_diff"] == pytest.approx(np.abs(d).mean(), rel=1e-6)
+    assert metrics["rollout_mismatch/max_ratio"] == pytest.approx(1.0, rel=1e-6)  # the largest exp(d): d = 0
     assert metrics["rollout_mismatch/kl"] == pytest.approx(np.mean(np.exp(d) - 1 - d), rel=1e-6)
     assert metrics["rollout_mismatch/kl"] > 0
     same = {k: v.copy() for k, v in trainer.items()}
     same["g/0"][:] = -0.5
     same["g/1"][:] = -1.0
-    assert rollout_mismatch(groups, same, 7) == {"rollout_mismatch/abs_log_prob_diff": 0.0,
-                                                 "rollout_mismatch/max_abs_log_prob_diff": 0.0,
-                                                 "rollout_mismatch/kl": 0.0}
+    assert rollout_mismatch(groups, same, 7) == {"rollout_mismatch/mean_abs_logp_diff": 0.0,
+                                                 "rollout_mismatch/max_ratio": 1.0, "rollout_mismatch/kl": 0.0}
     assert rollout_mismatch(groups, {}, 7) == {}  # no old-log-prob pass: nothing to compare

@@ -64,5 +64,5 @@ def test_up_with_two_workers_and_two_replicas_survives_losing_one_of_each(replic
         r["reward/samples_scored"] for r in rows]
     assert sum(r["reward/samples_given_up"] for r in rows) == 0
     # The engines agree on the sampled tokens' log-probs at the same weights (fp32 on both sides).
-    assert all(0 <= r["rollout_mismatch/abs_log_prob_diff"] < 1e-2 and r["rollout_mismatch/kl"] >= 0 for r in rows)
+    assert all(0 <= r["rollout_mismatch/mean_abs_logp_diff"] < 1e-2 and r["rollout_mismatch/kl"] >= 0 for r in rows)
     assert not re.search(r"RUN_PHASE_FAILED|Traceback", up.output), up.output[-3000:]
