@@ -2,10 +2,13 @@
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup proto lint test soak bench lock clean help up train ps logs down scale-reward scale-rollout demo
+.PHONY: setup proto lint test soak bench lock clean help up train ps logs down scale-reward scale-rollout demo \
+        device-check
 
 help:
-	@echo "make setup   create .venv with the pinned CPU stack (idempotent)"
+	@echo "make setup [PLATFORM=cpu|cuda|ascend]  create .venv with the platform's locked stack (default cpu;"
+	@echo "              requirements/constraints-PLATFORM.txt; idempotent)"
+	@echo "make device-check  the CUDA paths (trainer bf16/TE, vLLM rollout, NCCL weight sync) on one GPU, < 10 min"
 	@echo "make test    lint + the default test suite (what CI runs)"
 	@echo "make demo    GRPO that learns, on this machine in under 10 min: warm-up, every service, before/after, charts"
 	@echo "make up [CONFIG=configs/x.yaml] [REWARD_WORKERS=N] [ROLLOUT_REPLICAS=N] [ARGS='-o k=v ...']"
@@ -19,8 +22,16 @@ help:
 	@echo "make soak    the slow suites"
 	@echo "make bench   run the benchmarks (results in bench/RESULTS.md)"
 
+PLATFORM ?= cpu
 setup:
+ifeq ($(PLATFORM),cpu)
 	@bash deploy/local/setup_cpu.sh
+else
+	@bash deploy/local/setup_accel.sh $(PLATFORM)
+endif
+
+device-check:
+	$(PY) -m bench.device_check
 
 DEFAULT_CONFIG := configs/grpo_tiny_cpu.yaml
 CONFIG ?= $(DEFAULT_CONFIG)
@@ -37,7 +48,7 @@ ifeq ($(TARGET),k8s)
 	@# make up TARGET=k8s [OVERLAY=cpu|cuda|ascend] [KUBECTL=...]: secrets if missing, then the rendered overlay
 	KUBECTL=$(or $(KUBECTL),.venv/bin/kubectl) bash deploy/k8s/secrets.sh
 	manifest=$$(mktemp) && trap 'rm -f "$$manifest"' EXIT && \
-	  $(or $(KUBECTL),.venv/bin/kubectl) kustomize --load-restrictor LoadRestrictionsNone deploy/k8s/overlays/$(or $(OVERLAY),cpu) > "$$manifest" && \
+	  $(or $(KUBECTL),.venv/bin/kubectl) kustomize deploy/k8s/overlays/$(or $(OVERLAY),cpu) > "$$manifest" && \
 	  $(or $(KUBECTL),.venv/bin/kubectl) apply -f "$$manifest"
 else
 ifeq ($(CONFIG),$(DEFAULT_CONFIG))

@@ -1,4 +1,5 @@
-"""Where iteration metrics go: a console line, a JSONL file, TensorBoard (`train/{key}`), optionally wandb.
+"""Where iteration metrics go: a console line, a JSONL file, TensorBoard (`train/{key}`), optionally wandb
+and SwanLab.
 
 The console line is short by default (iteration, reward, validation accuracy when there is one, response
 length, KL, tokens/s, seconds), so a run reads at a glance; `full=True` prints every metric as MindSpeed-RL's
@@ -134,6 +135,43 @@ class WandbSink(MetricsSink):
 
     def close(self) -> None:
         self._run.finish()
+
+
+# The SwanLab release rlfabric is checked against, and how to install it: its metadata pins protobuf<7,
+# which rlfabric's gRPC stubs cannot use, while it runs on protobuf 7 (offline mode is tested), hence --no-deps.
+SWANLAB_INSTALL = ".venv/bin/pip install --no-deps -r requirements/swanlab.txt"
+
+
+class SwanLabSink(MetricsSink):
+    """MindSpeed-RL's SwanLabLogger: `swanlab.init(project, experiment_name, logdir, mode)`, then each
+    iteration's metrics under their own names at step = iteration. A failed init (no network in `cloud`
+    mode, say) costs the SwanLab record only, with a warning, as upstream."""
+
+    def __init__(self, project: str, name: str, save_dir: str | Path, mode: str | None) -> None:
+        if not project or not name:
+            missing = "swanlab_project" if not project else "swanlab_exp_name"
+            raise RuntimeError(f"rl_config.use_swanlab is true but {missing} is empty; set swanlab_project and "
+                               "swanlab_exp_name")
+        try:
+            import swanlab  # type: ignore[import-not-found]
+        except ImportError as e:
+            raise RuntimeError("rl_config.use_swanlab is true but the `swanlab` package is not installed: "
+                               f"`{SWANLAB_INSTALL}`, or set use_swanlab: false") from e
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        self._run: Any = None
+        try:
+            self._run = swanlab.init(project=project, experiment_name=name, logdir=str(save_dir), mode=mode or None)
+        except Exception as e:  # noqa: BLE001 (upstream logs and trains on without SwanLab)
+            logger.warning("SwanLab did not start (%s): this run is not recorded in SwanLab", e)
+
+    def write(self, iteration: int, metrics: Mapping[str, float]) -> None:
+        if self._run is not None:
+            self._run.log(dict(metrics), step=iteration)
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
 
 
 class FanOut(MetricsSink):

@@ -38,7 +38,8 @@ def render(kubectl: Path) -> Callable[[Path], list[dict[str, Any]]]:
     def run(path: Path) -> list[dict[str, Any]]:
         if path not in cache:
             env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp"), "KUBECONFIG": os.devnull}
-            done = subprocess.run([str(kubectl), "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(path)],
+            # kustomize's default load restrictor, as `kubectl apply -k` uses it: every file inside its root.
+            done = subprocess.run([str(kubectl), "kustomize", str(path)],
                                   capture_output=True, text=True, timeout=120, env=env)
             assert done.returncode == 0, f"kubectl kustomize {path} failed:\n{done.stderr}"
             cache[path] = [d for d in yaml.safe_load_all(done.stdout) if d]

@@ -130,3 +130,13 @@ def test_python_versions_are_supported():
     cann = next(text for keyword, text in instructions("ascend") if keyword == "ARG" and text.startswith("CANN_IMAGE"))
     assert re.search(r"-py3\.1[12]$", cann), cann
     assert next(text for keyword, text in instructions("cuda") if keyword == "FROM").endswith("ubuntu24.04")
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_each_image_installs_its_platform_lock(platform):
+    """The image copies requirements/constraints-<platform>.txt and installs its extra under it
+    (tests/deploy/test_locks.py checks the locks against the index)."""
+    lock = f"requirements/constraints-{platform}.txt"
+    copies = [text.split() for keyword, text in instructions(platform) if keyword == "COPY"]
+    assert [lock, "requirements/"] in copies
+    assert f"pip install -c {lock} -e '.[{platform}]'" in runs(platform)

@@ -211,6 +211,19 @@ def test_every_config_file_is_shipped_and_projected(overlay):
         assert projected == expected, f"{name}: configs/ and the projected files differ: {projected ^ expected}"
 
 
+def test_configmap_sources_are_a_copy_of_configs():
+    """deploy/k8s/base/configs/ (the ConfigMap sources, inside the kustomization's root so that plain
+    `kubectl apply -k` loads them) holds exactly the files of configs/, byte for byte."""
+    copy_root = K8S / "base" / "configs"
+    files = {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").rglob("*") if p.is_file()}
+    copies = {p.relative_to(copy_root).as_posix() for p in copy_root.rglob("*") if p.is_file()}
+    stale = sorted(f for f in files & copies
+                   if (REPO / "configs" / f).read_bytes() != (copy_root / f).read_bytes())
+    assert (files ^ copies, stale) == (set(), []), (
+        f"deploy/k8s/base/configs differs from configs/ (missing or extra {sorted(files ^ copies)}, "
+        f"changed {stale}): run deploy/k8s/sync-configs.sh")
+
+
 def test_container_args_use_the_real_cli(overlay, rlfabric_parser, trainer_rank_args):
     """Every rlfabric container's command line parses with our own parsers (torchrun's for trainers),
     with every $(VAR) defined before use, and names a config file that the pod mounts."""
@@ -485,7 +498,7 @@ def test_make_up_target_k8s_applies_the_rendered_overlay(repo_root):
     assert "tiny_assets" not in dry("CONFIG=configs/dapo_tiny_cpu.yaml")
     out = dry("TARGET=k8s", "OVERLAY=cuda", "KUBECTL=kc")
     assert "KUBECTL=kc bash deploy/k8s/secrets.sh" in out
-    assert "kc kustomize --load-restrictor LoadRestrictionsNone deploy/k8s/overlays/cuda" in out
+    assert "kc kustomize deploy/k8s/overlays/cuda" in out
     assert "kc apply -f" in out
     assert "deploy/k8s/overlays/cpu" in dry("TARGET=k8s")
 
