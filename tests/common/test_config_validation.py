@@ -102,6 +102,8 @@ CASES = [
     ("lora", ["actor_config.lora_target_modules=[linear_qkv]"], "actor_config.lora_target_modules",
      ["rlfabric does not support LoRA", "`actor_config.lora_target_modules`"]),
     ("wandb", ["rl_config.use_wandb=true"], "rl_config.wandb_project", ["wandb_project is empty"]),
+    ("swanlab", ["rl_config.use_swanlab=true", "rl_config.swanlab_project=p"], "rl_config.swanlab_exp_name",
+     ["use_swanlab is true but swanlab_exp_name is empty"]),
     ("rollout-dp-mismatch", ["generate_config.data_parallel_size=3"], "generate_config.data_parallel_size",
      ["data_parallel_size (3) disagrees with devices / infer TP = 16"]),
 ]

@@ -352,9 +352,12 @@ def placement(cfg: RLFabricConfig) -> Iterable[Problem]:
         yield Problem(("rl_config.integrated_mode_config",),
                       "rl_config.integrated_mode_config is set while use_integrated_worker is false; remove it, "
                       "or set use_integrated_worker: true")
-    if rl.use_wandb and not rl.wandb_project:
-        yield Problem(("rl_config.wandb_project",),
-                      "rl_config.use_wandb is true but wandb_project is empty; set wandb_project (and wandb_exp_name)")
+    for tracker in ("wandb", "swanlab"):
+        for key in ("project", "exp_name"):
+            if getattr(rl, f"use_{tracker}") and not getattr(rl, f"{tracker}_{key}"):
+                yield Problem((f"rl_config.{tracker}_{key}",),
+                              f"rl_config.use_{tracker} is true but {tracker}_{key} is empty; set {tracker}_project "
+                              f"and {tracker}_exp_name")
 
 
 def pipelining(cfg: RLFabricConfig) -> Iterable[Problem]:
