@@ -18,12 +18,17 @@ rlfabric trains (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU of 
 kernel sets: `fused` (flash attention, fused RMSNorm / SwiGLU / RoPE: what an accelerator run uses when the
 config asks for them) and `UNFUSED` (megatron-core's local spec, what runs on CPU), counted from the tensors
 autograd saves in each (checked against services/trainer/memory.py's ActivationTracker in the tests).
+
+Mixture-of-experts models (Qwen3-MoE) add their routers and experts to the parameters, optimizer state (sharded
+over the expert-data-parallel group) and activations of their MoE layers: services/planning/experts.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+
+from services.planning.experts import ExpertLayout, Experts, expert_mlp_bytes, moe_dispatch_bytes
 
 GIB = 1 << 30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -41,7 +46,7 @@ def ceil_div(a: int, b: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """A dense decoder (Qwen2 / Qwen2.5 / Qwen3 / Llama): what the formulas need of it."""
+    """A decoder (Qwen2 / Qwen2.5 / Qwen3 / Llama, Qwen3-MoE with `experts`): what the formulas need of it."""
 
     num_layers: int
     hidden: int
@@ -53,28 +58,44 @@ class ModelShape:
     tied: bool  # output layer shares the embedding
     qkv_bias: bool = False
     qk_norm: bool = False
+    experts: Experts | None = None  # None: a dense model
 
     @classmethod
     def from_spec(cls, spec) -> ModelShape:
         """From a `services.common.model_spec.ModelSpec` (an HF config.json)."""
+        moe = spec.moe
+        experts = None if moe is None else Experts(num_experts=moe.num_experts, ffn=moe.moe_intermediate_size,
+                                                   topk=moe.num_experts_per_tok, layers=tuple(moe.moe_layers))
         return cls(num_layers=spec.num_hidden_layers, hidden=spec.hidden_size, ffn=spec.intermediate_size,
                    heads=spec.num_attention_heads, kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
                    vocab=spec.vocab_size, tied=spec.tie_word_embeddings, qkv_bias=spec.attention_bias,
-                   qk_norm=spec.qk_norm)
+                   qk_norm=spec.qk_norm, experts=experts)
 
-    def layer_split_params(self) -> int:
-        """Parameters of one layer that tensor parallelism splits (linear weights, QKV bias)."""
+    def moe_layers(self, first: int = 0, count: int | None = None) -> int:
+        """How many of layers first .. first + count - 1 (default: all) are MoE layers."""
+        count = self.num_layers - first if count is None else count
+        return 0 if self.experts is None else self.experts.layers_in(first, count)
+
+    def layer_split_params(self, moe: bool = False) -> int:
+        """Parameters of one layer that tensor parallelism splits (linear weights, QKV bias; not the experts)."""
         qkv_out = (self.heads + 2 * self.kv_heads) * self.head_dim
-        weights = self.hidden * qkv_out + self.heads * self.head_dim * self.hidden + 3 * self.hidden * self.ffn
-        return weights + (qkv_out if self.qkv_bias else 0)
+        weights = self.hidden * qkv_out + self.heads * self.head_dim * self.hidden
+        return weights + (qkv_out if self.qkv_bias else 0) + (0 if moe else 3 * self.hidden * self.ffn)
 
-    def layer_replicated_params(self) -> int:
-        """Parameters of one layer every TP rank holds whole (the two RMSNorms, the per-head q/k norms)."""
-        return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+    def layer_replicated_params(self, moe: bool = False) -> int:
+        """Parameters of one layer every TP rank holds whole (the two RMSNorms, the per-head q/k norms, the router)."""
+        router = self.experts.router_params(self.hidden) if moe and self.experts is not None else 0
+        return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0) + router
 
-    def total_params(self) -> int:
-        layers = self.num_layers * (self.layer_split_params() + self.layer_replicated_params())
-        return layers + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+    def total_params(self, *, active: bool = False) -> int:
+        """Every parameter; `active`: those one token goes through (top-k of the experts of each MoE layer)."""
+        n_moe = self.moe_layers()
+        dense = (self.num_layers - n_moe) * (self.layer_split_params() + self.layer_replicated_params())
+        moe = n_moe * (self.layer_split_params(True) + self.layer_replicated_params(True))
+        if self.experts is not None:
+            e = self.experts
+            moe += n_moe * e.expert_params(self.hidden) * (e.topk if active else e.num_experts) // e.num_experts
+        return dense + moe + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
 
 def stage_layers(num_layers: int, pp: int) -> int:
@@ -84,9 +105,16 @@ def stage_layers(num_layers: int, pp: int) -> int:
     return num_layers // pp
 
 
-def rank_params(shape: ModelShape, *, tp: int, pp: int, stage: int) -> int:
-    """Parameters one TP rank of pipeline stage `stage` holds."""
-    n = stage_layers(shape.num_layers, pp) * (shape.layer_split_params() // tp + shape.layer_replicated_params())
+def rank_params(shape: ModelShape, *, tp: int, pp: int, stage: int, experts: ExpertLayout | None = None) -> int:
+    """Parameters one TP rank of pipeline stage `stage` holds, its experts (`rank_expert_params`) included.
+
+    `experts`: the expert layout (default Megatron's without expert parallelism: ep 1, etp = tp).
+    """
+    per_stage = stage_layers(shape.num_layers, pp)
+    n_moe = shape.moe_layers(stage * per_stage, per_stage)
+    n = (per_stage - n_moe) * (shape.layer_split_params() // tp + shape.layer_replicated_params())
+    n += n_moe * (shape.layer_split_params(True) // tp + shape.layer_replicated_params(True))
+    n += rank_expert_params(shape, pp=pp, stage=stage, experts=experts or ExpertLayout(ep=1, etp=tp))
     vocab_shard = ceil_div(shape.vocab, tp) * shape.hidden
     if stage == 0:
         n += vocab_shard
@@ -95,6 +123,14 @@ def rank_params(shape: ModelShape, *, tp: int, pp: int, stage: int) -> int:
         if not shape.tied or pp > 1:  # tied weights across stages: the last stage keeps its own copy
             n += vocab_shard
     return n
+
+
+def rank_expert_params(shape: ModelShape, *, pp: int, stage: int, experts: ExpertLayout) -> int:
+    """Expert parameters one rank of pipeline stage `stage` holds (0 for a dense model)."""
+    if shape.experts is None:
+        return 0
+    per_stage = stage_layers(shape.num_layers, pp)
+    return shape.moe_layers(stage * per_stage, per_stage) * experts.params_per_layer(shape.experts, shape.hidden)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,12 +152,20 @@ class StateBytes:
         return self.params + self.grads + self.master + self.optimizer_states
 
 
-def training_state(n_params: int, *, params_bytes: int, distributed_optimizer: bool, dp: int) -> StateBytes:
-    """Weights, fp32 gradients, fp32 master weights (mixed precision only) and Adam moments of `n_params`."""
+def training_state(n_params: int, *, params_bytes: int, distributed_optimizer: bool, dp: int,
+                   expert_params: int = 0, expert_dp: int = 1) -> StateBytes:
+    """Weights, fp32 gradients, fp32 master weights (mixed precision only) and Adam moments of `n_params`.
+
+    `expert_params` of the `n_params` are experts: the distributed optimizer shards their master weights and
+    moments over the expert-data-parallel group (`expert_dp` ranks), the others' over DP.
+    """
     mixed = params_bytes < 4
-    master, moments = (4 * n_params if mixed else 0), 8 * n_params
-    if distributed_optimizer and dp > 1:
-        master, moments = ceil_div(master, dp), ceil_div(moments, dp)
+    master = moments = 0
+    for n, group in ((n_params - expert_params, dp), (expert_params, expert_dp)):
+        m, o = (4 * n if mixed else 0), 8 * n
+        if distributed_optimizer and group > 1:
+            m, o = ceil_div(m, group), ceil_div(o, group)
+        master, moments = master + m, moments + o
     return StateBytes(params=params_bytes * n_params, grads=4 * n_params, master=master, optimizer_states=moments)
 
 
@@ -172,13 +216,26 @@ class TrainShape:
     act_bytes: int = 2
     kernels: Kernels = UNFUSED
     recompute: Recompute = Recompute()
+    experts: ExpertLayout | None = None  # MoE: the expert layout (default: ep 1, etp = tp)
+
+    @property
+    def expert_layout(self) -> ExpertLayout:
+        return self.experts or ExpertLayout(ep=1, etp=self.tp)
 
 
-def _layer_parts(m: ModelShape, mb: MicroBatch, ts: TrainShape) -> dict[str, int]:
-    """Bytes one layer keeps for backward of one micro-batch, by part, without recompute."""
+def _mlp_bytes(m: ModelShape, mb: MicroBatch, ts: TrainShape, moe: bool, values: int) -> int:
+    """`values` values per token and MLP width of one layer's MLP (the dense SwiGLU, or this rank's experts)."""
+    if moe and m.experts is not None:
+        return expert_mlp_bytes(mb.n_tokens, m.experts, ts.expert_layout, tp=ts.tp,
+                                sequence_parallel=ts.sequence_parallel, act_bytes=ts.act_bytes, swiglu_values=values)
+    return mb.n_tokens * values * m.ffn * ts.act_bytes // ts.tp
+
+
+def _layer_parts(m: ModelShape, mb: MicroBatch, ts: TrainShape, moe: bool = False) -> dict[str, int]:
+    """Bytes one layer (a MoE layer with `moe`) keeps for backward of one micro-batch, by part, without recompute."""
     t, b, k = ts.tp, ts.act_bytes, ts.kernels
     tok, rep = mb.n_tokens, ts.tp if ts.sequence_parallel else 1
-    heads, kv, d, h, f = m.heads // t, max(m.kv_heads // t, 1), m.head_dim, m.hidden, m.ffn
+    heads, kv, d, h = m.heads // t, max(m.kv_heads // t, 1), m.head_dim, m.hidden
     # Two norms (input and rstd; unfused also x * rstd, in fp32) and the inputs of the QKV and FC1 linears.
     norm = h * (b if k.fused_norm else _UNFUSED_NORM) + _RSTD
     parts = {"norms_and_linear_inputs": tok * (2 * norm + 2 * h * b) // rep}
@@ -192,7 +249,12 @@ def _layer_parts(m: ModelShape, mb: MicroBatch, ts: TrainShape) -> dict[str, int
         # softmax_in_fp32, plus the cast copy the value matmul keeps).
         parts["attention"] = tok * 4 * heads * d * b + mb.rows * heads * mb.seq * mb.seq * _score_bytes(b, k)
     # SwiGLU: FC1 output (gate and up) and the FC2 input; unfused also silu(gate) and the up operand.
-    parts["mlp"] = tok * (3 if k.fused_swiglu else 5) * f * b // t
+    parts["mlp"] = _mlp_bytes(m, mb, ts, moe, 3 if k.fused_swiglu else 5)
+    if moe and m.experts is not None:
+        # A MoE layer's SwiGLU is its experts' over the token copies routed here; it also keeps their permuted
+        # input and the router's scores.
+        parts["moe_dispatch"] = moe_dispatch_bytes(tok, m.experts, ts.expert_layout, tp=t,
+                                                   sequence_parallel=ts.sequence_parallel, hidden=h, act_bytes=b)
     return parts
 
 
@@ -236,24 +298,39 @@ class StageActivations:
         return max(self.saved_peak, others + self.held + self.head + self.logits_saved + self.logits_transient)
 
 
+def _stage_kinds(m: ModelShape, pp: int, stage: int, first: int = 0, count: int | None = None
+                 ) -> list[tuple[bool, int]]:
+    """(MoE?, how many) of the stage's layers first .. first + count - 1 (default all), kinds present only."""
+    n_layers = stage_layers(m.num_layers, pp)
+    count = n_layers - first if count is None else count
+    n_moe = m.moe_layers(stage * n_layers + first, count)
+    return [(moe, n) for moe, n in ((False, count - n_moe), (True, n_moe)) if n]
+
+
 def stage_activations(m: ModelShape, mb: MicroBatch, ts: TrainShape, *, pp: int = 1, stage: int = 0,
                       micro_batches: int = 1) -> StageActivations:
-    """Activations of pipeline stage `stage` of `pp` while it trains `micro_batches` micro-batches (1F1B)."""
+    """Activations of pipeline stage `stage` of `pp` while it trains `micro_batches` micro-batches (1F1B).
+
+    A stage of dense and MoE layers sums each kind's layers; what backward rebuilds on top is the larger kind's.
+    """
     n_layers = stage_layers(m.num_layers, pp)
-    parts = _layer_parts(m, mb, ts)
-    full = sum(parts.values())
     rc, t, b, k, tok = ts.recompute, ts.tp, ts.act_bytes, ts.kernels, mb.n_tokens
     rep = t if ts.sequence_parallel else 1
-    heads, kv, d, f = m.heads // t, max(m.kv_heads // t, 1), m.head_dim, m.ffn
+    heads, kv, d = m.heads // t, max(m.kv_heads // t, 1), m.head_dim
+    parts, full, mlp_redo = {}, {}, {}
+    for moe in (False, True) if m.experts is not None else (False,):
+        parts[moe] = _layer_parts(m, mb, ts, moe)
+        full[moe] = sum(parts[moe].values())
+        mlp_redo[moe] = 0
+        if rc.activation_function:
+            # MindSpeed's: keep FC1's output only; backward refills the activation's output (and the unfused
+            # SwiGLU keeps silu(gate) while it does).
+            mlp_redo[moe] = _mlp_bytes(m, mb, ts, moe, 1 if k.fused_swiglu else 2)
+            parts[moe]["mlp"] = _mlp_bytes(m, mb, ts, moe, 2)
+    kinds = _stage_kinds(m, pp, stage)
     shared = tok * 8 if stage == 0 else 0  # token ids kept by the embedding
     if not k.flash_attention:
         shared += mb.seq * mb.seq  # the bool causal mask, kept once for every layer
-    mlp_redo = 0
-    if rc.activation_function:
-        # MindSpeed's: keep FC1's output only; backward refills the activation's output (and the unfused
-        # SwiGLU keeps silu(gate) while it does).
-        mlp_redo = tok * (1 if k.fused_swiglu else 2) * f * b // t
-        parts["mlp"] = tok * 2 * f * b // t
     if rc.granularity == "full":
         # Each checkpointed unit keeps its input; the rotary frequencies (fp32) are kept once. The first norm
         # of a unit keeps that same input when it keeps its input as is (fused, or fp32).
@@ -262,25 +339,28 @@ def stage_activations(m: ModelShape, mb: MicroBatch, ts: TrainShape, *, pp: int 
         dup = unit_input if (k.fused_norm or b == 4) else 0
         n = max(1, min(rc.num_layers, n_layers))
         per_layer = unit_input
+        rebuilt = max(full[moe] for moe, _ in _stage_kinds(m, pp, stage, 0, n))
         if rc.method == "block":  # the first n layers of the stage are checkpointed one by one
-            layers = n * unit_input + (n_layers - n) * full
-            backward = n * unit_input + full - dup  # the plain layers are freed before the checkpointed ones
+            plain = sum(c * full[moe] for moe, c in _stage_kinds(m, pp, stage, n)) if n < n_layers else 0
+            layers = n * unit_input + plain
+            backward = n * unit_input + rebuilt - dup  # the plain layers are freed before the checkpointed ones
         else:  # uniform: units of n layers
             layers = ceil_div(n_layers, n) * unit_input
-            backward = layers + n * full - dup
+            backward = layers + n * rebuilt - dup
     elif rc.granularity == "selective":
         # Core attention recomputed: its inputs (Q, K after RoPE, the QKV output under V) and output stay.
-        redo = parts["attention"] - tok * _qkv_kept(heads, kv, d) * b - tok * heads * d * b
-        parts["attention"] = tok * (_qkv_kept(heads, kv, d) + heads * d) * b
-        per_layer = sum(parts.values())
-        layers = n_layers * per_layer
+        redo = parts[False]["attention"] - tok * _qkv_kept(heads, kv, d) * b - tok * heads * d * b
+        for p in parts.values():
+            p["attention"] = tok * (_qkv_kept(heads, kv, d) + heads * d) * b
+        per_layer = max(sum(parts[moe].values()) for moe, _ in kinds)
+        layers = sum(c * sum(parts[moe].values()) for moe, c in kinds)
         # The attention is redone after backward has passed (and freed) the layer's MLP half.
-        mlp_half = parts["mlp"] + parts["norms_and_linear_inputs"] // 2
-        backward = layers + max(redo - mlp_half, mlp_redo)
+        backward = layers + max(max(redo - parts[moe]["mlp"] - parts[moe].get("moe_dispatch", 0)
+                                    - parts[moe]["norms_and_linear_inputs"] // 2, mlp_redo[moe]) for moe, _ in kinds)
     else:
-        per_layer = sum(parts.values())
-        layers = n_layers * per_layer
-        backward = layers + mlp_redo
+        per_layer = max(sum(parts[moe].values()) for moe, _ in kinds)
+        layers = sum(c * sum(parts[moe].values()) for moe, c in kinds)
+        backward = layers + max(mlp_redo[moe] for moe, _ in kinds)
     head = logits_saved = logits_transient = 0
     if stage == pp - 1:
         h, r = m.hidden, mb.rows * mb.response
@@ -298,11 +378,12 @@ def stage_activations(m: ModelShape, mb: MicroBatch, ts: TrainShape, *, pp: int 
 def forward_only_peak(m: ModelShape, mb: MicroBatch, ts: TrainShape, *, pp: int = 1, stage: int = 0) -> int:
     """Estimated peak of a no-grad forward (log-probs): the residual stream, one layer's working set, logits.
 
-    Nothing is kept between layers; a layer's temporaries are bounded by what it would keep for backward.
-    The last stage holds the response logits in the model dtype, their fp32 upcast and the scaled copy.
+    Nothing is kept between layers; a layer's temporaries are bounded by what it would keep for backward (of the
+    stage's larger layer kind, dense or MoE). The last stage holds the response logits in the model dtype, their
+    fp32 upcast and the scaled copy.
     """
-    parts = _layer_parts(m, mb, ts)
-    peak = 2 * mb.n_tokens * m.hidden * ts.act_bytes + sum(parts.values())
+    layer = max(sum(_layer_parts(m, mb, ts, moe).values()) for moe, _ in _stage_kinds(m, pp, stage))
+    peak = 2 * mb.n_tokens * m.hidden * ts.act_bytes + layer
     if stage == pp - 1:
         peak += mb.rows * mb.response * m.vocab * (ts.act_bytes + 8)
     return peak
@@ -327,15 +408,20 @@ def rollout_memory(m: ModelShape, *, infer_tp: int, weight_bytes: int, kv_bytes:
                    gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> RolloutMemory:
     """vLLM takes gpu_memory_utilization x device memory; what weights and activations leave is KV cache.
 
-    KV per token: K and V of every layer for this rank's KV heads (vLLM replicates KV heads when the engine's
-    TP exceeds their number).
+    Weights: the whole model split over the engine's TP ranks, every expert included: vLLM splits each expert
+    over them, or with enable_expert_parallel places num_experts / TP whole experts on each (an rlfabric engine
+    is one vLLM data-parallel rank, so its expert-parallel size is its TP): the same bytes. KV per token: K and
+    V of every layer for this rank's KV heads (vLLM replicates KV heads when the engine's TP exceeds their number).
     """
     budget = int(gpu_memory_utilization * device_memory)
     weights = rank_params(m, tp=infer_tp, pp=1, stage=0) * weight_bytes
     kv_heads = max(m.kv_heads // infer_tp, 1)
     per_token = 2 * m.num_layers * kv_heads * m.head_dim * kv_bytes
     t = max_num_batched_tokens
-    acts = t * (3 * m.ffn // infer_tp + 4 * m.hidden) * weight_bytes \
+    mlp = 3 * m.ffn // infer_tp if m.moe_layers() < m.num_layers else 0
+    if m.experts is not None:  # fused MoE: each token's top-k copies through FC1 (2 f_moe), FC2's input, output
+        mlp = max(mlp, m.experts.topk * (3 * m.experts.ffn // infer_tp + m.hidden))
+    acts = t * (mlp + 4 * m.hidden) * weight_bytes \
         + max_num_seqs * m.vocab * (weight_bytes + 8)  # logits, fp32 logits and log-probs of the sampler
     return RolloutMemory(budget=budget, weights=weights, activations=acts,
                          kv_cache=budget - weights - acts, kv_bytes_per_token=per_token)

@@ -71,8 +71,11 @@ def to_json(plan: Any, advice: dict[str, Any]) -> dict[str, Any]:
     return {
         "ok": True,
         "device_memory": i.device_memory,
-        "model": {**dataclasses.asdict(i.model), "params": i.model.total_params()},
+        "model": {**dataclasses.asdict(i.model), "params": i.model.total_params(),
+                  "active_params": i.model.total_params(active=True)},
         "actor": {"layout": dataclasses.asdict(i.actor), "stage": a.stage, "params": a.n_params,
+                  "expert_params": a.n_expert_params, "expert_layout": dataclasses.asdict(i.actor.expert_layout),
+                  "expert_dp": i.actor.expert_dp if i.model.experts is not None else None,
                   "stages": [dataclasses.asdict(st) for st in plan.actor_stages],
                   "weights": a.state.params, "grads": a.state.grads, "master": a.state.master,
                   "optimizer_states": a.state.optimizer_states, "optimizer": a.state.optimizer,
@@ -104,9 +107,13 @@ def gib(n: int | float) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 
 
-def _layout_line(a: Any) -> str:
+def _layout_line(a: Any, moe: bool) -> str:
     prec = "bf16 (fp32 master weights and grads)" if a.params_bytes == 2 else "fp32"
     bits = [f"TP {a.tp} x PP {a.pp} x DP {a.dp}", prec]
+    if moe:
+        x = a.expert_layout
+        bits.insert(1, f"experts EP {x.ep} x expert-TP {x.etp}{' (moe_tp_extend_ep)' if a.tp_extend_ep else ''}"
+                       f" x expert DP {a.expert_dp}")
     if a.distributed_optimizer:
         bits.append("distributed optimizer" + (" (no sharding at DP 1)" if a.dp == 1 else ""))
     if a.sequence_parallel:
@@ -129,22 +136,33 @@ def _mb(mb: Any) -> str:
 def render(plan: Any, advice: dict[str, Any], path: str) -> str:
     i, a = plan.inputs, plan.actor
     m, al = i.model, i.actor
+    moe = ""
+    if m.experts is not None:
+        e = m.experts
+        moe = (f", {_count(m.total_params(active=True))} active per token: {e.num_experts} experts of width {e.ffn}, "
+               f"top-{e.topk}, in {len(e.layers)} layers")
     rows = [f"rlfabric plan {path}: {_count(m.total_params())} parameters ({m.num_layers} layers, hidden "
-            f"{m.hidden}, vocabulary {m.vocab}); devices of {gib(i.device_memory)}", ""]
+            f"{m.hidden}, vocabulary {m.vocab}{moe}); devices of {gib(i.device_memory)}", ""]
     where = f"pipeline stage {a.stage} of {al.pp}, where the configured placement peaks" if al.pp > 1 else "every rank"
-    rows.append(f"actor      {_layout_line(al)}")
-    rows.append(f"  per device ({where}: {_count(a.n_params)} parameters)")
+    rows.append(f"actor      {_layout_line(al, m.experts is not None)}")
+    experts = ""
+    if m.experts is not None:
+        experts = (f", of which {_count(a.n_expert_params)} in experts: {m.experts.num_experts // al.expert_layout.ep}"
+                   f" per MoE layer{f' split over {al.expert_layout.etp}' if al.expert_layout.etp > 1 else ''}")
+    rows.append(f"  per device ({where}: {_count(a.n_params)} parameters{experts})")
     s = a.state
     act = a.activations
     upd = al.update
     assert upd is not None
     configured = al.recompute.granularity or "none"
+    sharded = ""
+    if al.distributed_optimizer and (al.dp > 1 or (m.experts is not None and (al.expert_dp or 1) > 1)):
+        sharded = ", / (expert) DP" if m.experts is not None else ", / DP"
     items = [
         ("weights", s.params),
         ("gradients (fp32)", s.grads),
-        ("master weights (fp32)" + (", / DP" if al.distributed_optimizer and al.dp > 1 else ""), s.master),
-        ("Adam moments (2 x fp32)" + (", / DP" if al.distributed_optimizer and al.dp > 1 else ""),
-         s.optimizer_states),
+        ("master weights (fp32)" + sharded, s.master),
+        ("Adam moments (2 x fp32)" + sharded, s.optimizer_states),
     ]
     for label, value in items:
         rows.append(f"    {label:<44}{gib(value):>12}")

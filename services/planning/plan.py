@@ -13,16 +13,17 @@ services/planning/arithmetic.py phase by phase:
 - disaggregated: the actor's devices (update or old log-probs, all state resident), the reference's (weights
   + forward), the rollout's (gpu_memory_utilization x device memory).
 
-`advise(inputs)` tries the changes a user would make, one at a time and then together, and names the config
-keys of the ones that make the placement fit.
+services/planning/advice.py says what to change when a placement does not fit.
+
+MoE models (Qwen3-MoE): the actor's expert layout is the config's (`cfg.derived.actor_expert_parallel_size`
+and `actor_expert_tensor_parallel_size`), the reference's follows the same rule from its own section.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.planning.arithmetic import (
     DTYPE_BYTES,
@@ -36,11 +37,16 @@ from services.planning.arithmetic import (
     TrainShape,
     ceil_div,
     forward_only_peak,
+    rank_expert_params,
     rank_params,
     rollout_memory,
     stage_activations,
     training_state,
 )
+from services.planning.experts import ExpertLayout, Experts
+
+if TYPE_CHECKING:
+    from services.planning.advice import Advice
 
 DEFAULT_PACKING_TOKENS = 4096  # MindSpeed-RL's per-pass default (services/common/config/rl.py)
 
@@ -60,10 +66,30 @@ class TrainerLayout:
     update: MicroBatch | None = None  # None: no update (the reference)
     micro_batches: int = 1  # per DP rank and optimizer step (1F1B in-flight bound)
     forward: MicroBatch = MicroBatch(1, 1, 1)
+    experts: ExpertLayout | None = None  # MoE: megatron-core's expert layout (None: ep 1, etp = tp)
+    tp_extend_ep: bool = False  # MindSpeed's moe_tp_extend_ep: the layout follows TP as EP x TP, 1
 
     def shape(self, recompute: Recompute | None = None) -> TrainShape:
         return TrainShape(tp=self.tp, sequence_parallel=self.sequence_parallel, act_bytes=self.params_bytes,
-                          kernels=self.kernels, recompute=self.recompute if recompute is None else recompute)
+                          kernels=self.kernels, recompute=self.recompute if recompute is None else recompute,
+                          experts=self.experts)
+
+    @property
+    def expert_layout(self) -> ExpertLayout:
+        return self.experts or ExpertLayout(ep=1, etp=self.tp)
+
+    @property
+    def expert_dp(self) -> int | None:
+        """Megatron's expert-data-parallel size (the distributed optimizer's group for expert state)."""
+        return self.expert_layout.expert_dp(tp=self.tp, dp=self.dp)
+
+    def with_tp(self, tp: int, dp: int) -> TrainerLayout:
+        """The layout at another TP (and DP), its expert layout following as the config's keys make it."""
+        experts = self.experts
+        if experts is not None:
+            experts = ExpertLayout(ep=experts.ep * tp // self.tp, etp=1) if self.tp_extend_ep else \
+                ExpertLayout(ep=experts.ep, etp=tp)
+        return dataclasses.replace(self, tp=tp, dp=dp, experts=experts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +129,7 @@ class ActorPlan:
 
     stage: int
     n_params: int
+    n_expert_params: int  # of n_params (0 for a dense model)
     state: StateBytes
     activations: dict[str, int]  # "none" / "selective" / "full": saved-for-backward peak of each recompute mode
     activations_configured: int  # the configured mode's saved peak
@@ -175,11 +202,26 @@ def model_shape(cfg: Any) -> ModelShape:
     if vocab is None:
         raise PlanError(f"{block}.padded_vocab_size is unset and no config.json was found next to the tokenizer "
                         "or load path: set it")
-    return ModelShape(num_layers=a.num_layers, hidden=a.hidden_size, ffn=a.ffn_hidden_size or 4 * a.hidden_size,
+    ffn = a.ffn_hidden_size or 4 * a.hidden_size
+    return ModelShape(num_layers=a.num_layers, hidden=a.hidden_size, ffn=ffn,
                       heads=heads, kv_heads=a.num_query_groups if a.group_query_attention else heads,
                       head_dim=a.kv_channels or a.hidden_size // heads, vocab=vocab,
                       tied=not a.untie_embeddings_and_output_weights, qkv_bias=a.add_qkv_bias,
-                      qk_norm=a.qk_layernorm)
+                      qk_norm=a.qk_layernorm, experts=_experts(a, block, ffn))
+
+
+def _experts(a: Any, block: str, ffn: int) -> Experts | None:
+    """The block's routed experts (Megatron's defaults: moe_ffn_hidden_size = ffn_hidden_size, every layer MoE)."""
+    from services.common.config.hf_check import megatron_moe_layers
+
+    if a.num_experts is None:
+        return None
+    pattern = megatron_moe_layers(a.moe_layer_freq, a.num_layers)
+    if pattern is None or len(pattern) != a.num_layers:
+        raise PlanError(f"{block}.moe_layer_freq {a.moe_layer_freq!r} does not give one 0/1 entry per layer "
+                        f"({a.num_layers}): the plan needs to know which layers are MoE layers")
+    return Experts(num_experts=a.num_experts, ffn=a.moe_ffn_hidden_size or ffn, topk=a.moe_router_topk,
+                   layers=tuple(i for i, v in enumerate(pattern) if v))
 
 
 def _hf_vocab(cfg: Any) -> int | None:
@@ -234,7 +276,8 @@ def inputs_from_config(cfg: Any, device_memory: int, *, cpu: bool = False) -> Pl
     def batch(rows: int, tokens: int | None) -> MicroBatch:
         return _micro_batch(rows, seq, resp, packed=rl.use_remove_padding, budget=budget(tokens))
 
-    def layout(mt: Any, dp: int | None, fwd_rows: int | None, fwd_budget: int | None, update: bool) -> TrainerLayout:
+    def layout(mt: Any, dp: int | None, fwd_rows: int | None, fwd_budget: int | None, update: bool,
+               experts: ExpertLayout | None) -> TrainerLayout:
         kernels = UNFUSED if cpu else _kernels(mt)
         return TrainerLayout(
             tp=mt.tensor_model_parallel_size, pp=mt.pipeline_model_parallel_size, dp=dp or 1,
@@ -243,19 +286,24 @@ def inputs_from_config(cfg: Any, device_memory: int, *, cpu: bool = False) -> Pl
             recompute=_recompute(mt),
             update=batch(mt.micro_batch_size or 1, rl.update_max_packing_token_size) if update else None,
             micro_batches=(mt.pipeline_model_parallel_size if dyn else d.micro_batches_per_mini_batch or 1),
-            forward=batch(fwd_rows or 1, fwd_budget))
+            forward=batch(fwd_rows or 1, fwd_budget), experts=experts if shape.experts is not None else None,
+            tp_extend_ep=mt.moe_tp_extend_ep)
 
+    actor_experts = ExpertLayout(ep=d.actor_expert_parallel_size or 1, etp=d.actor_expert_tensor_parallel_size)
     actor = layout(a, d.actor_data_parallel_size, d.actor_forward_micro_batch_size, rl.actor_max_packing_token_size,
-                   True)
+                   True, actor_experts)
+    ref_experts = actor_experts if r is a else ExpertLayout.of(tp=r.tensor_model_parallel_size,
+                                                               ep=r.expert_model_parallel_size,
+                                                               tp_extend_ep=r.moe_tp_extend_ep)
     reference = layout(r, d.ref_data_parallel_size, d.ref_forward_micro_batch_size, rl.ref_max_packing_token_size,
-                       False) if d.use_kl_loss else None
+                       False, ref_experts) if d.use_kl_loss else None
     wbytes = DTYPE_BYTES.get(gen.dtype, actor.params_bytes)  # "auto": the model's dtype
     rollout = RolloutLayout(infer_tp=gen.infer_tensor_parallel_size, weight_bytes=wbytes,
                             gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,
                             max_model_len=gen.max_model_len, max_num_batched_tokens=gen.max_num_batched_tokens)
     keys = {k: cfg.where(k) for k in ("use_distributed_optimizer", "recompute_granularity", "sequence_parallel",
                                         "micro_batch_size", "tensor_model_parallel_size",
-                                        "pipeline_model_parallel_size")}
+                                        "pipeline_model_parallel_size", "expert_model_parallel_size")}
     for k in ("offload_train_param", "offload_train_grad", "offload_train_optimizer", "gpu_memory_utilization",
               "infer_tensor_parallel_size"):
         keys[k] = f"generate_config.{k}"
@@ -279,6 +327,12 @@ def _notes(cfg: Any) -> list[str]:
         notes.append("context_parallel_size > 1 is not modelled: rlfabric's trainer does not split sequences")
     if a.num_layer_list:
         notes.append("num_layer_list is inert in rlfabric: layers are split evenly over pipeline stages")
+    if a.num_experts is not None and cfg.generate_config.infer_expert_parallel_size > 1:
+        notes.append(f"generate_config.infer_expert_parallel_size ({cfg.generate_config.infer_expert_parallel_size})"
+                     " is inert in rlfabric: each rollout engine holds every expert, over its "
+                     "infer_tensor_parallel_size ranks")
+    if a.num_experts is not None:
+        notes.append("MoE activations assume balanced routing (each rank's experts get the token copies it sends)")
     return notes
 
 
@@ -286,8 +340,10 @@ def _notes(cfg: Any) -> list[str]:
 
 
 def _actor_stage(m: ModelShape, a: TrainerLayout, stage: int) -> ActorPlan:
-    n = rank_params(m, tp=a.tp, pp=a.pp, stage=stage)
-    state = training_state(n, params_bytes=a.params_bytes, distributed_optimizer=a.distributed_optimizer, dp=a.dp)
+    n = rank_params(m, tp=a.tp, pp=a.pp, stage=stage, experts=a.expert_layout)
+    e = rank_expert_params(m, pp=a.pp, stage=stage, experts=a.expert_layout)
+    state = training_state(n, params_bytes=a.params_bytes, distributed_optimizer=a.distributed_optimizer, dp=a.dp,
+                           expert_params=e, expert_dp=a.expert_dp or 1)
     assert a.update is not None
 
     def acts(granularity: str | None):
@@ -295,7 +351,7 @@ def _actor_stage(m: ModelShape, a: TrainerLayout, stage: int) -> ActorPlan:
         return stage_activations(m, a.update, a.shape(rc), pp=a.pp, stage=stage, micro_batches=a.micro_batches)
 
     mine = acts(a.recompute.granularity)
-    return ActorPlan(stage=stage, n_params=n, state=state,
+    return ActorPlan(stage=stage, n_params=n, n_expert_params=e, state=state,
                      activations={mode: acts(g).saved_peak
                                   for mode, g in (("none", None), ("selective", "selective"), ("full", "full"))},
                      activations_configured=mine.saved_peak, logits_saved=mine.logits_saved,
@@ -307,7 +363,7 @@ def _reference(m: ModelShape, r: TrainerLayout | None) -> tuple[int, int]:
     """(weights, forward) bytes of the reference's worst stage; (0, 0) without a reference."""
     if r is None:
         return 0, 0
-    return max(((rank_params(m, tp=r.tp, pp=r.pp, stage=s) * r.params_bytes,
+    return max(((rank_params(m, tp=r.tp, pp=r.pp, stage=s, experts=r.expert_layout) * r.params_bytes,
                  forward_only_peak(m, r.forward, r.shape(), pp=r.pp, stage=s)) for s in range(r.pp)),
                key=sum)
 
@@ -347,150 +403,11 @@ def evaluate(inputs: PlanInputs) -> Plan:
                 reference_forward=ref_f, rollout=rollout, placements=placements)
 
 
-# ---- advice --------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Change:
-    """One config change: the YAML setting it stands for and the inputs it produces (None: not applicable)."""
-
-    setting: str
-    apply: Callable[[PlanInputs], PlanInputs | None]
-
-
-def _actor(inputs: PlanInputs, **kw: Any) -> PlanInputs:
-    return dataclasses.replace(inputs, actor=dataclasses.replace(inputs.actor, **kw))
-
-
-def _double_tp(inputs: PlanInputs) -> PlanInputs | None:
-    a, m = inputs.actor, inputs.model
-    tp = a.tp * 2
-    if m.heads % tp or m.kv_heads % tp or a.dp % 2:
-        return None
-    return _actor(inputs, tp=tp, dp=a.dp // 2)
-
-
-def _double_pp(inputs: PlanInputs) -> PlanInputs | None:
-    a, m = inputs.actor, inputs.model
-    pp = a.pp * 2
-    if m.num_layers % pp or a.dp % 2:
-        return None
-    return _actor(inputs, pp=pp, dp=a.dp // 2)
-
-
-# vLLM's own default gpu_memory_utilization: what a rollout with devices of its own can take.
-_VLLM_DEFAULT_UTILIZATION = 0.9
-
-
-def _util_for_room(inputs: PlanInputs) -> PlanInputs | None:
-    """gpu_memory_utilization set to the room there is: integrated, what the actor's kept state leaves (two
-    decimals, at most vLLM's default); disaggregated, vLLM's default. None when that is the current value."""
-    util = _VLLM_DEFAULT_UTILIZATION
-    if inputs.integrated:
-        kept = evaluate(inputs).placements["integrated"].phases[0].actor
-        util = min(util, int((inputs.device_memory - kept) / inputs.device_memory * 100) / 100)
-    if util <= 0 or util == inputs.rollout.gpu_memory_utilization:
-        return None
-    return dataclasses.replace(inputs, rollout=dataclasses.replace(inputs.rollout, gpu_memory_utilization=util))
-
-
-def _infer_tp_ok(m: ModelShape, tp: int) -> bool:
-    # vLLM splits query heads evenly and splits or replicates KV heads.
-    return m.heads % tp == 0 and (m.kv_heads % tp == 0 or tp % m.kv_heads == 0)
-
-
-def _smaller_forward(layout: TrainerLayout | None) -> TrainerLayout | None:
-    if layout is None or layout.forward.rows <= 1:
-        return None
-    return dataclasses.replace(layout, forward=dataclasses.replace(layout.forward, rows=1))
-
-
-def changes(inputs: PlanInputs) -> list[Change]:
-    """The changes to try, least disruptive first (each returns None where it does not apply)."""
-    k, a, ro = inputs.keys, inputs.actor, inputs.rollout
-    out = [Change(f"{k.get('use_distributed_optimizer')}: true",
-                  lambda i: _actor(i, distributed_optimizer=True)
-                  if not i.actor.distributed_optimizer and i.actor.dp > 1 else None)]
-    if inputs.integrated:
-        for name, field in (("offload_train_optimizer", "optimizer"), ("offload_train_grad", "grad"),
-                            ("offload_train_param", "param")):
-            out.append(Change(f"{k.get(name)}: true", lambda i, f=field: None if getattr(i.offload, f) else
-                              dataclasses.replace(i, offload=dataclasses.replace(i.offload, **{f: True}))))
-    out += [
-        Change(f"{k.get('recompute_granularity')}: full", lambda i: None if i.actor.recompute.granularity == "full"
-               else _actor(i, recompute=Recompute("full", "uniform", 1, i.actor.recompute.activation_function))),
-        Change(f"{k.get('sequence_parallel')}: true", lambda i: _actor(i, sequence_parallel=True)
-               if i.actor.tp > 1 and not i.actor.sequence_parallel else None),
-        Change(f"{k.get('micro_batch_size')}: 1",
-               lambda i: None if i.actor.update is None or i.actor.update.rows <= 1
-               else _actor(i, update=dataclasses.replace(i.actor.update, rows=1))),
-        Change(f"{k.get('actor_forward_micro_batch_size')}: 1",
-               lambda i: None if (f := _smaller_forward(i.actor)) is None else dataclasses.replace(i, actor=f)),
-        Change(f"{k.get('ref_forward_micro_batch_size')}: 1",
-               lambda i: None if (f := _smaller_forward(i.reference)) is None else dataclasses.replace(i, reference=f)),
-    ]
-    out += [
-        Change(f"{k.get('gpu_memory_utilization')}: ?", _util_for_room),
-        Change(f"{k.get('infer_tensor_parallel_size')}: {ro.infer_tp * 2}",
-               lambda i: dataclasses.replace(i, rollout=dataclasses.replace(i.rollout, infer_tp=ro.infer_tp * 2))
-               if _infer_tp_ok(i.model, ro.infer_tp * 2) else None),
-        Change(f"{k.get('tensor_model_parallel_size')}: {a.tp * 2}", _double_tp),
-        Change(f"{k.get('pipeline_model_parallel_size')}: {a.pp * 2}", _double_pp),
-    ]
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Advice:
-    placement: str
-    fits: bool  # whether `settings` make it fit
-    settings: list[str]
-    peak: int  # the placement's lowest peak with a fitting setting, or with all of `settings` applied
-    alternatives: bool  # each setting fits alone (else: all of them together, in order)
-
-
-def _setting(change: Change, applied: PlanInputs) -> str:
-    if change.setting.endswith(": ?"):  # name the value the change chose
-        return change.setting.replace("?", f"{applied.rollout.gpu_memory_utilization:g}")
-    return change.setting
-
-
-def advise(inputs: PlanInputs, placement: str) -> Advice | None:
-    """None when `placement` fits; else the single changes that make it fit, or the fewest in order that do."""
-    if evaluate(inputs).placements[placement].fits:
-        return None
-    singles = []
-    for c in changes(inputs):
-        applied = c.apply(inputs)
-        if applied is not None and (p := evaluate(applied).placements[placement]).fits:
-            singles.append((_setting(c, applied), p.peak))
-    if singles:
-        best = min(singles, key=lambda s: s[1])
-        return Advice(placement, True, [s for s, _ in singles], best[1], alternatives=True)
-    # Greedy: take the first change (in order) that lowers the peak or makes the KV cache fit, until it fits.
-    current, taken = inputs, []
-    candidates = changes(inputs)
-    progress = True
-    while progress:
-        progress = False
-        before = evaluate(current).placements[placement]
-        for c in candidates:
-            label = c.setting.split(":")[0]
-            if any(t.split(":")[0] == label for t in taken) or (applied := c.apply(current)) is None:
-                continue
-            after = evaluate(applied).placements[placement]
-            if after.peak < before.peak or (after.kv_fits and not before.kv_fits):
-                current, taken, progress = applied, [*taken, _setting(c, applied)], True
-                if after.fits:
-                    return Advice(placement, True, taken, after.peak, alternatives=False)
-                break
-    return Advice(placement, False, taken, evaluate(current).placements[placement].peak, alternatives=False)
-
-
 def plan_config(path: str | Path, device_memory: int, overrides: list[str] | tuple[str, ...] = (),
                 *, cpu: bool = False) -> tuple[Plan, dict[str, Advice | None]]:
     """Load a config and plan it; raises ConfigError (refused / invalid config) or PlanError."""
     from services.common.config import load_config
+    from services.planning.advice import advise
 
     cfg = load_config(path, overrides=list(overrides))
     inputs = inputs_from_config(cfg, device_memory, cpu=cpu)

@@ -1,4 +1,4 @@
-"""`rlfabric plan`: the memory arithmetic by hand, every upstream config planned, refusals and advice.
+"""`rlfabric plan`: the memory arithmetic by hand, every upstream config planned, MoE models, refusals and advice.
 
 The activation formulas are checked against measured peaks of real Megatron models in
 tests/trainer/test_memory.py; here the state, KV-cache and placement arithmetic is checked by hand.
@@ -22,12 +22,14 @@ from services.planning.arithmetic import (
     Recompute,
     TrainShape,
     parse_size,
+    rank_expert_params,
     rank_params,
     rollout_memory,
     stage_activations,
     training_state,
 )
-from services.planning.plan import plan_config
+from services.planning.experts import ExpertLayout, Experts
+from services.planning.plan import model_shape, plan_config
 
 UPSTREAM = Path(__file__).resolve().parents[3] / "shared/reference/mindspeed_rl"
 # Qwen2.5-7B as its model block describes it (configs/model/qwen25_7b.yaml).
@@ -148,12 +150,157 @@ def test_every_upstream_config_is_planned(name: str, repo_root: Path) -> None:
     assert text.returncode == out.returncode and "integrated (configured)" in text.stdout
 
 
-def test_moe_config_is_refused_cleanly(repo_root: Path) -> None:
-    out = _rlfabric(repo_root, "plan", str(_upstream("asked/dapo_qwen3_30b_a3b_A3.yaml")))
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "num_experts" in out.stderr and "MoE" in out.stderr and "rlfabric config check" in out.stderr
-    doc = json.loads(_rlfabric(repo_root, "plan", str(_upstream("asked/dapo_qwen3_30b_a3b_A3.yaml")), "--json").stdout)
-    assert doc["ok"] is False and "num_experts" in doc["errors"][0]["message"]
+# ---- mixture of experts (Qwen3-MoE) ---------------------------------------------------------------------------
+
+QWEN3_30B_A3B = "asked/dapo_qwen3_30b_a3b_A3.yaml"
+
+
+def _qwen3_30b_a3b_shape() -> ModelShape:
+    from services.common.config import load_config
+
+    return model_shape(load_config(_upstream(QWEN3_30B_A3B)))
+
+
+def test_qwen3_30b_a3b_parameters_by_hand() -> None:
+    m = _qwen3_30b_a3b_shape()  # the model block of asked/model/qwen3_30b_a3b.yaml
+    assert m.experts == Experts(num_experts=128, ffn=768, topk=8, layers=tuple(range(48)))
+    attention = 2048 * (32 + 2 * 4) * 128 + 32 * 128 * 2048  # QKV (32 query + 2 x 4 KV heads of 128), output
+    replicated = 2 * 2048 + 2 * 128 + 128 * 2048  # two RMSNorms, q/k norms, the router
+    experts = 128 * 3 * 2048 * 768  # gate, up, down of every expert
+    assert m.total_params() == 48 * (attention + replicated + experts) + 2 * 151936 * 2048 + 2048 == 30_532_122_624
+    active = 48 * (attention + replicated + 8 * 3 * 2048 * 768) + 2 * 151936 * 2048 + 2048
+    assert m.total_params(active=True) == active == 3_353_032_704
+    # The model card: 30.5B parameters in total, 3.3B activated.
+    assert m.total_params() == pytest.approx(30.5e9, rel=2e-3)
+    assert m.total_params(active=True) == pytest.approx(3.3e9, rel=2e-2)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+
+    torch.set_num_threads(1)
+    from services.common.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("moe") / "tiny_qwen3_moe", family="qwen3_moe")
+
+
+def test_tiny_moe_count_equals_the_model_transformers_loads(tiny_moe: Path, tmp_path: Path, repo_root: Path) -> None:
+    import torch
+    import transformers
+
+    from services.common.model_spec import read_hf_config
+    from tests.common.test_config_moe import TINY_MOE_BLOCK
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32)
+    real = sum(p.numel() for p in hf.parameters())  # the tied embedding once
+    assert ModelShape.from_spec(read_hf_config(tiny_moe)[0]).total_params() == real
+    # The same model through a config's model block (the tiny Qwen3-MoE block of tests/common/test_config_moe.py).
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "tiny_qwen3_moe.yaml").write_text(TINY_MOE_BLOCK)
+    config = tmp_path / "grpo_tiny_moe.yaml"
+    config.write_text((repo_root / "configs/grpo_tiny_cpu.yaml").read_text().replace("tiny_qwen2", "tiny_qwen3_moe"))
+    plan, _ = plan_config(config, 64 * GIB, [f"megatron_training.tokenizer_name_or_path={tiny_moe}",
+                                             f"actor_config.load={tiny_moe}"])
+    assert plan.inputs.model.total_params() == real
+    assert plan.actor.n_params == real and plan.actor.n_expert_params == 2 * 8 * 3 * 128 * 64  # TP 1, EP 1
+
+
+def test_expert_parallel_2_halves_the_experts_a_rank_holds() -> None:
+    m = _qwen3_30b_a3b_shape()
+    ep1, ep2 = ExpertLayout(ep=1, etp=1), ExpertLayout(ep=2, etp=1)
+    e1, e2 = (rank_expert_params(m, pp=1, stage=0, experts=x) for x in (ep1, ep2))
+    assert e1 == 48 * 128 * 3 * 2048 * 768 and e2 * 2 == e1  # 64 of the 128 experts of every MoE layer
+    n1, n2 = (rank_params(m, tp=1, pp=1, stage=0, experts=x) for x in (ep1, ep2))
+    assert n1 - n2 == e1 - e2 and n1 == m.total_params()  # the rest (attention, router, embeddings) is whole
+    # Without the distributed optimizer every expert byte halves; with it (DP 4: expert DP 4 at EP 1, 2 at EP 2)
+    # weights and gradients halve, while each rank's share of the expert optimizer state stays: half the experts
+    # over half the ranks. The dense parameters are sharded over DP either way.
+    assert (ep1.expert_dp(tp=1, dp=4), ep2.expert_dp(tp=1, dp=4)) == (4, 2)
+    for dist in (False, True):
+        s1, s2 = (training_state(n, params_bytes=2, distributed_optimizer=dist, dp=4, expert_params=e,
+                                 expert_dp=x.expert_dp(tp=1, dp=4)) for n, e, x in ((n1, e1, ep1), (n2, e2, ep2)))
+        assert (s1.params - s2.params, s1.grads - s2.grads) == (2 * (e1 - e2), 4 * (e1 - e2))
+        dense = n1 - e1
+        if dist:
+            assert s1.optimizer == 12 * dense // 4 + 12 * e1 // 4 and s2.optimizer == 12 * dense // 4 + 12 * e2 // 2
+            assert s1.optimizer == s2.optimizer
+        else:
+            assert s1.optimizer - s2.optimizer == 12 * (e1 - e2)
+    # Split over TP instead (Megatron's expert-TP = TP): the same bytes per rank as EP 2.
+    assert rank_expert_params(m, pp=1, stage=0, experts=ExpertLayout(ep=1, etp=2)) == e2
+
+
+def test_moe_layers_route_top_k_copies_through_the_experts() -> None:
+    m = _qwen3_30b_a3b_shape()
+    dense = dataclasses.replace(m, experts=None)
+    flash = Kernels(flash_attention=True, fused_norm=True, fused_swiglu=True, fused_rope=True)
+    mb = MicroBatch(rows=1, seq=4096, response=2048)
+    tok, h, b = 4096, 2048, 2
+    # TP 1: every token's 8 copies through the SwiGLU of width 768 instead of one through the dense ffn, plus
+    # the permuted copies (the grouped FC1's input) and the router's logits and fp32 probabilities.
+    ts = TrainShape(tp=1, act_bytes=b, kernels=flash)
+    moe_layer = stage_activations(m, mb, ts).per_layer
+    dense_layer = stage_activations(dense, mb, ts).per_layer
+    assert moe_layer - dense_layer == tok * 8 * (3 * 768 * b + h * b) + tok * 128 * (b + 4) - tok * 3 * 8192 * b
+    # The upstream layout: TP 4 with sequence parallelism, moe_tp_extend_ep (EP 8, expert-TP 1): a rank holds
+    # tok / 4 tokens and its experts get their 8 copies each, whole.
+    sp = TrainShape(tp=4, sequence_parallel=True, act_bytes=b, kernels=flash, experts=ExpertLayout(ep=8, etp=1))
+    extend = stage_activations(m, mb, sp).per_layer - stage_activations(dense, mb, sp).per_layer
+    assert extend == tok // 4 * 8 * (3 * 768 * b + h * b) + tok // 4 * 128 * (b + 4) - tok * 3 * 8192 * b // 4
+    # Without it (EP 2 x expert-TP 4): the TP group gathers its tokens, each rank a quarter of each expert.
+    split = dataclasses.replace(sp, experts=ExpertLayout(ep=2, etp=4))
+    assert stage_activations(m, mb, split).per_layer - stage_activations(dense, mb, split).per_layer == \
+        tok * 8 * (3 * 768 * b // 4 + h * b) + tok // 4 * 128 * (b + 4) - tok * 3 * 8192 * b // 4
+
+
+def test_pipeline_stages_count_their_own_moe_layers() -> None:
+    # moe_layer_freq 2: layers 0 and 2 are MoE, 1 and 3 dense; each of two stages holds one of each.
+    m = ModelShape(num_layers=4, hidden=16, ffn=64, heads=2, kv_heads=2, head_dim=8, vocab=32, tied=False,
+                   experts=Experts(num_experts=4, ffn=8, topk=2, layers=(0, 2)))
+    stages = [rank_params(m, tp=1, pp=2, stage=s) for s in (0, 1)]
+    assert sum(stages) == m.total_params()
+    assert stages[1] - stages[0] == 16  # the final norm: the layers match
+    assert rank_expert_params(m, pp=2, stage=0, experts=ExpertLayout(ep=2, etp=1)) == 2 * 3 * 16 * 8
+
+
+def test_upstream_qwen3_30b_a3b_plan(repo_root: Path) -> None:
+    out = _rlfabric(repo_root, "plan", str(_upstream(QWEN3_30B_A3B)), "--json")
+    assert "Traceback" not in out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["model"]["params"] == 30_532_122_624 and doc["model"]["active_params"] == 3_353_032_704
+    a = doc["actor"]
+    # TP 4 x DP 4 on 16 dies, moe_tp_extend_ep with EP 2: EP 8, expert-TP 1, expert DP 16 / 8 = 2.
+    assert a["expert_layout"] == {"ep": 8, "etp": 1} and a["expert_dp"] == 2
+    experts = 48 * 16 * 3 * 2048 * 768  # 128 / 8 experts per MoE layer, whole
+    dense = 48 * (2048 * 40 * 128 + 32 * 128 * 2048) // 4 + 48 * (4352 + 128 * 2048) + 2 * 151936 * 2048 // 4 + 2048
+    assert (a["params"], a["expert_params"]) == (dense + experts, experts)
+    assert (a["weights"], a["grads"]) == (2 * a["params"], 4 * a["params"])
+    assert a["optimizer"] == 12 * dense // 4 + 12 * experts // 2  # dense state over DP 4, expert state over 2
+    # The table of docs/memory.md.
+    state = a["weights"] + a["grads"] + a["optimizer"]
+    figures = [state, a["activations"]["none"], a["activations"]["full"], a["update_peak"], doc["rollout"]["weights"]]
+    assert [round(x / GIB, 1) for x in figures] == [43.8, 6.4, 1.4, 52.0, 56.9]
+    # rlfabric's rollout engine holds every expert (infer_expert_parallel_size is inert): at
+    # infer_tensor_parallel_size 1 the 30.5B parameters (56.9 GiB) leave no KV cache in 0.6 x 64 GiB.
+    assert doc["rollout"]["weights"] == 2 * doc["model"]["params"] and doc["rollout"]["kv_tokens"] == 0
+    assert out.returncode == 1 and not doc["placements"]["integrated"]["fits"]
+    assert doc["placements"]["integrated"]["advice"]["settings"] == ["generate_config.infer_tensor_parallel_size: 2"]
+    assert any("infer_expert_parallel_size (8) is inert" in n for n in doc["notes"])
+    fixed = _rlfabric(repo_root, "plan", str(_upstream(QWEN3_30B_A3B)), "-o",
+                      "generate_config.infer_tensor_parallel_size=2")
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "30.53 B parameters" in fixed.stdout and "3.35 B active per token" in fixed.stdout
+    assert "EP 8 x expert-TP 1 (moe_tp_extend_ep) x expert DP 2" in fixed.stdout
+    assert "190,332 tokens" in fixed.stdout  # the KV cache at TP 2 (weights 28.4 GiB)
+
+
+def test_moe_advice_can_double_expert_parallelism() -> None:
+    plan, advice = plan_config(_upstream(QWEN3_30B_A3B), 64 * GIB, ["actor_config.expert_model_parallel_size=1",
+                                                                    "generate_config.infer_tensor_parallel_size=2"])
+    assert plan.inputs.actor.expert_layout == ExpertLayout(ep=4, etp=1) and plan.inputs.actor.expert_dp == 4
+    assert round(plan.actor.update_peak / GIB, 1) == 72.2 and not plan.configured.fits
+    assert "actor_config.expert_model_parallel_size: 2" in advice["integrated"].settings
 
 
 def test_what_to_change_when_it_does_not_fit(repo_root: Path) -> None:
