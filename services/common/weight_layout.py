@@ -67,6 +67,11 @@ def shard_key(key: Sequence[int]) -> ShardKey:
     return (t, p, e[0] if e else 0)
 
 
+def is_expert_shard(name: str) -> bool:
+    """Whether Megatron shard `name` is a local expert's weight (sharded over EP; every other tensor EP mirrors)."""
+    return _EXPERT in name
+
+
 def padded_vocab_size(spec: ModelSpec, tp: int) -> int:
     """Vocabulary rounded up to a multiple of the TP size (VocabParallelEmbedding needs it)."""
     return -(-spec.vocab_size // tp) * tp

@@ -7,8 +7,8 @@ Owns what goes into `iter_XXXXXXX/mp_rank_*/model_optim_rng.pt` and how it is re
     opt_param_scheduler   Megatron OptimizerParamScheduler state
     rng_state             [{random_rng_state, np_rng_state, torch_rng_state, cuda_rng_state?,
                             rng_tracker_states}] as Megatron names them
-    args                  argparse.Namespace with consumed_train_samples, iteration, TP/PP sizes
-    iteration, checkpoint_version (3.0), rlfabric {hf_config, tp, pp}
+    args                  argparse.Namespace with consumed_train_samples, iteration, TP/PP/EP sizes
+    iteration, checkpoint_version (3.0), rlfabric {hf_config, tp, pp, ep}
 
 Semantics as Megatron's `load_checkpoint`: `finetune` loads weights only and restarts at iteration 0
 with fresh optimizer and RNG; a `release` checkpoint (converted weights) also starts at 0; otherwise
@@ -16,6 +16,14 @@ the iteration and consumed samples come from the checkpoint, the optimizer/sched
 `no_load_optim`, the RNG unless `no_load_rng`. Saving is atomic (see ckpt_layout.py). Only
 data-parallel rank 0 of each (TP, PP) position writes; its replicas hold the same model, and a
 distributed optimizer's shards are gathered to it first.
+
+Expert parallelism (MoE): as Megatron, each (TP, PP, EP) position has its own folder
+(`mp_rank_TT[_PPP]_EEE`), written by the rank at that position whose expert-data-parallel rank is 0; it holds
+that rank's whole model (its experts, numbered locally, and the weights every EP rank shares) and the optimizer
+state the optimizer hands that rank. A checkpoint loads at the same TP and PP with any data-parallel size and
+any EP size that divides the experts (EP is carved out of data parallelism): a rank takes the shared weights
+and their optimizer state from EP rank 0's file and each of its experts (weights and state) from the file that
+holds it, renumbered to its own local numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import argparse
 import dataclasses
 import logging
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -34,6 +43,7 @@ import torch.distributed as dist
 
 from services.trainer import ckpt_layout
 from services.trainer.model import canonical_name, canonical_state_dict
+from services.trainer.weights_export import check_expert_layout
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +118,19 @@ def save_checkpoint(
     t0 = time.monotonic()
     root = Path(root)
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    check_expert_layout()
+    # Collective when the optimizer is sharded over data-parallel ranks: every rank sends its part.
+    optimizer_state = optimizer.state_dict() if optimizer is not None else None
+    writer = _writes_checkpoint(ep)
+    # Agreed before anything is written: an optimizer that hands a writing rank no state fails the save on every
+    # rank (none is left waiting in a barrier for one that raised).
+    missing = [e for e in _all_gather_object(ep_rank if writer and optimizer is not None and optimizer_state is None
+                                             else None) if e is not None]
+    if missing:
+        raise ValueError(f"the optimizer returned no state on the rank writing expert-parallel rank {missing[0]}'s "
+                         f"checkpoint file (its expert-data-parallel rank 0; EP={ep}): every such rank needs its "
+                         "experts' optimizer state")
     tmp = ckpt_layout.tmp_iter_dir(root, iteration)
     if dist.get_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -116,27 +139,23 @@ def save_checkpoint(
         if hf_assets_dir is not None and not (root / ckpt_layout.HF_ASSETS).is_dir():
             ckpt_layout.copy_hf_assets(Path(hf_assets_dir), root / ckpt_layout.HF_ASSETS)
     _barrier()
-    # Collective when the optimizer is sharded over data-parallel ranks: every rank sends its part.
-    optimizer_state = optimizer.state_dict() if optimizer is not None else None
-    if ps.get_data_parallel_rank() == 0:
+    if writer:
+        sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                 "expert_model_parallel_size": ep}
         payload = {
             "model": canonical_state_dict(model),
             "iteration": iteration,
             "checkpoint_version": 3.0,
-            "args": argparse.Namespace(
-                consumed_train_samples=consumed_samples,
-                iteration=iteration,
-                tensor_model_parallel_size=tp,
-                pipeline_model_parallel_size=pp,
-            ),
+            "args": argparse.Namespace(consumed_train_samples=consumed_samples, iteration=iteration, **sizes),
             "rng_state": [rng_state()],
-            "rlfabric": {"hf_config": hf_config, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+            "rlfabric": {"hf_config": hf_config, **sizes},
         }
         if optimizer_state is not None:
             payload["optimizer"] = optimizer_state
         if scheduler is not None:
             payload["opt_param_scheduler"] = scheduler.state_dict()
-        path = ckpt_layout.shard_path(tmp, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp)
+        path = ckpt_layout.shard_path(tmp, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                                      pp, ep_rank, ep)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(payload, path)
     _barrier()
@@ -164,15 +183,21 @@ def load_checkpoint(
 
     iter_dir, it = ckpt_layout.resolve_iter_dir(root, iteration)
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    ck_tp, ck_pp = ckpt_layout.detect_tp_pp(iter_dir)
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    ck_tp, ck_pp, ck_ep = ckpt_layout.detect_tp_pp_ep(iter_dir)
     if (ck_tp, ck_pp) != (tp, pp):
         raise ValueError(
             f"{iter_dir} was saved with tensor_model_parallel_size={ck_tp}, pipeline_model_parallel_size={ck_pp}, "
             f"but this trainer runs TP={tp}, PP={pp}; convert it first "
             f"(`rlfabric convert mcore2hf` then `rlfabric convert hf2mcore --tp {tp} --pp {pp}`)"
         )
-    path = ckpt_layout.shard_path(iter_dir, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp)
-    payload = torch.load(path, map_location="cpu", weights_only=False)
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    if ep == ck_ep == 1:
+        path = ckpt_layout.shard_path(iter_dir, tp_rank, pp_rank, pp)
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+    else:
+        check_expert_layout()
+        path, payload = _expert_payload(iter_dir, model, tp_rank, pp_rank, pp, ck_ep, ep, ep_rank)
     args = payload.get("args")
     # Checked before any state is touched: a checkpoint written elsewhere (or by a trainer that took any
     # number) must neither make an absurd iteration the trainer's own nor leave half-loaded weights behind.
@@ -200,6 +225,80 @@ def load_checkpoint(
         set_rng_state(payload["rng_state"][0])
         loaded_rng = True
     return LoadResult(iter_dir, iteration_read, consumed, loaded_optim, loaded_rng)
+
+
+def _writes_checkpoint(ep: int) -> bool:
+    """Whether this rank writes its position's file: the first copy of its weights (and of its experts)."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_expert_data_parallel_rank() if ep > 1 else ps.get_data_parallel_rank()) == 0
+
+
+def _all_gather_object(obj) -> list:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+
+
+def _split_experts(state: dict) -> tuple[dict, dict[tuple[str, int, str], object]]:
+    """(entries of no expert, {(prefix, local expert number, suffix): value})."""
+    shared, experts = {}, {}
+    for k, v in state.items():
+        m = _LOCAL_EXPERT.match(k)
+        if m:
+            experts[(m.group(1), int(m.group(2)), m.group(3))] = v
+        else:
+            shared[k] = v
+    return shared, experts
+
+
+def _expert_payload(iter_dir: Path, model, tp_rank: int, pp_rank: int, pp: int, ck_ep: int, ep: int,
+                    ep_rank: int) -> tuple[Path, dict]:
+    """This rank's payload from a checkpoint saved at expert-parallel size `ck_ep` (any, the running one too):
+    the shared weights, their optimizer state, scheduler, counters and RNG from EP rank 0's file (the RNG from
+    this rank's own file when the EP sizes agree: expert-parallel RNG streams differ per EP rank), each local
+    expert's weights and optimizer state from the file holding that expert, renumbered to this rank."""
+    own_experts = {key[1] for key in _split_experts(canonical_state_dict(model))[1]}
+    per = len(own_experts)  # local experts of this stage (0: a stage without MoE layers)
+    if per and (per * ep) % ck_ep:
+        raise ValueError(f"{iter_dir} was saved with expert_model_parallel_size={ck_ep}, which does not divide this "
+                         f"model's {per * ep} experts")
+    ck_per = per * ep // ck_ep
+    first, last = ep_rank * per, (ep_rank + 1) * per  # model-wide experts of this rank: [first, last)
+    files = sorted({0, *(x // ck_per for x in range(first, last))}) if per else [0]
+    if ck_ep == ep and ep_rank not in files:
+        files.append(ep_rank)
+    payloads: dict[int, tuple[Path, dict]] = {}
+    for e in files:
+        path = ckpt_layout.shard_path(iter_dir, tp_rank, pp_rank, pp, e, ck_ep)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} missing (the other folders say expert_model_parallel_size={ck_ep})")
+        payloads[e] = (path, torch.load(path, map_location="cpu", weights_only=False))
+    path, base = payloads[0]
+
+    def merged(section: dict[int, dict]) -> dict:
+        out, _ = _split_experts(section[0])
+        for e, state in section.items():
+            for (prefix, i, suffix), v in _split_experts(state)[1].items():
+                x = e * ck_per + i
+                if first <= x < last:
+                    out[f"{prefix}{x - first}{suffix}"] = v
+        return out
+
+    payload = dict(base, model=merged({e: p["model"] for e, (_, p) in payloads.items()}))
+    if ck_ep == ep and "rng_state" in payloads[ep_rank][1]:
+        payload["rng_state"] = payloads[ep_rank][1]["rng_state"]
+    if all(isinstance(p.get("optimizer"), dict) and "params" in p["optimizer"] for _, p in payloads.values()):
+        params = merged({e: p["optimizer"]["params"] for e, (_, p) in payloads.items()})
+        payload["optimizer"] = dict(base["optimizer"], params=params)
+    elif any("optimizer" in p for _, p in payloads.values()):
+        payload.pop("optimizer", None)  # some file lacks it: load_checkpoint asks for no_load_optim
+    return path, payload
 
 
 def _load_model_state(model, state: dict, path: Path) -> None:

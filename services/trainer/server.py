@@ -254,7 +254,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 shards = self._run(context, "shards")
             for s in shards:
                 info.shards.add(name=s["name"], shape=list(s["shape"]), tp_rank=s["tp_rank"], pp_rank=s["pp_rank"],
-                                partition_dim=s["partition_dim"])
+                                partition_dim=s["partition_dim"], ep_rank=s.get("ep_rank", 0))
         return info
 
 
@@ -304,9 +304,14 @@ def worker_handlers(worker) -> dict:
         return push(worker, **kwargs)
 
     def shards():
+        from megatron.core import parallel_state as ps
+
         from services.trainer.worker import gather_objects
 
-        parts = gather_objects(worker.shard_infos())
+        # One copy of each (tp, pp, ep) rank's shards: data-parallel replicas hold the same ones. With expert
+        # parallelism the first copy of each EP rank's experts is on its expert-data-parallel rank 0.
+        first_copy = ps.get_expert_data_parallel_rank() == 0 if worker.layout.ep > 1 else worker.layout.dp_rank == 0
+        parts = gather_objects(worker.shard_infos() if first_copy else [])
         return [s for part in (parts or []) for s in part]
 
     return {

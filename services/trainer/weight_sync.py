@@ -7,6 +7,12 @@ rank 0 over torch.distributed (gloo on CPU); rank 0 assembles one HF tensor at a
 (services/common/weight_layout.py) and hands it to the transport, which buckets and streams it to every
 target. So rank 0 holds one HF tensor plus a few buckets, never a second copy of the model.
 
+With expert parallelism (a MoE plan, `trainer_ep` > 1) a slice is keyed (tp_rank, pp_rank, ep_rank): an expert
+slice (`mlp.experts.local_experts.i`, numbered on its EP rank) comes from the rank at that position whose
+expert-data-parallel rank is 0 (the first copy of those experts); every other slice names EP rank 0 and comes
+from the DP-rank-0 copy as without experts (the EP ranks hold the same values). Each per-expert HF tensor is
+then one more tensor of the stream, so every transport carries it as it carries the dense ones.
+
 What is sent is the model's parameters cast to the plan's dtype. With `bf16: true` the optimizer keeps fp32 master
 weights and sets each bf16 parameter to the round-to-nearest cast of its master after every step and every load
 (services/trainer/optimizer.py), so for a bf16 rollout (the configuration validation asks for) the parameters are
@@ -26,6 +32,7 @@ the push id it passes to the operation (the operation's arguments must be pickla
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -40,6 +47,7 @@ from services.common import weight_layout
 from services.common.reshard_plan import ReshardPlan
 from services.common.transports import TRANSPORTS, TargetFailure, WeightAck
 from services.trainer.model import canonical_name
+from services.trainer.weights_export import check_expert_layout
 
 logger = logging.getLogger(__name__)
 
@@ -110,23 +118,61 @@ def _all_gather(obj) -> list:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Position:
+    """Where a rank sits, as the owner table needs it (all-gathered: picklable)."""
+
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    ep_rank: int = 0
+    edp_rank: int = 0  # expert-data-parallel rank: 0 on the first copy of this EP rank's experts
+
+
+def _position(layout) -> _Position:
+    from megatron.core import parallel_state as ps
+
+    edp_rank = ps.get_expert_data_parallel_rank() if layout.ep > 1 else layout.dp_rank
+    return _Position(layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.ep_rank, edp_rank)
+
+
 def local_parameters(model) -> dict[str, torch.Tensor]:
     """This rank's parameters by stage-local, canonical (local-spec) Megatron name."""
     return {canonical_name(n): p.detach() for n, p in model.named_parameters()}
 
 
-def _check_local(plan: ReshardPlan, params: dict[str, torch.Tensor], tp_rank: int, pp_rank: int) -> str | None:
+def _mine(s: weight_layout.ShardSlice, pos: _Position) -> bool:
+    """Whether this rank is the one sending slice `s` (see module docstring)."""
+    if (s.tp_rank, s.pp_rank) != (pos.tp_rank, pos.pp_rank):
+        return False
+    if weight_layout.is_expert_shard(s.name):
+        return s.ep_rank == pos.ep_rank and pos.edp_rank == 0
+    return pos.dp_rank == 0
+
+
+def _check_local(plan: ReshardPlan, params: dict[str, torch.Tensor], pos: _Position) -> str | None:
     for r in plan.tensors:
         for s in r.sources:
-            if s.key != (tp_rank, pp_rank, 0):
+            if not _mine(s, pos):
                 continue
             p = params.get(s.name)
             if p is None:
-                return f"plan tensor {r.hf_name!r} needs {s.name!r} of tp_rank {tp_rank}, pp_rank {pp_rank}: no such parameter"
+                return f"plan tensor {r.hf_name!r} needs {s.name!r} of {s.rank_text}: no such parameter"
             if tuple(p.shape) != s.shard_shape:
-                return (f"plan tensor {r.hf_name!r} needs {s.name!r} of tp_rank {tp_rank}, pp_rank {pp_rank} with shape "
+                return (f"plan tensor {r.hf_name!r} needs {s.name!r} of {s.rank_text} with shape "
                         f"{s.shard_shape}, the rank holds {tuple(p.shape)}")
     return None
+
+
+def _owners(everyone: list[_Position]) -> dict[tuple[bool, weight_layout.ShardKey], int]:
+    """(expert slice?, slice key) -> the global rank sending it; every rank computes the same table."""
+    owners: dict[tuple[bool, weight_layout.ShardKey], int] = {}
+    for rank, pos in enumerate(everyone):
+        if pos.dp_rank == 0:
+            owners.setdefault((False, (pos.tp_rank, pos.pp_rank, 0)), rank)
+        if pos.edp_rank == 0:
+            owners.setdefault((True, (pos.tp_rank, pos.pp_rank, pos.ep_rank)), rank)
+    return owners
 
 
 def plan_dtype(plan: ReshardPlan, params: dict[str, torch.Tensor]) -> torch.dtype:
@@ -138,7 +184,8 @@ def plan_dtype(plan: ReshardPlan, params: dict[str, torch.Tensor]) -> torch.dtyp
     return next(iter(params.values())).dtype
 
 
-def hf_tensors(plan: ReshardPlan, params: dict[str, torch.Tensor], owners: dict[weight_layout.ShardKey, int],
+def hf_tensors(plan: ReshardPlan, params: dict[str, torch.Tensor],
+               owners: dict[tuple[bool, weight_layout.ShardKey], int],
                dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Every rank runs this to the end; only rank 0 yields anything (the assembled HF tensors)."""
     rank, _ = _rank_and_world()
@@ -146,7 +193,7 @@ def hf_tensors(plan: ReshardPlan, params: dict[str, torch.Tensor], owners: dict[
     for r in plan.tensors:
         pieces = []
         for s in r.sources:
-            owner = owners[s.key]
+            owner = owners[(weight_layout.is_expert_shard(s.name), s.key)]
             if owner == rank:
                 piece = s.take(params[s.name]).to(dtype)
                 if rank == 0:
@@ -168,19 +215,22 @@ def push_weights(worker, *, plan: ReshardPlan, version: int, targets: list[str],
     if (plan.trainer_tp, plan.trainer_pp) != (layout.tp, layout.pp):
         raise ValueError(f"the plan is for trainer TP={plan.trainer_tp} PP={plan.trainer_pp}, this group is "
                          f"TP={layout.tp} PP={layout.pp}; recompute it")
-    if plan.trainer_ep != 1:
-        raise ValueError(f"the plan is for trainer EP={plan.trainer_ep}; this trainer group runs without expert "
-                         "parallelism; recompute it")
+    if plan.trainer_ep != layout.ep:
+        raise ValueError(f"the plan is for trainer EP={plan.trainer_ep}, this group is EP={layout.ep}; recompute it")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport {transport} is not available; available: {sorted(TRANSPORTS)}")
+    check_expert_layout()
     params = local_parameters(worker.model)
-    tp_rank, pp_rank = worker._tp_rank, worker._pp_rank
-    problem = _check_local(plan, params, tp_rank, pp_rank) if layout.dp_rank == 0 else None
-    everyone = _all_gather((tp_rank, pp_rank, layout.dp_rank, problem))
-    problems = [p for *_, p in everyone if p]
+    pos = _position(layout)
+    everyone = _all_gather((pos, _check_local(plan, params, pos)))
+    problems = [p for _, p in everyone if p]
     if problems:
         raise ValueError(problems[0])
-    owners = {(t, p, 0): rank for rank, (t, p, dp, _) in enumerate(everyone) if dp == 0}
+    owners = _owners([p for p, _ in everyone])
+    missing = sorted({(weight_layout.is_expert_shard(s.name), s.key) for r in plan.tensors for s in r.sources} - set(owners))
+    if missing:
+        raise ValueError(f"no rank of this group holds the plan's shards of (tp_rank, pp_rank, ep_rank) "
+                         f"{missing[0][1]}; recompute the plan")
     dtype = plan_dtype(plan, params)
     tensors = hf_tensors(plan, params, owners, dtype)
     rank, _ = _rank_and_world()

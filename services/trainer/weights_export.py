@@ -2,9 +2,15 @@
 
 `iter_shards(model, spec)` yields `WeightShard(meta, tensor)` for every parameter this rank holds: the
 Megatron name with the MODEL-WIDE layer number (stages renumber layers from 0 locally; the renaming rule
-lives in services/common/weight_layout.py), the shard's shape, its TP/PP position and the dimension split
+lives in services/common/weight_layout.py), the shard's shape, its TP/PP/EP position and the dimension split
 across TP ranks (-1 when replicated). How the fused tensors are laid out is weight_layout.py's knowledge,
 not repeated here. The tensors are the live parameters (detached views, no copy).
+
+Mixture-of-experts models: every parameter carries the rank's expert-parallel position. Megatron names a
+local expert by its number on this EP rank (`mlp.experts.local_experts.i`, the model-wide expert being
+`ep_rank * E/EP + i`), which is the naming weight_layout expects; the other parameters (the router included)
+are the same on every EP rank and reported with its ep_rank too, as the mirrors weight_layout lists.
+Expert-tensor parallelism other than the TP size has no layout there and is refused (`check_expert_layout`).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ class ShardMeta:
     pp_rank: int
     pp_size: int
     partition_dim: int  # -1 when replicated over TP
+    ep_rank: int = 0  # expert-parallel rank (0 without expert parallelism)
+    ep_size: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,15 +44,27 @@ class WeightShard:
     tensor: torch.Tensor
 
 
+def check_expert_layout() -> None:
+    """Refuse an expert-TP size other than the TP size: weight_layout splits experts over TP like dense MLPs."""
+    from megatron.core import parallel_state as ps
+
+    tp, etp = ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    if ps.get_expert_model_parallel_world_size() > 1 and etp != tp:
+        raise ValueError(f"expert tensor parallel size {etp} differs from tensor_model_parallel_size {tp}: weight "
+                         "sync and checkpoints lay experts out over TP (moe_tp_extend_ep is not supported there)")
+
+
 def iter_shards(model, spec: ModelSpec) -> Iterator[WeightShard]:
     """Every parameter of this rank, in `named_parameters` order."""
     from megatron.core import parallel_state as ps
 
+    check_expert_layout()
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     per_stage = spec.num_hidden_layers // pp
     for name, p in model.named_parameters():
         partition_dim = int(getattr(p, "partition_dim", -1)) if getattr(p, "tensor_model_parallel", False) else -1
         meta = ShardMeta(global_layer_name(canonical_name(name), pp_rank, per_stage), tuple(p.shape),
-                         tp_rank, tp, pp_rank, pp, partition_dim)
+                         tp_rank, tp, pp_rank, pp, partition_dim, ep_rank, ep)
         yield WeightShard(meta, p.detach())
