@@ -76,8 +76,11 @@ def add_group_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", default=None, help="Megatron checkpoint dir to load (overrides the config)")
     p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: config or 1)")
     p.add_argument("--pp", type=int, default=None, help="pipeline parallel size (default: config or 1)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert parallel size (MoE models; default 1): EP x TP x PP must divide the world size")
     p.add_argument("--world-size", type=int, default=None,
-                   help="ranks in the group (default: tp * pp); with --nnodes, each host starts world-size / nnodes")
+                   help="ranks in the group (default: pp * lcm(tp, ep * expert-TP)); with --nnodes, each host starts "
+                        "world-size / nnodes")
     p.add_argument("--port-file", default=None, help="write rank 0's bound port here once serving")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port of rank 0 (0 = any free)")
     p.add_argument("--master-port", type=int, default=None, help="torch.distributed port (default: a free one)")

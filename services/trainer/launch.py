@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -83,7 +84,9 @@ def serve_group(args: argparse.Namespace) -> int:
         mt = cfg.actor_config if args.role == "actor" else cfg.ref_config
         tp, pp = tp or mt.tensor_model_parallel_size, pp or mt.pipeline_model_parallel_size
     tp, pp = tp or 1, pp or 1
-    world = args.world_size or tp * pp
+    ep, etp = _expert_sizes(args)
+    # The smallest world that holds the dense layout (TP x PP) and the experts' (expert-TP x EP x PP).
+    world = args.world_size or pp * math.lcm(tp, (etp or tp) * ep)
     bad = _check_nodes(args, world)
     if bad:
         print(f"rlfabric trainer serve: {bad}", file=sys.stderr)
@@ -178,9 +181,10 @@ def run_rank(args: argparse.Namespace) -> int:
     standalone_leader = os.environ.get("RANK", "0") == "0" and args.master_listen_fd is None
     server_security(args, "rlfabric.v1.Trainer" if standalone_leader else None)
     opts, kl_coef, tp, pp = _worker_options(args)
+    ep, etp = _expert_sizes(args)
     roots = checkpoint_roots(args, opts)
     parallel.init_distributed(store=_bound_store(args))
-    parallel.init_model_parallel(tp, pp, seed=opts.update.seed)
+    parallel.init_model_parallel(tp, pp, seed=opts.update.seed, ep=ep, etp=etp)
     worker = TrainerWorker(opts)
     liveness = Liveness()
     liveness.start()
@@ -255,6 +259,19 @@ def checkpoint_roots(args: argparse.Namespace, opts) -> list[Path]:
         mt = cfg.actor_config if args.role == "actor" else cfg.ref_config
         found += [getattr(mt, "save", None), getattr(mt, "load", None)]
     return [Path(p).resolve() for p in dict.fromkeys(found) if p]
+
+
+def _expert_sizes(args: argparse.Namespace) -> tuple[int, int | None]:
+    """(expert parallel size, expert tensor parallel size or None for TP): --ep, else the config's derived
+    actor_expert_parallel_size / actor_expert_tensor_parallel_size (MindSpeed's moe_tp_extend_ep folded in), else 1."""
+    if args.ep:
+        return args.ep, None
+    if args.config:
+        from services.common.config import load_config
+
+        d = load_config(args.config, overrides=args.override).derived
+        return d.actor_expert_parallel_size or 1, d.actor_expert_tensor_parallel_size
+    return 1, None
 
 
 def _worker_options(args: argparse.Namespace):

@@ -5,7 +5,9 @@ data-parallel rank runs its share through Megatron's forward-only schedule in mi
 `actor_forward_micro_batch_size` / `ref_forward_micro_batch_size` rows, or of a token budget under
 `use_dynamic_bsz`, padded or packed (`use_remove_padding`; services/trainer/packing.py); logits are
 divided by the sampling temperature (`grpo_loss.compute_log_probs`); only the response slice is kept.
-The packed float32 result (`[sum(response_lengths)]`, rows in order) is assembled on global rank 0.
+The packed float32 result (`[sum(response_lengths)]`, rows in order) is assembled on global rank 0. A MoE
+model whose expert collectives span data-parallel ranks runs as many micro-batches on each (padding ones, whose
+rows are -1 and are not written: services/trainer/moe.py).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from services.trainer import grpo_loss, packing
+from services.trainer import grpo_loss, moe, packing
 from services.trainer.step import (
     SequenceRows,
     gather_response_logits,
@@ -40,7 +42,8 @@ def compute_log_probs_rows(
         raise ValueError(f"forward micro batch size must be >= 1, got {micro_batch_size}")
     pp = ps.get_pipeline_model_parallel_world_size()
     groups = packing.dp_groups(rows, range(len(rows)), micro_batch_size, packing_opts,
-                               dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank())
+                               dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+                               same_count=moe.lockstep_data_parallel(model))
     mbs = packing.build_micro_batches(rows, groups, packing_opts, pp=pp,
                                       tp=ps.get_tensor_model_parallel_world_size(),
                                       pad_rows_to=0 if packing_opts.dynamic else micro_batch_size)
@@ -56,7 +59,7 @@ def compute_log_probs_rows(
         return torch.zeros((), device=logits.device), info
 
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), moe.inert_padding(model, mbs):
         outputs = run_micro_batches(model, mbs, loss_fn, forward_only=True)
     # The last pipeline stage of TP rank 0 in each DP replica holds results; collect them on rank 0.
     mine = outputs if (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0) else []

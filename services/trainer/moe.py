@@ -19,23 +19,23 @@ Owns what the trainer adds for a MoE `ModelSpec` (`spec.moe`, read from the HF c
   `install` pads each rank's tokens to the group's largest count with rows routed to no expert (zero
   probabilities, all-False routing map: they reach no expert and combine to zero) and drops them after the
   combine, one small all-gather of the counts per MoE layer. "alltoall" exchanges per-expert counts itself.
-- `expert_state_from_hf`: one MoE layer's router and this rank's experts from HF tensors (the HF <-> Megatron
-  names are below; expert-parallel rank r holds experts [r * E/EP, (r + 1) * E/EP), renumbered from 0).
+- Equal micro-batch counts (`lockstep_data_parallel`, `inert_padding`): a MoE forward and backward are
+  collectives over the EP (x expert-TP) group, whose ranks are different data-parallel ranks with their own rows,
+  so every data-parallel rank must run as many micro-batches (packing.dp_groups pads with padding micro-batches).
+  A padding micro-batch changes nothing: zero loss, its router's aux loss adds no gradient (the real ones' is
+  scaled by 1 / their count, as without padding), and the MoE metrics and router statistics skip it.
 - `ExpertLoad` and `moe_metrics`: the router's per-expert token counts and Megatron's tracked aux loss, as
   iteration metrics `moe/aux_loss` and `moe/expert_load_max_over_mean`.
 
-    HF name (layer L, expert e)                     Megatron name (layer l of the stage, local expert i)
-    model.layers.L.mlp.gate.weight                  decoder.layers.l.mlp.router.weight
-    model.layers.L.mlp.experts.e.{gate,up}_proj     decoder.layers.l.mlp.experts.local_experts.i.linear_fc1.weight
-                                                    ([gate; up] rows; expert-TP rank t: [gate_t; up_t])
-    model.layers.L.mlp.experts.e.down_proj          decoder.layers.l.mlp.experts.local_experts.i.linear_fc2.weight
-                                                    (expert-TP split on dim 1)
+The HF <-> Megatron names of the experts (expert-parallel rank r holds experts [r * E/EP, (r + 1) * E/EP),
+renumbered from 0) live in services/common/weight_layout.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -118,33 +118,6 @@ def transformer_config_kwargs(spec: ModelSpec, opts: MoeOptions, *, ep: int, etp
     )
 
 
-def local_experts(spec: ModelSpec, ep: int, ep_rank: int) -> range:
-    """The model-wide expert ids this expert-parallel rank holds."""
-    assert spec.moe is not None
-    per = spec.moe.num_experts // ep
-    return range(ep_rank * per, (ep_rank + 1) * per)
-
-
-def expert_state_from_hf(hf: Callable[[str], torch.Tensor], spec: ModelSpec, *, layer: int, local_layer: int,
-                         ep: int = 1, ep_rank: int = 0, etp: int = 1, etp_rank: int = 0) -> dict[str, torch.Tensor]:
-    """Router and local-expert tensors of MoE layer `layer` (model-wide) under Megatron's stage-local names.
-
-    `hf(name)` returns an HF tensor. fc1 is [gate; up] of this expert-TP rank's rows; fc2 is split on dim 1.
-    """
-    assert spec.moe is not None
-    src, dst = f"model.layers.{layer}.mlp.", f"decoder.layers.{local_layer}.mlp."
-    f = spec.moe.moe_intermediate_size
-    if f % etp:
-        raise ValueError(f"expert tensor parallel size {etp} must divide moe_intermediate_size={f}")
-    rows = slice(etp_rank * f // etp, (etp_rank + 1) * f // etp)
-    out = {dst + "router.weight": hf(src + "gate.weight")}
-    for i, e in enumerate(local_experts(spec, ep, ep_rank)):
-        ex, me = f"{src}experts.{e}.", f"{dst}experts.local_experts.{i}."
-        out[me + "linear_fc1.weight"] = torch.cat([hf(ex + "gate_proj.weight")[rows], hf(ex + "up_proj.weight")[rows]])
-        out[me + "linear_fc2.weight"] = hf(ex + "down_proj.weight")[:, rows]
-    return out
-
-
 def install(model) -> None:
     """Lets the allgather dispatchers of `model` take token counts that differ over their EP x TP group."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
@@ -191,6 +164,105 @@ def routers(model) -> list:
     return [m for m in model.modules() if isinstance(m, TopKRouter)]
 
 
+# Set on a model's routers while a padding micro-batch runs through them.
+_PADDING_ATTR = "_rlfabric_padding"
+# Router buffers that accumulate over forwards (global aux loss, aux-loss-free bias): padding leaves them as they were.
+_ROUTER_STATS = ("local_tokens_per_expert", "global_tokens_per_expert", "ga_steps")
+
+
+def is_moe(model) -> bool:
+    """Whether `model` is a mixture-of-experts model (also on a pipeline stage without MoE layers)."""
+    from services.trainer.model import unwrap
+
+    return bool(getattr(getattr(unwrap(model), "config", None), "num_moe_experts", None))
+
+
+def lockstep_data_parallel(model) -> bool:
+    """Whether every data-parallel rank must run as many micro-batches: a MoE model whose experts' collectives
+    (the EP x expert-TP group, or a global aux loss's TP x DP group) span data-parallel ranks."""
+    from megatron.core import parallel_state as ps
+
+    from services.trainer.model import unwrap
+
+    if not is_moe(model) or ps.get_data_parallel_world_size() == 1:
+        return False
+    config = unwrap(model).config
+    if config.moe_router_load_balancing_type == "global_aux_loss" and config.moe_aux_loss_coeff > 0:
+        return True
+    return ps.get_expert_tensor_and_model_parallel_world_size() > ps.get_tensor_model_parallel_world_size()
+
+
+class _AuxLossScale(torch.autograd.Function):
+    """Identity on a stage's output whose backward, which runs before any router's of that micro-batch, sets
+    the scale Megatron's MoEAuxLossAutoScaler gives the router aux losses' gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), ctx.scale, device=grad.device))
+        return grad, None
+
+
+@contextlib.contextmanager
+def inert_padding(model, micro_batches: Sequence[dict]) -> Iterator[None]:
+    """While Megatron's schedule runs `micro_batches` through `model`, those marked `padding` change nothing
+    (module docstring); a no-op when there are none. Forwards run in micro-batch order on every stage."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe import moe_utils
+
+    padding = [bool(mb.get("padding")) for mb in micro_batches]
+    if not any(padding):
+        yield
+        return
+    real = len(padding) - sum(padding)
+    # Megatron's scale without padding (no grad_scale_func): context-parallel size / micro-batches.
+    scale = ps.get_context_parallel_world_size() / max(real, 1)
+    mine = routers(model)
+    forwards = iter(padding)
+    saved: dict = {}
+
+    def pre_hook(_module, _args) -> None:
+        saved.clear()
+        if next(forwards, False):
+            saved["tracker"] = {k: v["values"].clone() for k, v in moe_utils.get_moe_layer_wise_logging_tracker().items()}
+            saved["routers"] = [{n: getattr(r, n).clone() for n in _ROUTER_STATS if getattr(r, n, None) is not None}
+                                for r in mine]
+            for r in mine:
+                setattr(r, _PADDING_ATTR, True)
+
+    def hook(_module, _args, output):
+        pad = bool(saved)
+        if pad:
+            tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+            for name, values in saved["tracker"].items():
+                tracker[name]["values"].copy_(values)
+            for name in set(tracker) - set(saved["tracker"]):  # first recorded by this padding pass
+                tracker[name]["values"].zero_()
+            for r, stats in zip(mine, saved["routers"], strict=True):
+                setattr(r, _PADDING_ATTR, False)
+                for n, v in stats.items():
+                    getattr(r, n).copy_(v)
+            saved.clear()
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+            return _AuxLossScale.apply(output, 0.0 if pad else scale)
+        return output
+
+    handles = [model.register_forward_pre_hook(pre_hook), model.register_forward_hook(hook)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for r in mine:
+            setattr(r, _PADDING_ATTR, False)
+
+
 class ExpertLoad:
     """Counts the tokens each router sends to each expert (forward hooks; training and log-prob passes alike).
 
@@ -205,7 +277,9 @@ class ExpertLoad:
         self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self._routers)]
 
     def _hook(self, i: int):
-        def hook(_module, _args, output) -> None:
+        def hook(module, _args, output) -> None:
+            if getattr(module, _PADDING_ATTR, False):  # a padding micro-batch (inert_padding)
+                return
             routing_map = output[1]  # [tokens, experts] bool
             self.counts[i] += routing_map.detach().sum(dim=0).to("cpu", torch.float64)
         return hook
@@ -219,11 +293,12 @@ class ExpertLoad:
         self._handles = []
 
 
-def moe_metrics(model, load: ExpertLoad | None = None, *, num_micro_batches: int = 1) -> dict[str, float]:
+def moe_metrics(model, load: ExpertLoad | None = None, *, num_micro_batches: float = 1) -> dict[str, float]:
     """`moe/aux_loss` and `moe/expert_load_max_over_mean` of the passes since the last call (a collective).
 
     `moe/aux_loss`: Megatron's tracked load-balancing loss (without its coefficient), mean over the MoE layers
-    and over `num_micro_batches`, as Megatron's `track_moe_metrics` reports it; present when a router recorded
+    and over `num_micro_batches` (per data-parallel rank: their mean, where the ranks ran different counts), as
+    Megatron's `track_moe_metrics` reports it; present when a router recorded
     one (a training pass with moe_aux_loss_coeff > 0). The tracker is cleared.
     `moe/expert_load_max_over_mean`: tokens routed to the busiest expert over the mean per expert, per MoE
     layer over all data-parallel ranks (and sequence slices), the worst layer; 1.0 is perfectly balanced.
@@ -280,7 +355,7 @@ def _expert_load(model, load: ExpertLoad) -> dict[str, float]:
 
         if unwrap(model).config.sequence_parallel:
             groups.append(ps.get_tensor_model_parallel_group())
-        device = _comm_device()
+        device = comm_device()
         counts = counts.to(device)
         for g in groups:
             dist.all_reduce(counts, group=g)
@@ -306,7 +381,7 @@ def _max_over_mean(counts: torch.Tensor) -> float:
     return float((counts.double().max(dim=1).values[seen] / mean[seen]).max().item())
 
 
-def _comm_device() -> torch.device:
+def comm_device() -> torch.device:
     import torch.distributed as dist
 
     if dist.get_backend() == "gloo":

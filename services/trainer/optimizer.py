@@ -16,7 +16,8 @@ What a step is (as Megatron does it):
   pipeline ends are summed over the embedding group; then the buffer is averaged over data-parallel ranks, with
   an all-reduce, or with the distributed optimizer a reduce-scatter that leaves each rank the average of only
   the part it owns. The TP and embedding sums come before the data-parallel step (Megatron orders them after
-  and pads its buckets so that both orders agree; the sums are linear either way).
+  and pads its buckets so that both orders agree; the sums are linear either way). Expert-parallel weights sit
+  in buckets of their own, reduced, sharded and counted in the norm over their groups (expert_grads.py).
 - **Norm and clipping** on the fp32 main grads: Megatron's `get_grad_norm_fp32` (TP duplicates and shared
   weights counted once) over the model-parallel group, or over every rank with the distributed optimizer, whose
   data-parallel ranks hold disjoint parts; grads are scaled by clip_grad / (norm + 1e-6) when that is below 1.
@@ -55,7 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.trainer import megatron_compat
+from services.trainer import expert_grads
 from services.trainer.model import canonical_name, unwrap
 
 # `state_dict()["format"]`: the layout described in the module docstring.
@@ -133,8 +134,9 @@ def optimizer_memory(optimizer: TrainerOptimizer) -> dict[str, int]:
 
 @dataclasses.dataclass
 class _Bucket:
-    start: int  # [start, end) in the gradient buffer; (end - start) is a multiple of DP when sharded
+    start: int  # [start, end) in the gradient buffer; (end - start) is a multiple of its group's size when sharded
     end: int
+    expert: bool = False  # holds expert-parallel weights: reduced and sharded over the expert-data-parallel group
 
 
 @dataclasses.dataclass
@@ -177,15 +179,15 @@ class TrainerOptimizer:
     """Mixed-precision AdamW over main gradients, optionally sharded over data-parallel ranks (module docstring)."""
 
     def __init__(self, model, opts: OptimizerOptions) -> None:
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
-        from megatron.core.transformer.module import param_is_not_shared
-
         self.model, self.opts = model, opts
         self.distributed = opts.use_distributed_optimizer
-        self.dp_group = ps.get_data_parallel_group()
-        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        dense = expert_grads.dense_group()
+        self.dp_group, self.dp, self.dp_rank = dense.group, dense.size, dense.rank
         named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        # Expert-parallel weights after the others, in buckets of their own (Megatron's DDP: expert buffers).
+        named.sort(key=lambda np_: expert_grads.is_expert(np_[1]))
+        self.with_experts = expert_grads.expert_parallel(model)
+        self._groups = {False: dense, True: expert_grads.expert_group() if self.with_experts else dense}
         # A bf16 model can hold fp32 weights (Megatron's local-spec norms); as in Megatron's Float16Optimizer
         # those are stepped in place, and only the low-precision ones get fp32 masters.
         dtypes = {p.dtype for _, p in named}
@@ -211,10 +213,7 @@ class TrainerOptimizer:
                 old.remove()
             slot.param._main_grad_hook = slot.param.register_post_accumulate_grad_hook(_accumulate_main_grad)
         self.pieces = [piece for slot in self.slots if (piece := self._piece(slot)) is not None]
-        self._norm_pieces = [
-            pc for pc in self.pieces
-            if param_is_not_shared(pc.slot.param) and tensor_parallel.param_is_not_tensor_parallel_duplicate(pc.slot.param)
-        ]
+        self._norm_pieces = [pc for pc in self.pieces if expert_grads.counts_for_norm(pc.slot.param)]
         self._tp_summed = self._tp_summed_slots()
         groups = param_groups(model)
         for g in groups:
@@ -236,27 +235,33 @@ class TrainerOptimizer:
         bucket_size = max(40_000_000, 1_000_000 * self.dp) if self.distributed else None
         slots, buckets = [], []
         offset = start = 0
+        expert = False
         for name, p in named:
+            if expert_grads.is_expert(p) != expert:  # the experts start a bucket of their own
+                if start < offset:
+                    start = offset = self._close_bucket(buckets, start, offset, expert)
+                expert = True
             if self.distributed:
                 offset = _round_up(offset, _PARAM_ALIGN)
             slots.append(_Slot(name, p, offset, len(buckets)))
             offset += p.numel()
             if bucket_size is not None and offset - start >= bucket_size:
-                start = offset = self._close_bucket(buckets, start, offset)
+                start = offset = self._close_bucket(buckets, start, offset, expert)
         if not buckets or start < offset:
-            start = offset = self._close_bucket(buckets, start, offset)
+            start = offset = self._close_bucket(buckets, start, offset, expert)
         return slots, buckets, offset
 
-    def _close_bucket(self, buckets: list[_Bucket], start: int, end: int) -> int:
+    def _close_bucket(self, buckets: list[_Bucket], start: int, end: int, expert: bool) -> int:
         if self.distributed:
-            end = start + _round_up(end - start, math.lcm(self.dp, _BUCKET_ALIGN))
-        buckets.append(_Bucket(start, end))
+            end = start + _round_up(end - start, math.lcm(self._groups[expert].size, _BUCKET_ALIGN))
+        buckets.append(_Bucket(start, end, expert))
         return end
 
     def _shard(self, bucket: _Bucket, rank: int | None = None) -> tuple[int, int]:
-        """[lo, hi) of `bucket` in the buffer that data-parallel `rank` (default: this one) owns."""
-        rank = self.dp_rank if rank is None else rank
-        size = (bucket.end - bucket.start) // self.dp
+        """[lo, hi) of `bucket` in the buffer that `rank` (default: this one) of its group owns."""
+        group = self._groups[bucket.expert]
+        rank = group.rank if rank is None else rank
+        size = (bucket.end - bucket.start) // group.size
         return bucket.start + rank * size, bucket.start + (rank + 1) * size
 
     def _piece(self, slot: _Slot) -> _Piece | None:
@@ -406,26 +411,26 @@ class TrainerOptimizer:
         if self.dp == 1:
             return
         for bucket in self.buckets:
+            # Experts: summed over the expert-data-parallel group, then divided by DP as well (expert_grads.py).
+            group = self._groups[bucket.expert]
             data = self.grad_buffer[bucket.start : bucket.end]
             if self.distributed:
                 lo, hi = self._shard(bucket)
                 local = self.grad_buffer[lo:hi]
-                dist.reduce_scatter_tensor(local, data, group=self.dp_group)
+                if group.size > 1:
+                    dist.reduce_scatter_tensor(local, data, group=group.group)
                 local.div_(self.dp)
             else:
-                dist.all_reduce(data, group=self.dp_group)
+                if group.size > 1:
+                    dist.all_reduce(data, group=group.group)
                 data.div_(self.dp)
 
     def _grad_norm(self) -> float:
-        from megatron.core import parallel_state as ps
-        from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
-
-        grads = [self._main_grad(pc) for pc in self._norm_pieces]
         # Sharded, the data-parallel ranks hold disjoint parts of the gradient: the sum of squares runs over
         # every rank of the trainer (TP x PP x DP), as Megatron's distributed optimizer does.
-        group = dist.group.WORLD if self.distributed else ps.get_model_parallel_group()
-        with megatron_compat.cpu_device_mode():
-            return float(get_grad_norm_fp32(grads, grad_stats_parallel_group=group))
+        dense = [self._main_grad(pc) for pc in self._norm_pieces if not self.buckets[pc.slot.bucket].expert]
+        experts = [self._main_grad(pc) for pc in self._norm_pieces if self.buckets[pc.slot.bucket].expert]
+        return expert_grads.grad_norm(dense, experts, distributed=self.distributed, with_experts=self.with_experts)
 
     @torch.no_grad()
     def _update_model_params(self) -> None:
@@ -445,7 +450,7 @@ class TrainerOptimizer:
                 at = pc.buf_lo - lo
                 # In the parameter's dtype first: an fp32 gather buffer must carry the bf16 value exactly.
                 local[at : at + pc.numel].copy_(self._local_value(pc))
-            dist.all_gather_into_tensor(full, local, group=self.dp_group)
+            dist.all_gather_into_tensor(full, local, group=self._groups[bucket.expert].group)
             for slot in self.slots:
                 if slot.bucket == b:
                     at = slot.offset - bucket.start
@@ -454,18 +459,25 @@ class TrainerOptimizer:
     # ---- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict | None:
         """The layout of the module docstring, on data-parallel rank 0 (the rank that writes; None on the
-        others). Collective over the data-parallel group when sharded: each rank sends its part."""
+        others). Collective over the data-parallel group when sharded: each rank sends its part.
+
+        With expert parallelism the experts' state is whole on expert-data-parallel rank 0 of each EP rank: data-
+        parallel rank 0 returns every parameter it holds, and an expert-data-parallel rank 0 that is not data-
+        parallel rank 0 returns its experts' state only (its expert checkpoint shard's writer).
+        """
         step = self._step_count()
         params: dict[str, dict[str, torch.Tensor]] = {}
         kinds = self._state_kinds(step)
         if self.distributed:
             params = self._gather_state(kinds)
-        if self.dp_rank != 0:
+        writes = {expert: self._groups[expert].rank == 0 for expert in (False, True)}
+        if self.dp_rank != 0 and not (self.with_experts and writes[True]):
             return None
         if not self.distributed:
             for pc in self.pieces:
-                entry = {k: self._piece_value(pc, k).reshape(pc.slot.param.shape) for k in kinds}
-                params[pc.slot.name] = entry
+                if writes[self.buckets[pc.slot.bucket].expert]:
+                    entry = {k: self._piece_value(pc, k).reshape(pc.slot.param.shape) for k in kinds}
+                    params[pc.slot.name] = entry
         return {
             "format": STATE_FORMAT,
             "step": step,
@@ -564,7 +576,8 @@ class TrainerOptimizer:
         return st[kind]
 
     def _gather_state(self, kinds: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-        """Every parameter's full state of `kinds`, gathered bucket by bucket on data-parallel rank 0 (to CPU)."""
+        """Every parameter's full state of `kinds`, gathered bucket by bucket on rank 0 of the bucket's group
+        (data-parallel, or expert-data-parallel for experts; to CPU)."""
         params: dict[str, dict[str, torch.Tensor]] = {}
         by_bucket: dict[int, list[_Piece]] = {}
         for pc in self.pieces:
@@ -576,9 +589,10 @@ class TrainerOptimizer:
                 for pc in by_bucket.get(b, []):
                     at = pc.buf_lo - lo
                     local[at : at + pc.numel].copy_(self._piece_value(pc, kind).reshape(-1))
-                parts = [torch.empty_like(local) for _ in range(self.dp)] if self.dp_rank == 0 else None
-                dist.gather(local, parts, group=self.dp_group, group_dst=0)
-                if self.dp_rank != 0:
+                group = self._groups[bucket.expert]
+                parts = [torch.empty_like(local) for _ in range(group.size)] if group.rank == 0 else None
+                dist.gather(local, parts, group=group.group, group_dst=0)
+                if group.rank != 0:
                     continue
                 full = torch.cat(parts).cpu()
                 for slot in self.slots:

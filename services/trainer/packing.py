@@ -121,19 +121,27 @@ def group_rows(rows: SequenceRows, share: Sequence[int], rows_per_micro_batch: i
 
 
 def dp_groups(rows: SequenceRows, rows_idx: Sequence[int], rows_per_micro_batch: int, packing: Packing, *,
-              dp: int, dp_rank: int) -> list[list[int]]:
+              dp: int, dp_rank: int, same_count: bool = False) -> list[list[int]]:
     """This data-parallel rank's micro-batches of `rows_idx` (its contiguous share).
 
     Under use_dynamic_bsz every rank uses the group count of the rank that needs the most (MindSpeed-RL
-    all-reduces it); every rank holds all rows, so each computes all shares' counts itself.
+    all-reduces it); every rank holds all rows, so each computes all shares' counts itself. `same_count`
+    (a MoE model whose expert collectives span data-parallel ranks: moe.lockstep_data_parallel): a rank with
+    fewer groups than another gets empty ones, which `build_micro_batches` makes padding micro-batches.
     """
     rows_idx = list(rows_idx)
-    share = [rows_idx[i] for i in dp_share(len(rows_idx), dp, dp_rank)]
-    if not packing.dynamic or dp == 1:
-        return group_rows(rows, share, rows_per_micro_batch, packing)
-    most = max(len(group_rows(rows, [rows_idx[i] for i in dp_share(len(rows_idx), dp, r)], 0, packing))
-               for r in range(dp))
-    return group_rows(rows, share, rows_per_micro_batch, packing, min_groups=most)
+
+    def share(r: int) -> list[int]:
+        return [rows_idx[i] for i in dp_share(len(rows_idx), dp, r)]
+
+    most = 1
+    if packing.dynamic and dp > 1:
+        most = max(len(group_rows(rows, share(r), 0, packing)) for r in range(dp))
+    groups = group_rows(rows, share(dp_rank), rows_per_micro_batch, packing, min_groups=most)
+    if same_count and dp > 1:
+        count = max(len(group_rows(rows, share(r), rows_per_micro_batch, packing, min_groups=most)) for r in range(dp))
+        groups += [[] for _ in range(count - len(groups))]
+    return groups
 
 
 def loss_scales(groups: Sequence[Sequence[int]], packing: Packing) -> list[float]:
@@ -142,18 +150,39 @@ def loss_scales(groups: Sequence[Sequence[int]], packing: Packing) -> list[float
     MindSpeed-RL, with use_dynamic_bsz, multiplies a micro-batch's loss by its rows / (mini-batch rows on this
     rank / micro-batches), so the mini-batch loss is sum_m (rows_m / rows) * token_mean_m: micro-batches
     weighted by their share of the rows. Fixed micro-batches are weighted equally (factor 1), as upstream.
+    Padding micro-batches (empty groups) weigh 0, and the others (micro-batches / real ones) more, so that
+    Megatron's division by the count of all of them leaves the loss as without padding.
     """
+    real = [g for g in groups if g]
     if not packing.dynamic:
-        return [1.0] * len(groups)
-    total = sum(len(g) for g in groups)
-    return [len(g) * len(groups) / total for g in groups]
+        weights = [1.0] * len(real)
+    else:
+        total = sum(len(g) for g in real)
+        weights = [len(g) * len(real) / total for g in real]
+    if len(real) == len(groups):
+        return weights
+    pad = len(groups) / max(len(real), 1)
+    it = iter(weights)
+    return [next(it) * pad if g else 0.0 for g in groups]
 
 
 def build_micro_batches(rows: SequenceRows, groups: Sequence[Sequence[int]], packing: Packing, *, pp: int,
                         tp: int = 1, pad_rows_to: int = 0) -> list[dict]:
-    """Model inputs of each group; shapes made equal across the pass when pipeline parallel needs it."""
+    """Model inputs of each group; shapes made equal across the pass when pipeline parallel needs it.
+
+    An empty group (dp_groups' `same_count`) becomes a padding micro-batch: the shape of one real row of the
+    batch, marked `padding`, no row (-1) and an all-zero response mask; its loss must be zero (moe.inert_padding).
+    """
     if not groups:
         return []
+    if not all(groups):
+        filler = next((g[0] for g in groups if g), 0)  # any row: the padding only needs a shape
+        mbs = build_micro_batches(rows, [list(g) or [filler] for g in groups], packing, pp=pp, tp=tp,
+                                  pad_rows_to=pad_rows_to)
+        for g, mb in zip(groups, mbs, strict=True):
+            if not g:
+                mb.update(padding=True, rows=[-1] * len(mb["rows"]), response_mask=torch.zeros_like(mb["response_mask"]))
+        return mbs
     if packing.remove_padding:
         one_row = thd_available()
         width = packs = 0

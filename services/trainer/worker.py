@@ -116,8 +116,9 @@ class TrainerWorker:
 
     def load_hf_weights(self, hf_dir: str | Path) -> None:
         """Load this rank's shard of an HF folder's weights (converted in memory)."""
-        key = (self._tp_rank, self._pp_rank)
-        shards = convert.hf_to_mcore(convert.load_hf_state(hf_dir), self.spec, self.layout.tp, self.layout.pp, only=key)
+        key = (self._tp_rank, self._pp_rank, self.layout.ep_rank)
+        shards = convert.hf_to_mcore(convert.load_hf_state(hf_dir), self.spec, self.layout.tp, self.layout.pp, only=key,
+                                     ep=self.layout.ep)
         checkpoint._load_model_state(self.model, shards[key], Path(hf_dir))
         if self.optimizer is not None:
             self.optimizer.reload_model_params()

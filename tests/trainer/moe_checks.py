@@ -1,7 +1,7 @@
 """One rank of a MoE trainer group for test_moe_model.py: the tiny Qwen3-MoE built on Megatron's MoELayer, for each
 expert-parallel size in turn (same processes, Megatron's groups rebuilt in between).
 
-For each `--ep`: the HF weights loaded (services/trainer/moe.py's expert names), log-probs of rank_checks' rows
+For each `--ep`: the HF weights loaded (convert.hf_to_mcore: services/common/weight_layout.py's expert names), log-probs of rank_checks' rows
 through the trainer's ComputeLogProbs path, then one forward/backward through Megatron's schedule (the token-mean
 response NLL, aux loss on) with the gradients reduced as Megatron's DDP does (non-expert weights averaged over the
 data-parallel group; experts summed over the expert-data-parallel group and divided by the DP size), and the MoE
@@ -14,7 +14,6 @@ Usage: python tests/trainer/moe_checks.py --rank R --world W --port P --hf DIR -
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -30,17 +29,11 @@ _EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d
 
 
 def load_hf_into(model, spec, hf_state: dict, *, ep: int, ep_rank: int) -> None:
-    """TP 1 / PP 1: dense tensors through weight_layout's recipes (MLP recipes left out), MoE layers through
-    moe.expert_state_from_hf."""
-    from services.common import weight_layout
-    from services.trainer import checkpoint, moe
+    """TP 1 / PP 1: this EP rank's shard of the HF weights, as the trainer converts them."""
+    from services.trainer import checkpoint, convert
 
-    dense = dataclasses.replace(spec, moe=None)
-    recipes = [r for r in weight_layout.recipes(dense, 1, 1) if ".mlp." not in r.hf_name]
-    (state,) = weight_layout.to_mcore(recipes, hf_state.__getitem__).values()  # one rank at TP 1 / PP 1
-    for layer in spec.moe.moe_layers:
-        state.update(moe.expert_state_from_hf(hf_state.__getitem__, spec, layer=layer, local_layer=layer, ep=ep,
-                                              ep_rank=ep_rank))
+    key = (0, 0, ep_rank)
+    state = convert.hf_to_mcore(hf_state, spec, 1, 1, only=key, ep=ep)[key]
     checkpoint._load_model_state(model, state, Path("hf"))
 
 
