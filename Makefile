@@ -85,7 +85,7 @@ proto:
 	$(PY) -m services.common.protogen
 
 lint:
-	$(PY) -m ruff check services tests bench examples
+	$(PY) -m ruff check services tests bench examples cli
 
 test: lint
 	$(PY) -m pytest -q --durations=25 tests

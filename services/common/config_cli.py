@@ -1,15 +1,18 @@
 """`rlfabric config ...`: check a MindSpeed-RL YAML and list the keys each section accepts.
 
-    rlfabric config check FILE [--override section.key=value ...] [--full] [--json]
+    rlfabric config check FILE [--override section.key=value ...] [--full] [--json] [--require-files]
     rlfabric config keys [SECTION] [--markdown]
 
 `check` prints a summary: the keys the file sets that rlfabric accepts but does not act on (inert keys with
 their reason, keys only another platform acts on (vllm-ascend's), keys the algorithm does not read), the model
-block's check against the `config.json` it will load (when the model folder is there), the algorithm and the
-device count it resolves to. With --full the resolved configuration follows (every section, then the derived
+block's check against the `config.json` it will load (when the model folder is there), the input paths that are
+not here (tokenizer, `load` and reference folders, `data_path`: what `rlfabric up` stops on, each with the
+command that makes it; services/common/config/input_paths.py), the algorithm and the device count it resolves
+to. A config is often checked away from its data (on a laptop), so missing inputs are listed, not failed;
+`--require-files` makes them errors (exit 2), the check a cluster node runs before `up`. With --full the resolved configuration follows (every section, then the derived
 values; some 800 lines for the 7B config). It exits 0, or prints every error to stderr and exits 2. With --json it prints one JSON document on
-stdout either way: {"ok": true, "config": {...}, "keys": {...}, "model_checked": [...], "warnings": [...]}
-or {"ok": false, "errors": [...]}.
+stdout either way: {"ok": true, "config": {...}, "keys": {...}, "model_checked": [...], "missing_inputs": [...],
+"warnings": [...]} or {"ok": false, "errors": [...]}.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("--full", action="store_true",
                        help="after the summary, print the resolved configuration: every section, derived values")
     check.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    check.add_argument("--require-files", action="store_true",
+                       help="fail (exit 2) when a path the run reads is not here: the tokenizer, load and reference "
+                            "folders, data_path (by default they are listed, so a config can be checked away from "
+                            "its data)")
     check.set_defaults(func=run_check)
 
     keys = commands.add_parser("keys", help="list the keys a section accepts, with defaults and help",
@@ -53,9 +60,13 @@ def run_check(args: argparse.Namespace) -> int:
 
     from services.common.config import ConfigError, check_model_files, load_config
     from services.common.config.catalog import key_report
+    from services.common.config.input_paths import missing_input_paths
 
     try:
         cfg = load_config(args.file, overrides=args.override)
+        missing = missing_input_paths(cfg)
+        if args.require_files and missing:
+            raise ConfigError(missing, str(cfg.path) if cfg.path else None)
         checked = check_model_files(cfg)
     except ConfigError as exc:
         if args.json:
@@ -66,10 +77,11 @@ def run_check(args: argparse.Namespace) -> int:
     report = key_report(cfg)
     if args.json:
         print(json.dumps({"ok": True, "config": cfg.to_dict(), "keys": dataclasses.asdict(report),
-                          "model_checked": [str(d / "config.json") for d in checked], "warnings": cfg.warnings},
+                          "model_checked": [str(d / "config.json") for d in checked],
+                          "missing_inputs": [i.to_dict() for i in missing], "warnings": cfg.warnings},
                          indent=2))
         return 0
-    print(_render(cfg, report, checked, full=args.full))
+    print(_render(cfg, report, checked, missing, full=args.full))
     return 0
 
 
@@ -84,7 +96,7 @@ def _dump(data: dict) -> str:
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120).rstrip()
 
 
-def _render(cfg: Any, report: Any, checked: list, *, full: bool = False) -> str:
+def _render(cfg: Any, report: Any, checked: list, missing: list, *, full: bool = False) -> str:
     """The summary (what to act on, then the one-line verdict); with `full`, the resolved YAML after it."""
     d = cfg.derived
     a = cfg.actor_config
@@ -93,6 +105,7 @@ def _render(cfg: Any, report: Any, checked: list, *, full: bool = False) -> str:
              *_key_lines(report),
              *(f"model block checked against {p / 'config.json'}: it matches" for p in checked),
              *([] if checked else ["model block not checked: no config.json in the tokenizer or load folder"]),
+             *_missing_lines(missing),
              _algorithm_line(cfg)]
     # Warnings are already logged by the loader (stderr); they are in the --json document too.
     lines.append(
@@ -107,6 +120,14 @@ def _render(cfg: Any, report: Any, checked: list, *, full: bool = False) -> str:
         lines += ["", f"# {cfg.path}: resolved configuration (model block: {cfg.model_name})", _dump(data), "",
                   "# derived values (sizes in samples unless named prompts)", _dump({"derived": derived})]
     return "\n".join(lines)
+
+
+def _missing_lines(missing: list) -> list[str]:
+    """The input paths not here: listed, not failed (a config checked away from its data); `up` stops on them."""
+    if not missing:
+        return ["input paths: every folder and dataset the run reads is here"]
+    return [f"input paths not here ({len(missing)}; `rlfabric up` stops on them, --require-files fails on them):",
+            *(f"  {issue}" for issue in missing)]
 
 
 def _experts(cfg: Any) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,50 @@ def test_validation_data_is_checked_only_when_validation_runs(repo_root: Path, t
     assert missing_input_paths(load_config(repo_root / TINY, overrides=paths)) == []
     (issue,) = missing_input_paths(load_config(repo_root / TINY, overrides=[*paths, "rlfabric.val_interval=5"]))
     assert issue.key == "rlfabric.val_data_path" and str(tmp_path / "heldout") in issue.message
+
+
+SEVEN_B = "configs/grpo_qwen25_7b_A3.yaml"
+
+
+def test_the_7b_configs_missing_inputs_name_the_quick_starts_commands(repo_root: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(repo_root)  # the quick start's root: ./Qwen2.5-7B, ./ckpt and ./dataset are not in the repo
+    issues = {i.key: i.message for i in missing_input_paths(load_config(SEVEN_B))}
+    assert issues == {
+        "megatron_training.tokenizer_name_or_path": "no folder ./Qwen2.5-7B; put the Hugging Face model folder there "
+                                                    "(config.json, tokenizer files, *.safetensors)",
+        "actor_config.load": "no folder ./ckpt; convert the Hugging Face model with `rlfabric convert hf2mcore --tp 2 "
+                             "--pp 2 ./Qwen2.5-7B ./ckpt` (or point it at a Hugging Face model folder)",
+        "megatron_training.data_path": "no preprocessed dataset at ./dataset/deepscaler/data (missing "
+                                       "dataset/deepscaler/data_packed_input_ids_document.idx, "
+                                       "dataset/deepscaler/data_packed_input_ids_document.bin); run `bash "
+                                       "examples/data/preprocess_data.sh deepscaler` from the repository root"}
+
+
+def _check(repo_root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "config", "check", *args], cwd=repo_root,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_config_check_lists_missing_inputs_and_fails_on_them_only_when_asked(repo_root: Path) -> None:
+    listed = _check(repo_root, SEVEN_B)
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    start = lines.index("input paths not here (3; `rlfabric up` stops on them, --require-files fails on them):")
+    assert [line.split(": ")[1] for line in lines[start + 1:start + 4]] == [
+        "megatron_training.tokenizer_name_or_path", "actor_config.load", "megatron_training.data_path"]
+    assert lines[-1].startswith("OK: ")  # the verdict stays last
+    doc = json.loads(_check(repo_root, SEVEN_B, "--json").stdout)
+    assert [i["key"] for i in doc["missing_inputs"]] == ["megatron_training.tokenizer_name_or_path",
+                                                          "actor_config.load", "megatron_training.data_path"]
+    required = _check(repo_root, SEVEN_B, "--require-files")
+    assert required.returncode == 2 and required.stdout == ""
+    assert required.stderr.startswith(f"error: 3 configuration errors in {SEVEN_B}:")
+    assert "run `bash examples/data/preprocess_data.sh deepscaler`" in required.stderr
+
+
+def test_config_check_says_when_every_input_is_here(repo_root: Path, tiny_model_dir: Path, arith_prefix: Path) -> None:
+    args = [a for o in _paths(tiny_model_dir, arith_prefix) for a in ("-o", o)]
+    out = _check(repo_root, TINY, *args, "--require-files")
+    assert out.returncode == 0, out.stderr
+    assert "input paths: every folder and dataset the run reads is here" in out.stdout

@@ -26,10 +26,34 @@ def dataset_files(prefix: str) -> list[Path]:
     return [Path(stem + ".idx"), Path(stem + ".bin")]
 
 
+# The seed's quick start (docs/quickstart.md): `preprocess_data.sh NAME` writes ./dataset/NAME/data_*.
+PREPROCESS_SCRIPT = "bash examples/data/preprocess_data.sh"
+DATASET_CONFIGS = Path("configs/datasets")
+
+
 def _how_to_make(path: str, usual: str) -> str:
     if Path(path).is_relative_to(TINY_ASSETS_DIR):
         return f"`{TINY_ASSETS_COMMAND}` makes it (`make up` runs it for the default config)"
     return usual
+
+
+def _how_to_preprocess(prefix: str) -> str:
+    """The command that writes `prefix`: the quick start's script when the prefix is its `dataset/NAME/data`."""
+    parts = Path(prefix).parts
+    if len(parts) >= 3 and parts[-3:-2] == ("dataset",) and parts[-1] == "data" \
+            and (DATASET_CONFIGS / f"{parts[-2]}.yaml").is_file():
+        return f"run `{PREPROCESS_SCRIPT} {parts[-2]}` from the repository root"
+    return f"run `rlfabric preprocess DATASET.yaml --set output_prefix={prefix}`"
+
+
+def _how_to_make_model(cfg: RLFabricConfig, key: str, path: str) -> str:
+    """A model folder's remedy: the HF model itself, or the conversion that writes the checkpoint `load` names."""
+    hf = cfg.actor_config.tokenizer_name_or_path
+    if key.endswith("tokenizer_name_or_path") or not hf or hf == path:
+        return "put the Hugging Face model folder there (config.json, tokenizer files, *.safetensors)"
+    a = cfg.actor_config
+    return (f"convert the Hugging Face model with `rlfabric convert hf2mcore --tp {a.tensor_model_parallel_size} "
+            f"--pp {a.pipeline_model_parallel_size} {hf} {path}` (or point it at a Hugging Face model folder)")
 
 
 def missing_input_paths(cfg: RLFabricConfig) -> list[ConfigIssue]:
@@ -46,8 +70,7 @@ def missing_input_paths(cfg: RLFabricConfig) -> list[ConfigIssue]:
             continue
         seen.add(path)
         if not Path(path).is_dir():
-            usual = ("a Hugging Face model folder (config.json, weights, tokenizer) or a checkpoint of "
-                     "`rlfabric convert hf2mcore`")
+            usual = _how_to_make_model(cfg, key, path)
             issues.append(ConfigIssue(cfg.where(key), f"no folder {path}; {_how_to_make(path, usual)}",
                                       cfg.source(key)))
     validates = cfg.rlfabric.val_interval > 0 or cfg.rlfabric.val_before_train
@@ -58,7 +81,7 @@ def missing_input_paths(cfg: RLFabricConfig) -> list[ConfigIssue]:
             continue
         absent = [str(f) for f in dataset_files(prefix) if not f.is_file()]
         if absent:
-            usual = f"run `rlfabric preprocess DATASET.yaml --set output_prefix={prefix}`"
+            usual = _how_to_preprocess(prefix)
             issues.append(ConfigIssue(cfg.where(key), f"no preprocessed dataset at {prefix} (missing "
                                                       f"{', '.join(absent)}); {_how_to_make(prefix, usual)}",
                                       cfg.source(key)))

@@ -61,5 +61,12 @@ def resume_rule(cfg: RLFabricConfig) -> Iterable[Problem]:
         yield Problem(("finetune", "load"),
                       f"you resume (finetune: false) from load `{a.load}`, a checkpoint trained to iteration "
                       f"{iteration}, but no separate reference weights are given, so the reference would load the "
-                      f"trained actor; set {where} to the original model's checkpoint, or set finetune: true to "
-                      f"start a new run")
+                      f"trained actor; set {where} to the original weights ({_original(cfg)}), or set finetune: "
+                      f"true to start a new run")
+
+
+def _original(cfg: RLFabricConfig) -> str:
+    """What the reference can load: the HF folder the run started from serves, converted in memory (no second
+    conversion into another folder)."""
+    hf = cfg.actor_config.tokenizer_name_or_path
+    return f"e.g. the Hugging Face folder {hf or 'the run started from'}, which the trainer converts in memory"
