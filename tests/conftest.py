@@ -55,6 +55,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny_model"))
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3-MoE (configs/model/tiny_qwen3_moe.yaml: 8 experts, top-2), with tiny_model_dir's tokenizer."""
+    import torch
+
+    torch.set_num_threads(1)
+    from services.common.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_moe") / "model", family="qwen3_moe")
+
+
 # --- the one vLLM engine of a test run (tests/rollout and tests/weight_sync share it) ----------------------
 # Building it is the slow part. A test that changes its state (weights, sleep) puts it back before it
 # returns: every test may assume the weights of `tiny_model_dir` (at some version) and an awake engine.

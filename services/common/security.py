@@ -64,6 +64,10 @@ class SecretFile(str):
     def __repr__(self) -> str:  # never print the secret itself in logs or tracebacks
         return f"SecretFile({self.flag} {self.path})"
 
+    def __reduce__(self) -> tuple:
+        # A trainer group's rank 0 hands the call's token to the other ranks (their pushes need it), pickled.
+        return SecretFile, (str(self), self.flag, self.path)
+
 
 def read_secret_file(path: str | os.PathLike, flag: str) -> SecretFile:
     """The stripped first line of `path`; SecretFileError naming `flag` and the file when unusable."""

@@ -20,35 +20,8 @@ UPSTREAM = REPO.parent / "shared" / "reference" / "mindspeed_rl"
 QWEN3_MOE = UPSTREAM / "asked" / "dapo_qwen3_30b_a3b_A3.yaml"
 BLOCK = "model.qwen3_30b_a3b"
 
-TINY_MOE_BLOCK = """\
-tiny_qwen3_moe:
-  use_mcore_models: true
-  num_layers: 2
-  hidden_size: 128
-  ffn_hidden_size: 512
-  num_attention_heads: 4
-  group_query_attention: true
-  num_query_groups: 2
-  kv_channels: 32
-  rotary_base: 10000
-  max_position_embeddings: 2048
-  make_vocab_size_divisible_by: 1
-  padded_vocab_size: 4096
-  untie_embeddings_and_output_weights: false
-  disable_bias_linear: true
-  qk_layernorm: true
-  position_embedding_type: rope
-  norm_epsilon: 1e-6
-  normalization: RMSNorm
-  swiglu: true
-  num_experts: 8
-  moe_router_topk: 2
-  moe_ffn_hidden_size: 64
-  norm_topk_prob: true
-  moe_router_load_balancing_type: aux_loss
-  moe_aux_loss_coeff: 0.001
-  moe_token_dispatcher_type: alltoall
-"""
+# The tiny MoE model block rlfabric ships (what `rlfabric tiny-model --family qwen3_moe` writes).
+TINY_MOE_BLOCK = (REPO / "configs" / "model" / "tiny_qwen3_moe.yaml").read_text()
 
 
 def _errors(path: Path, *overrides: str) -> dict[str, str]:
@@ -62,10 +35,8 @@ def _errors(path: Path, *overrides: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from services.common.tiny_model import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("moe") / "tiny_qwen3_moe", family="qwen3_moe")
+def tiny_moe(tiny_moe_dir: Path) -> Path:
+    return tiny_moe_dir  # the session's tiny Qwen3-MoE (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

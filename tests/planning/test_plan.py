@@ -176,13 +176,8 @@ def test_qwen3_30b_a3b_parameters_by_hand() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-
-    torch.set_num_threads(1)
-    from services.common.tiny_model import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("moe") / "tiny_qwen3_moe", family="qwen3_moe")
+def tiny_moe(tiny_moe_dir: Path) -> Path:
+    return tiny_moe_dir  # the session's tiny Qwen3-MoE (tests/conftest.py)
 
 
 def test_tiny_moe_count_equals_the_model_transformers_loads(tiny_moe: Path, tmp_path: Path, repo_root: Path) -> None:

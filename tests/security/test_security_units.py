@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,9 @@ def test_token_file_is_read_and_never_printed(tmp_path: Path) -> None:
     args = resolve_secrets(_parser().parse_args(["--auth-token-file", str(token)]))
     assert args.auth_token == "0123abcd" and isinstance(args.auth_token, SecretFile)
     assert "0123abcd" not in repr(args) and str(token) in repr(args)
+    # A trainer group hands it to its other ranks pickled (their pushes carry it): it arrives whole.
+    copy = pickle.loads(pickle.dumps(args.auth_token))
+    assert copy == "0123abcd" and isinstance(copy, SecretFile) and copy.path == args.auth_token.path
 
 
 def test_empty_or_missing_secret_files_are_refused_world_readable_ones_named(tmp_path: Path, caplog) -> None:

@@ -13,14 +13,6 @@ from trainer_helpers import run_ranks
 
 
 @pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    from services.common.tiny_model import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("tiny_moe"), family="qwen3_moe")
-
-
-@pytest.fixture(scope="module")
 def saved(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The work folder once every step of moe_checkpoint_checks.py passed on both ranks."""
     work = tmp_path_factory.mktemp("moe_ckpt")

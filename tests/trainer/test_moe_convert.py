@@ -28,14 +28,6 @@ LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1,
 
 
 @pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    from services.common.tiny_model import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("tiny_moe"), family="qwen3_moe")
-
-
-@pytest.fixture(scope="module")
 def moe(tiny_moe_dir: Path):
     spec, raw = read_hf_config(tiny_moe_dir)
     assert spec.moe is not None and spec.moe.num_experts == EXPERTS

@@ -18,15 +18,6 @@ from trainer_helpers import run_ranks
 
 from services.common.model_spec import read_hf_config
 
-
-@pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    from services.common.tiny_model import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("tiny_moe"), family="qwen3_moe")
-
-
 CASES = ("1:allgather", "2:allgather", "2:alltoall")
 
 

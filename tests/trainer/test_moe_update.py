@@ -23,14 +23,6 @@ CASES = (REFERENCE, "2:allgather:plain", "2:alltoall:dist")
 
 
 @pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    from services.common.tiny_model import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("tiny_moe_update"), family="qwen3_moe")
-
-
-@pytest.fixture(scope="module")
 def results(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     work = tmp_path_factory.mktemp("moe_update_work")
     cases = [arg for case in CASES for arg in ("--case", case)]
