@@ -66,6 +66,42 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny_moe") / "model", family="qwen3_moe")
 
 
+@pytest.fixture(scope="session")
+def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two tiny Qwen3-MoE folders with the same names and other values (weights of seeds 0 and 1, one tokenizer);
+    an untied LM head makes greedy continuations more than a copy of the last prompt token."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from services.common.tiny_model import write_tiny_model
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("moe_pair")
+    first = write_tiny_model(root / "seed0", family="qwen3_moe", seed=0, tie_word_embeddings=False)
+    second = Path(shutil.copytree(first, root / "seed1"))
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(first)).float().save_pretrained(second)
+    return first, second
+
+
+@pytest.fixture(scope="session")
+def moe_engine(moe_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
+    """The one MoE vLLM engine of a test run, serving `moe_dirs[0]` with routed-experts capture on. As with
+    `rollout_engine`, a test that pushes weights puts seed 0's back and uses `weights_version + 1`."""
+    pytest.importorskip("vllm")
+    from services.rollout.engine import RolloutEngine
+    from services.rollout.options import EngineOptions
+
+    engine = RolloutEngine(EngineOptions(
+        model=str(moe_dirs[0]), dtype="float32", max_model_len=256, max_num_seqs=16, num_threads=1,
+        cpu_kv_cache_gib=1, cache_root=str(tmp_path_factory.mktemp("vllm_moe_cache")), return_routed_experts=True,
+    ))
+    yield engine
+    engine.close()
+
+
 # --- the one vLLM engine of a test run (tests/rollout and tests/weight_sync share it) ----------------------
 # Building it is the slow part. A test that changes its state (weights, sleep) puts it back before it
 # returns: every test may assume the weights of `tiny_model_dir` (at some version) and an awake engine.

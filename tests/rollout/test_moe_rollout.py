@@ -22,24 +22,6 @@ from services.rollout.weights import make_bucket
 MAX_NEW = 12
 
 
-@pytest.fixture(scope="module")
-def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Two tiny Qwen3-MoE checkpoints with the same names and different values (weights of seeds 0 and 1,
-    one tokenizer); an untied LM head makes greedy continuations more than a copy of the last prompt token."""
-    import shutil
-
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from services.common.tiny_model import write_tiny_model
-
-    root = tmp_path_factory.mktemp("moe")
-    first = write_tiny_model(root / "seed0", family="qwen3_moe", seed=0, num_layers=2, tie_word_embeddings=False)
-    second = Path(shutil.copytree(first, root / "seed1"))
-    torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(first)).float().save_pretrained(second)
-    return first, second
-
-
 def _hf(path: Path):
     from transformers import AutoModelForCausalLM
 
@@ -50,20 +32,6 @@ def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path / "model.safetensors"))
-
-
-@pytest.fixture(scope="module")
-def moe_engine(moe_dirs, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    pytest.importorskip("vllm")
-    from services.rollout.engine import RolloutEngine
-    from services.rollout.options import EngineOptions
-
-    engine = RolloutEngine(EngineOptions(
-        model=str(moe_dirs[0]), dtype="float32", max_model_len=256, max_num_seqs=16, num_threads=1,
-        cpu_kv_cache_gib=1, cache_root=str(tmp_path_factory.mktemp("vllm_cache")), return_routed_experts=True,
-    ))
-    yield engine
-    engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ changes every tensor the replica holds; the replica is put back to seed 0 before
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,37 +26,11 @@ PROMPTS = [[5, 99, 1200, 7, 3000, 42], [17, 18, 19, 20], [4000, 3, 3, 812, 90, 9
 
 
 @pytest.fixture(scope="module")
-def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Two tiny Qwen3-MoE folders with the same names and other values (seeds 0 and 1, one tokenizer); an untied
-    LM head makes greedy continuations more than a copy of the last prompt token."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from services.common.tiny_model import write_tiny_model
-
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("moe_push")
-    first = write_tiny_model(root / "seed0", family="qwen3_moe", seed=0, tie_word_embeddings=False)
-    second = Path(shutil.copytree(first, root / "seed1"))
-    torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(first)).float().save_pretrained(second)
-    return first, second
-
-
-@pytest.fixture(scope="module")
-def moe_replica(moe_dirs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    """(engine, server) serving seed 0."""
-    pytest.importorskip("vllm")
-    from services.rollout.engine import RolloutEngine
-    from services.rollout.options import EngineOptions
-
-    engine = RolloutEngine(EngineOptions(
-        model=str(moe_dirs[0]), dtype="float32", max_model_len=256, max_num_seqs=16, num_threads=1,
-        cpu_kv_cache_gib=1, cache_root=str(tmp_path_factory.mktemp("vllm_cache")),
-    ))
-    server = serve_rollout(engine)
-    yield engine, server
+def moe_replica(moe_engine) -> Iterator[tuple]:
+    """(engine, server): the session's MoE engine (seed 0, tests/conftest.py) behind a server of this module."""
+    server = serve_rollout(moe_engine)
+    yield moe_engine, server
     server.stop(0)
-    engine.close()
 
 
 @pytest.fixture(scope="module")
