@@ -12,6 +12,16 @@ Pure numpy functions the coordinator runs between the reward service and the tra
   overlong shaping: the coordinator applies it to every sample's final reward (the verifiers' weighted
   sum); the per-verifier scores, and so `filter_groups_metric` and `{name}_rewards/mean`, stay unshaped,
   as in MindSpeed-RL's `compute_verifier_score`.
+- The estimators verl offers beyond MindSpeed-RL's (`rl_config.adv_estimator`, with verl's names; verl's
+  `verl/trainer/ppo/core_algos.py` is the reference, and tests/coordinator/test_advantages_verl.py checks each one
+  against it on the same inputs in float64, max difference 0), all for outcome rewards (one scalar per sample):
+  `group_norm` without the std division (`rlfabric.norm_adv_by_std_in_grpo: false`, Dr.GRPO,
+  https://arxiv.org/abs/2503.20783): A = r - mean(group);
+  `rloo` (https://arxiv.org/abs/2402.14740): A = r - mean(the other n - 1 samples of the group);
+  `reinforce_plus_plus` (https://arxiv.org/abs/2501.03262): the return r whitened over every response token of
+  the batch (a sample weighs as many tokens as it has); `reinforce_plus_plus_baseline`: the same on r - mean(group).
+  They compute in torch float64 with verl's order of operations: the token-level whitening sums a padded
+  `[samples, longest response]` matrix, whose rounding (1e-16) depends on that layout.
 - `FixedKLController` / `AdaptiveKLController` (`kl_ctrl_type`, `init_kl_coef`, `kl_target`,
   `kl_horizon`): the weight of the KL term in the loss; the adaptive rule is the proportional
   controller of Ziegler et al., https://arxiv.org/abs/1909.08593 (section 2.2).
@@ -25,7 +35,10 @@ from typing import Protocol
 
 import numpy as np
 
+from services.common.config.rl import ADV_ESTIMATORS
+
 ADVANTAGE_EPS = 1e-6  # added to the group std, as MindSpeed-RL's group_norm does
+_WHITEN_EPS = 1e-8  # verl's masked_whiten: added to the token count and to the variance
 
 
 def _as_float64(values: Sequence[float] | np.ndarray, name: str) -> np.ndarray:
@@ -75,6 +88,102 @@ def compute_group_advantages(rewards: Sequence[float] | np.ndarray, n: int) -> n
     constant = groups.max(axis=1) == groups.min(axis=1)
     advantages[constant] = 0.0
     return advantages.reshape(-1)
+
+
+def _groups(rewards: Sequence[float] | np.ndarray, n: int):
+    """`[num_prompts, n]` float64 torch tensor of the rewards, checked as compute_group_advantages checks them."""
+    import torch
+
+    if n < 1:
+        raise ValueError(f"group size n (rl_config.n_samples_per_prompt) must be >= 1, got {n}")
+    array = _as_float64(rewards, "rewards")
+    if array.size % n:
+        raise ValueError(f"{array.size} rewards do not split into groups of n_samples_per_prompt={n}; "
+                         "every prompt needs exactly n samples")
+    return torch.from_numpy(array.copy()).reshape(-1, n)
+
+
+def compute_mean_baseline_advantages(rewards: Sequence[float] | np.ndarray, n: int) -> np.ndarray:
+    """Dr.GRPO (`group_norm` with `rlfabric.norm_adv_by_std_in_grpo: false`): A = r - mean(group), float64.
+
+    No division by the group's std (which favours groups of nearly equal rewards). As group_norm, a group whose
+    rewards are all equal gets exactly 0; a group of one sample keeps its reward (verl's mean of one sample is 0).
+    """
+    groups = _groups(rewards, n)
+    if n == 1:
+        return groups.reshape(-1).numpy()
+    advantages = groups - groups.mean(dim=1, keepdim=True)
+    advantages[groups.amax(dim=1) == groups.amin(dim=1)] = 0.0
+    return advantages.reshape(-1).numpy()
+
+
+def compute_rloo_advantages(rewards: Sequence[float] | np.ndarray, n: int) -> np.ndarray:
+    """RLOO, one float64 advantage per sample: A = r - mean(the group's other samples).
+
+    Written as verl writes it, r * n / (n - 1) - mean(group) * n / (n - 1) (the same value, and its rounding).
+    A group of one sample has no other sample: its advantage is its reward, as in verl.
+    """
+    groups = _groups(rewards, n)
+    if n == 1:
+        return groups.reshape(-1).numpy()
+    mean = groups.mean(dim=1, keepdim=True)
+    return (groups * n / (n - 1) - mean * n / (n - 1)).reshape(-1).numpy()
+
+
+def _whiten_over_tokens(values, response_lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Per-sample `values` (float64 torch `[B]`) whitened over every response token of the batch.
+
+    Each sample's value stands on each of its tokens; mean and variance (unbiased over tokens) are taken over all
+    of them, as verl's `masked_whiten` takes them over its padded `[B, T]` matrix; a sample of length 0 gets 0.
+    """
+    import torch
+
+    lengths = np.asarray(response_lengths, dtype=np.int64).reshape(-1)
+    if lengths.shape[0] != values.shape[0] or (lengths < 0).any():
+        raise ValueError(f"{values.shape[0]} rewards need as many response lengths >= 0, got {lengths.tolist()[:8]}")
+    total = int(lengths.sum())
+    if total < 2:
+        raise ValueError(f"REINFORCE++ whitens over the batch's response tokens and needs at least 2, got {total}")
+    width = int(lengths.max())
+    mask = (torch.arange(width).unsqueeze(0) < torch.from_numpy(lengths).unsqueeze(1)).to(torch.float64)
+    tokens = values.unsqueeze(-1).tile([1, width]) * mask
+    count = mask.sum()
+    mean = (tokens * mask).sum() / (count + _WHITEN_EPS)
+    variance = ((tokens - mean) ** 2 * mask).sum() / (count + _WHITEN_EPS) * (count / (count - 1))
+    whitened = (tokens - mean) * torch.rsqrt(variance + _WHITEN_EPS) * mask
+    return np.where(lengths > 0, whitened[:, 0].numpy(), 0.0)
+
+
+def compute_reinforce_plus_plus_advantages(rewards: Sequence[float] | np.ndarray,
+                                           response_lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    """REINFORCE++ with outcome rewards and no discount (gamma 1): every token's return is the sample's reward,
+    whitened over all response tokens of the batch (`_whiten_over_tokens`); one float64 value per sample."""
+    import torch
+
+    return _whiten_over_tokens(torch.from_numpy(_as_float64(rewards, "rewards").copy()), response_lengths)
+
+
+def compute_reinforce_plus_plus_baseline_advantages(rewards: Sequence[float] | np.ndarray, n: int,
+                                                    response_lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    """REINFORCE++-baseline: r - mean(group) (a group of one: r), whitened over the batch's response tokens."""
+    groups = _groups(rewards, n)
+    centred = groups - groups.mean(dim=1, keepdim=True) if n > 1 else groups
+    return _whiten_over_tokens(centred.reshape(-1), response_lengths)
+
+
+def compute_advantages(estimator: str, rewards: Sequence[float] | np.ndarray, n: int,
+                       response_lengths: Sequence[int] | np.ndarray, *, norm_adv_by_std: bool = True) -> np.ndarray:
+    """The advantages of `rl_config.adv_estimator`, one float64 value per sample (rewards grouped as for
+    compute_group_advantages; `response_lengths` in tokens, 0 for a sample that contributes no tokens)."""
+    if estimator == "group_norm":
+        return compute_group_advantages(rewards, n) if norm_adv_by_std else compute_mean_baseline_advantages(rewards, n)
+    if estimator == "rloo":
+        return compute_rloo_advantages(rewards, n)
+    if estimator == "reinforce_plus_plus":
+        return compute_reinforce_plus_plus_advantages(rewards, response_lengths)
+    if estimator == "reinforce_plus_plus_baseline":
+        return compute_reinforce_plus_plus_baseline_advantages(rewards, n, response_lengths)
+    raise ValueError(f"unsupported rl_config.adv_estimator {estimator!r}; supported: {list(ADV_ESTIMATORS)}")
 
 
 def compute_overlong_penalty(

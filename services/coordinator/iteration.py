@@ -7,7 +7,8 @@
    until `filter_groups_train_batch_size` groups with a spread in `filter_groups_metric` are kept
    (`dynamic_sampling.py`); only those train;
 2. score: final rewards (the verifiers' weighted sum, DAPO overlong shaping);
-3. advantages: group normalisation (before the log-prob passes, as MindSpeed-RL orders them);
+3. advantages: group normalisation, or `rl_config.adv_estimator`'s (before the log-prob passes, as MindSpeed-RL
+   orders them);
 4. reference and old log-probs: the reference's (streamed during the rollout, or in integrated mode one pass
    with its weights onloaded around it) and the actor's (skipped when fully on-policy);
 5. update: the actor's `Update` over the trained batch;
@@ -41,7 +42,7 @@ from services.common.sequences import Sequences
 from services.common.tensors import to_proto
 from services.coordinator.advantages import (
     apply_overlong_penalty,
-    compute_group_advantages,
+    compute_advantages,
     make_kl_controller,
 )
 from services.coordinator.dynamic_sampling import (
@@ -234,7 +235,8 @@ class GrpoIteration:
         staleness = fence(trained.groups, actor_version, self.settings.max_staleness)
         adv_of = self._advantages(trained, clock)
         old_lp, ref_lp = self._log_prob_passes(trained.seqs, rollout.ref_stream, clock)
-        behavior = behavior_log_probs(trained.groups) if self.settings.max_staleness else {}
+        correct = self.settings.max_staleness or self.settings.rollout_correction
+        behavior = behavior_log_probs(trained.groups) if correct else {}
         mismatch = rollout_mismatch(trained.groups, old_lp, actor_version)
         actor_metrics = self._update(trained.seqs, adv_of, old_lp, ref_lp, iteration, clock, behavior)
         return _Trained(trained, {**actor_metrics, **staleness, **mismatch})
@@ -315,8 +317,10 @@ class GrpoIteration:
         return _Batch(groups, rewards, seqs)
 
     def _advantages(self, trained: _Batch, clock: PhaseClock) -> dict[str, float]:
-        start = time.perf_counter()
-        advantages = compute_group_advantages(trained.rewards, self.settings.n_samples_per_prompt)
+        start, s = time.perf_counter(), self.settings
+        lengths = [0 if x.error else x.response_length for x in trained.samples]  # tokens each sample trains
+        advantages = compute_advantages(s.adv_estimator, trained.rewards, s.n_samples_per_prompt, lengths,
+                                        norm_adv_by_std=s.norm_adv_by_std_in_grpo)
         adv_of = {x.sample_id: float(a) for x, a in zip(trained.samples, advantages, strict=True)}
         clock.record("adv", start, time.perf_counter())
         return adv_of

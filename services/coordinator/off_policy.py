@@ -1,11 +1,14 @@
-"""Off-policy facts of a batch: the version fence and the behaviour log-probs of the pipelined mode, and how far
-the rollout's log-probs are from the trainer's (`rollout_mismatch`, every mode).
+"""Off-policy facts of a batch: the version fence, the behaviour log-probs, and how far the rollout's log-probs
+are from the trainer's (`rollout_mismatch`, every mode).
 
 With `rlfabric.max_staleness: 1` the rollout generates iteration k+1 with the weights of k-1 while the actor
 updates on k (`GrpoIteration.run_overlapped`), so the samples an update trains on may be one weight version
 behind the actor. The fence refuses any sample outside 0..max_staleness versions behind (the trainer's Update
-checks the same bound); the rollout's own log-probs of the sampled tokens travel with the batch so that the
-trainer can weight each token by the truncated importance ratio (services/trainer/grpo_loss.py).
+checks the same bound). The rollout's own log-probs of the sampled tokens travel with the batch in pipelined mode,
+and in every mode with a rollout correction (`rlfabric.rollout_is` / `rollout_rs`), so that the trainer can weight
+each token by the truncated importance ratio and drop the ones past its thresholds
+(services/trainer/rollout_correction.py); when the old-log-prob pass is skipped, the trainer measures
+`rollout_mismatch/*` itself, against its own current log-probs.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def behavior_log_probs(groups: Sequence[Group]) -> dict[str, np.ndarray]:
         lp = to_numpy(x.response_log_probs).astype(np.float32).reshape(-1)
         if lp.shape[0] != x.response_length:
             raise IterationError(f"rollout: sample {x.sample_id} has {lp.shape[0]} log-probs for {x.response_length} "
-                                 "tokens; pipelined mode needs the log-prob of every sampled token")
+                                 "tokens; pipelined mode and the rollout correction need the log-prob of every "
+                                 "sampled token")
         out[x.sample_id] = lp
     return out
 

@@ -2,14 +2,17 @@
 
 Every value comes from the loaded `RLFabricConfig` (services/common/config): the config's fields are the one
 home of each default, so IterationSettings has none of its own (except `update_chunk_size`, an rlfabric
-wire detail with no YAML key). Rules such as "is there a KL term" or "can old log-probs be skipped" are read
-from `cfg.derived`, never re-derived here.
+wire detail with no YAML key, and the advantage / rollout-correction fields, defaulting to the plain GRPO run for
+evaluation's settings, which train nothing). Rules such as "is there a KL term" or "can old log-probs be skipped"
+are read from `cfg.derived`, never re-derived here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from services.common.config.loss_variants import rollout_correction_on
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,11 @@ class IterationSettings:
     weight_transport: str = "auto"
     # Rows per UpdateRequest message (one Update call carries the whole batch in chunks of this size).
     update_chunk_size: int = 64
+    # Advantages: rl_config.adv_estimator and rlfabric.norm_adv_by_std_in_grpo (services/coordinator/advantages.py).
+    adv_estimator: str = "group_norm"
+    norm_adv_by_std_in_grpo: bool = True
+    # rlfabric.rollout_is / rollout_rs set: the rollout's log-probs travel with the batch in every mode.
+    rollout_correction: bool = False
 
 
 def settings_from_config(cfg: Any) -> IterationSettings:
@@ -103,4 +111,7 @@ def settings_from_config(cfg: Any) -> IterationSettings:
         deadline_s=cfg.rlfabric.rpc_deadline_s,
         max_staleness=cfg.rlfabric.max_staleness,
         weight_transport=cfg.rlfabric.weight_transport,
+        adv_estimator=rl.adv_estimator,
+        norm_adv_by_std_in_grpo=cfg.rlfabric.norm_adv_by_std_in_grpo,
+        rollout_correction=rollout_correction_on(cfg.rlfabric),
     )

@@ -16,22 +16,33 @@ Formulas (per response token t of sample i; `A_i` is the group-normalised advant
               | 0.5 * (log p_t - log p_ref_t)^2                                         mse (k2)
     loss      = agg(pg) + kl_coef * token_mean(kl) - entropy_coeff * token_mean(entropy)
 
-Off-policy samples (pipelined mode, `rlfabric.max_staleness` >= 1) also carry the behaviour policy's log-probs
-`log mu_t` (what the rollout sampled with, possibly some weight versions old); the clipped surrogate is then
-weighted per token by the truncated importance ratio between the proximal (old) policy and the behaviour one::
+GSPO (`rlfabric.policy_loss_mode: gspo`, https://arxiv.org/abs/2507.18071, as verl's `compute_policy_loss_gspo`)
+replaces the token ratio by the sequence's geometric-mean ratio, carrying each token's own gradient::
 
-    w_t       = min(exp(log p_old_t - log mu_t), is_cap)           (no gradient)        importance_weights
+    s_i       = exp(token_mean_i(log p - log p_old))
+    ratio_t   = exp(min(sg(log s_i) + log p_t - sg(log p_t), 10))                      (then clipped as above)
+
+and always aggregates "seq-mean-token-mean".
+
+Samples may carry the behaviour policy's log-probs `log mu_t` (what the rollout engine sampled with: pipelined
+mode, `rlfabric.max_staleness` >= 1, or any mode with a `rlfabric.rollout_*` correction); the surrogate is then
+weighted by the truncated importance ratio between the proximal (old) policy and the behaviour one, and tokens
+or sequences past a divergence threshold leave the loss (services/trainer/rollout_correction.py)::
+
+    w_t       = min(exp(log p_old_t - log mu_t), threshold)        (no gradient; per token or per sequence)
     pg_t      = w_t * max(-A_i * ratio_t, -A_i * clip(ratio_t, ...))
 
 This is the decoupled PPO objective of asynchronous RL (Hilton et al., "Batch size-invariance for policy
 optimization", https://arxiv.org/abs/2110.00641; truncated IS as in IMPALA/V-trace,
 https://arxiv.org/abs/1802.01561): the PPO clip keeps the step near the proximal policy, the truncated weight
-corrects for the samples coming from an older one without letting a single token's ratio explode. Without
+corrects for the samples coming from another one without letting a single token's ratio explode. Without
 behaviour log-probs w_t is not applied at all, so the synchronous loss is unchanged bit for bit.
 
-`agg` is "token-mean" (mean over every response token of the micro-batch; YAML
-`rl_config.token_level_loss: true`, the default) or "seq-mean-token-mean" (mean over each sample's
-tokens, then over samples; `token_level_loss: false`). As in MindSpeed-RL, the aggregation mode
+`agg` (LOSS_AGG_MODES, verl's names) is "token-mean" (mean over every response token of the micro-batch; YAML
+`rl_config.token_level_loss: true`, the default), "seq-mean-token-mean" (mean over each sample's tokens, then
+over the samples that have any; `token_level_loss: false`), or with `rlfabric.loss_agg_mode` also
+"seq-mean-token-sum" (each sample's token sum, mean over samples) and "seq-mean-token-sum-norm" (the sum over
+every token / `loss_scale_factor`, the longest response; Dr.GRPO). As in MindSpeed-RL, the aggregation mode
 applies to the policy-gradient term only; the KL and entropy terms are always token means.
 
 Papers: GRPO, DeepSeekMath https://arxiv.org/abs/2402.03300 (group advantages, KL in the loss with
@@ -46,6 +57,8 @@ Which YAML key selects which variant (MindSpeed-RL `rl_config`):
     init_kl_coef (through the KL controller)    kl_coef; DAPO runs pass use_kl=False
     entropy_coeff                               entropy bonus weight (entropy only needed if != 0)
     token_level_loss                            token-mean vs seq-mean-token-mean (LOSS_AGG_MODES)
+    rlfabric.policy_loss_mode, loss_agg_mode,   verl's keys: vanilla | gspo; any of LOSS_AGG_MODES (`LossVariant`)
+      loss_scale_factor, rollout_*
 
 Contract with the caller (the trainer's update loop):
 - All per-token tensors are `[batch, seq]` over the response tokens only, aligned so that
@@ -63,38 +76,53 @@ Contract with the caller (the trainer's update loop):
 Metrics are floats (detached): `actor/pg_loss` (the aggregated clipped surrogate, signed),
 `actor/pg_clipfrac`, `actor/ppo_kl` (token mean of old - new), `actor/kl_loss` (token mean of
 the KL penalty, before kl_coef), `actor/entropy`, and `actor/loss` (the total). Note that
-MindSpeed-RL logs `abs(total loss)` under `actor/pg_loss`; `abs(actor/loss)` gives that number.
+MindSpeed-RL logs `abs(total loss)` under `actor/pg_loss`; `abs(actor/loss)` gives that number. With behaviour
+log-probs also the rollout correction's (services/trainer/rollout_correction.py), some as raw sums for the update.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from services.common.config.loss_variants import POLICY_LOSS_MODES
+from services.trainer.loss_agg import LOSS_AGG_MODES, aggregate_loss, masked_mean
+from services.trainer.rollout_correction import RolloutCorrection, correct
+
+__all__ = ["LOSS_AGG_MODES", "KL_PENALTIES", "LossVariant", "aggregate_loss", "compute_log_probs", "grpo_loss",
+           "kl_penalty", "masked_mean", "policy_loss"]
+
 # Clamps of the k3 estimator: exp(20) is finite in bf16/fp32, and bounding k3 keeps one
 # off-support token from dominating the loss.
 _K3_LOG_RATIO_CLAMP = 20.0
 _K3_VALUE_CLAMP = 10.0
+_GSPO_LOG_RATIO_MAX = 10.0  # verl's clamp of the sequence log-ratio before exp
 
 
-def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of `values` over positions where `mask` is 1.
+@dataclasses.dataclass(frozen=True)
+class LossVariant:
+    """The loss keys verl has and MindSpeed-RL lacks (`rlfabric.*`); the defaults are the MindSpeed-RL loss.
 
-    Args:
-        values: `[batch, seq]`.
-        mask: `[batch, seq]`, bool or 0/1 numbers.
-        dim: None for the mean over all masked tokens, -1 for one mean per row.
-
-    Returns:
-        A 0-dim tensor (dim None) or `[batch]`. A row or batch without any masked token gives 0
-        rather than NaN (its count is clamped to 1).
+    Attributes:
+        policy_loss_mode: "vanilla" (the clipped token ratio) or "gspo" (the sequence ratio).
+        loss_agg_mode: a key of LOSS_AGG_MODES, or None for `token_level_loss`'s choice.
+        loss_scale_factor: the divisor of "seq-mean-token-sum-norm" (None: the micro-batch's padded width).
+        correction: the rollout correction for batches with behaviour log-probs; None: token-level truncation at
+            `is_cap` (pipelined mode's default).
     """
-    mask = mask.to(values.dtype)
-    total = (values * mask).sum() if dim is None else (values * mask).sum(dim=dim)
-    count = mask.sum() if dim is None else mask.sum(dim=dim)
-    return total / count.clamp(min=1.0)
+
+    policy_loss_mode: str = "vanilla"
+    loss_agg_mode: str | None = None
+    loss_scale_factor: float | None = None
+    correction: RolloutCorrection | None = None
+
+    @property
+    def weights_tokens(self) -> bool:
+        """Whether a batch with behaviour log-probs gets importance weights (and their actor/is_* metrics)."""
+        return self.correction is None or self.correction.is_level is not None
 
 
 def compute_log_probs(
@@ -134,34 +162,6 @@ def compute_log_probs(
     return log_probs, entropy
 
 
-def importance_weights(
-    proximal_log_probs: Tensor, behavior_log_probs: Tensor, response_mask: Tensor, *, cap: float
-) -> tuple[Tensor, dict[str, float]]:
-    """Truncated importance weights `min(exp(proximal - behaviour), cap)`, `[batch, seq]`, without gradient.
-
-    Args:
-        proximal_log_probs: `[batch, seq]` the old policy of the PPO ratio (the weights the update starts from).
-        behavior_log_probs: `[batch, seq]` the policy the rollout sampled with (the rollout's log-probs).
-        response_mask: `[batch, seq]`.
-        cap: the truncation (`rlfabric.importance_sampling_cap`), > 0.
-
-    Returns:
-        `(weights, metrics)`; metrics: `actor/is_weight_mean` (token mean after truncation) and
-        `actor/is_clipfrac` (share of response tokens whose weight was truncated).
-    """
-    if cap <= 0:
-        raise ValueError(f"importance_sampling_cap must be > 0, got {cap} (rlfabric.importance_sampling_cap)")
-    with torch.no_grad():
-        # exp of a clamped log-ratio: a token the behaviour policy found near-impossible stays finite.
-        raw = torch.exp(torch.clamp(proximal_log_probs.detach() - behavior_log_probs, max=_K3_LOG_RATIO_CLAMP))
-        weights = torch.clamp(raw, max=cap)
-        metrics = {
-            "actor/is_weight_mean": masked_mean(weights, response_mask).item(),
-            "actor/is_clipfrac": masked_mean((raw > cap).to(weights.dtype), response_mask).item(),
-        }
-    return weights, metrics
-
-
 def policy_loss(
     log_probs: Tensor,
     old_log_probs: Tensor | None,
@@ -170,10 +170,10 @@ def policy_loss(
     *,
     clip_ratio_low: float,
     clip_ratio_high: float,
-    behavior_log_probs: Tensor | None = None,
-    is_cap: float = 2.0,
+    is_weights: Tensor | None = None,
+    mode: str = "vanilla",
 ) -> tuple[Tensor, dict[str, float]]:
-    """Per-token clipped surrogate loss of PPO/GRPO with asymmetric clipping (DAPO clip-higher).
+    """Per-token clipped surrogate loss of PPO/GRPO with asymmetric clipping (DAPO clip-higher), or GSPO's.
 
     Args:
         log_probs: `[batch, seq]` current policy, with gradient.
@@ -182,22 +182,28 @@ def policy_loss(
         response_mask: `[batch, seq]`.
         clip_ratio_low: the ratio is clipped below at 1 - clip_ratio_low.
         clip_ratio_high: the ratio is clipped above at 1 + clip_ratio_high.
-        behavior_log_probs: `[batch, seq]` the rollout's log-probs of off-policy samples, or None
-            (synchronous: no importance weight at all).
-        is_cap: truncation of the importance weight (see `importance_weights`).
+        is_weights: `[batch, seq]` importance weights of the rollout correction (no gradient), or None.
+        mode: a value of POLICY_LOSS_MODES; "gspo" uses the sequence ratio (module docstring).
 
     Returns:
         `(per_token_loss [batch, seq], metrics)`; padding positions hold values that the caller
         masks out in `aggregate_loss`. Metrics: `actor/pg_clipfrac` (share of response tokens
-        where the clipped term is the larger one) and `actor/ppo_kl` (token mean of old - new);
-        with behaviour log-probs also those of `importance_weights`.
+        where the clipped term is the larger one) and `actor/ppo_kl` (token mean of old - new).
     """
+    if mode not in POLICY_LOSS_MODES:
+        raise ValueError(f"unsupported rlfabric.policy_loss_mode {mode!r}; supported: {list(POLICY_LOSS_MODES)}")
     if old_log_probs is None:
         old_log_probs = log_probs.detach()
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     log_ratio = log_probs - old_log_probs
-    ratio = torch.exp(log_ratio)
+    if mode == "gspo":
+        # log s_i is the sequence's mean log-ratio; log p - sg(log p) is 0 in value and carries the token's gradient
+        seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1)
+        token_log_ratio = log_probs - log_probs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+        ratio = torch.exp(torch.clamp(token_log_ratio, max=_GSPO_LOG_RATIO_MAX))
+    else:
+        ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     per_token = torch.maximum(unclipped, clipped)
@@ -206,10 +212,8 @@ def policy_loss(
             "actor/pg_clipfrac": masked_mean((clipped > unclipped).to(log_probs.dtype), response_mask).item(),
             "actor/ppo_kl": masked_mean(-log_ratio, response_mask).item(),
         }
-    if behavior_log_probs is not None:
-        weights, is_metrics = importance_weights(old_log_probs, behavior_log_probs, response_mask, cap=is_cap)
-        per_token = weights * per_token
-        metrics.update(is_metrics)
+    if is_weights is not None:
+        per_token = per_token * is_weights
     return per_token, metrics
 
 
@@ -262,37 +266,6 @@ def _kl_estimator(kind: str) -> Callable[[Tensor, Tensor], Tensor]:
         ) from None
 
 
-def _token_mean(per_token: Tensor, mask: Tensor) -> Tensor:
-    return masked_mean(per_token, mask)
-
-
-def _seq_mean_token_mean(per_token: Tensor, mask: Tensor) -> Tensor:
-    return masked_mean(per_token, mask, dim=-1).mean()
-
-
-# Aggregation of a `[batch, seq]` per-token loss into the micro-batch loss.
-LOSS_AGG_MODES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "token-mean": _token_mean,
-    "seq-mean-token-mean": _seq_mean_token_mean,
-}
-
-
-def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
-    """Reduce a `[batch, seq]` per-token loss to a scalar over the masked tokens.
-
-    "token-mean": sum over all masked tokens / their count (every token weighs the same, DAPO).
-    "seq-mean-token-mean": mean over each row's masked tokens, then the mean over rows (every
-    sample weighs the same, the original GRPO).
-    """
-    try:
-        fn = LOSS_AGG_MODES[mode]
-    except KeyError:
-        raise ValueError(
-            f"unsupported loss aggregation mode {mode!r}; supported: {sorted(LOSS_AGG_MODES)}"
-        ) from None
-    return fn(per_token, mask)
-
-
 def _checked_clip_bounds(
     clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None, entropy_coeff: float,
     entropy: Tensor | None,
@@ -330,6 +303,7 @@ def grpo_loss(
     entropy: Tensor | None = None,
     token_level_loss: bool = True,
     behavior_log_probs: Tensor | None = None, is_cap: float = 2.0,
+    variant: LossVariant | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO (or DAPO) actor loss of one micro-batch.
 
@@ -349,18 +323,28 @@ def grpo_loss(
         entropy: `[batch, seq]` per-token entropy with gradient (`compute_log_probs(..., with_entropy=True)`);
             required when `entropy_coeff != 0`, else it only feeds `actor/entropy` (0.0 when absent).
         token_level_loss: True for "token-mean", False for "seq-mean-token-mean" on the pg term.
-        behavior_log_probs, is_cap: the off-policy correction (see `policy_loss`); None: none.
+        behavior_log_probs: `[batch, seq]` the rollout's log-probs; None: no rollout correction.
+        is_cap: the token-level truncation when `variant.correction` is None (pipelined mode's default).
+        variant: the verl loss keys (`LossVariant`); None: the MindSpeed-RL loss.
 
     Returns:
         `(loss, metrics)`: a 0-dim tensor to backpropagate (one micro-batch's mean; see the
         module docstring for the mini-batch contract) and detached float metrics.
     """
     low, high = _checked_clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high, entropy_coeff, entropy)
+    variant = variant or LossVariant()
+    weights, correction_metrics = None, {}
+    if behavior_log_probs is not None:
+        proximal = log_probs.detach() if old_log_probs is None else old_log_probs
+        weights, response_mask, correction_metrics = correct(
+            proximal, behavior_log_probs, response_mask,
+            variant.correction or RolloutCorrection("token", is_cap), proximal_is_current=old_log_probs is None)
     per_token_pg, metrics = policy_loss(
         log_probs, old_log_probs, advantages, response_mask, clip_ratio_low=low, clip_ratio_high=high,
-        behavior_log_probs=behavior_log_probs, is_cap=is_cap,
+        is_weights=weights, mode=variant.policy_loss_mode,
     )
-    pg = aggregate_loss(per_token_pg, response_mask, "token-mean" if token_level_loss else "seq-mean-token-mean")
+    metrics.update(correction_metrics)
+    pg = aggregate_loss(per_token_pg, response_mask, _agg_mode(variant, token_level_loss), variant.loss_scale_factor)
     loss = pg
 
     if use_kl:
@@ -385,3 +369,12 @@ def grpo_loss(
     metrics.update({"actor/pg_loss": pg.item(), "actor/kl_loss": kl_value, "actor/entropy": entropy_value,
                     "actor/loss": loss.item()})
     return loss, metrics
+
+
+def _agg_mode(variant: LossVariant, token_level_loss: bool) -> str:
+    """GSPO aggregates per sequence whatever is configured (as verl); else loss_agg_mode, else token_level_loss."""
+    if variant.policy_loss_mode == "gspo":
+        return "seq-mean-token-mean"
+    if variant.loss_agg_mode is not None:
+        return variant.loss_agg_mode
+    return "token-mean" if token_level_loss else "seq-mean-token-mean"

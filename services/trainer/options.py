@@ -7,10 +7,13 @@ is enforced when the config loads (services/common/config/resume.py).
 
 from __future__ import annotations
 
+from services.common.config.loss_variants import parse_rs, rollout_correction_on
 from services.trainer.activation_memory import ActivationMemory
+from services.trainer.grpo_loss import LossVariant
 from services.trainer.moe import MoeOptions
 from services.trainer.optimizer import OptimizerOptions
 from services.trainer.packing import DEFAULT_MAX_PACKING_TOKENS, Packing
+from services.trainer.rollout_correction import RolloutCorrection
 from services.trainer.update import UpdateOptions
 from services.trainer.worker import WorkerOptions
 
@@ -37,6 +40,7 @@ def worker_options_from_config(cfg, role: str = "actor", *, hf_dir: str | None =
         entropy_coeff=rl.entropy_coeff,
         token_level_loss=rl.token_level_loss,
         is_cap=cfg.rlfabric.importance_sampling_cap,
+        variant=loss_variant_from_config(cfg),
         max_staleness=cfg.rlfabric.max_staleness,
         packing=_packing(rl, "update", rl.update_max_packing_token_size, rl.update_dynamic_max_batch_size),
     )
@@ -72,6 +76,27 @@ def worker_options_from_config(cfg, role: str = "actor", *, hf_dir: str | None =
         moe=moe_options_from_config(mt),
     )
     return opts, rl.init_kl_coef
+
+
+def loss_variant_from_config(cfg) -> LossVariant:
+    """verl's loss keys (`rlfabric.*`, checked when the config loaded; services/common/config/loss_variants.py).
+
+    The rollout correction: `rollout_is` when set, else pipelined mode's token-level truncation at
+    `importance_sampling_cap` (none in synchronous mode), plus the `rollout_rs` rejection.
+    """
+    fab = cfg.rlfabric
+    correction = None
+    if rollout_correction_on(fab):
+        if fab.rollout_is is not None:
+            level, threshold = fab.rollout_is, fab.rollout_is_threshold
+        else:
+            level, threshold = ("token" if fab.max_staleness else None), fab.importance_sampling_cap
+        correction = RolloutCorrection(level, threshold, parse_rs(fab.rollout_rs, fab.rollout_rs_threshold))
+    scale = fab.loss_scale_factor
+    if scale is None and fab.loss_agg_mode == "seq-mean-token-sum-norm":
+        scale = cfg.derived.max_response_length  # verl pads responses to their length limit and divides by it
+    return LossVariant(policy_loss_mode=fab.policy_loss_mode, loss_agg_mode=fab.loss_agg_mode,
+                       loss_scale_factor=None if scale is None else float(scale), correction=correction)
 
 
 def _packing(rl, prefix: str, max_tokens: int | None, max_rows: int | None) -> Packing:

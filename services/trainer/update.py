@@ -15,6 +15,9 @@ Owns the optimisation loop around the loss in `grpo_loss.py`:
   weights (sharded over data-parallel ranks with the distributed optimizer) and updates the model;
   then Megatron's `OptimizerParamScheduler` moves one increment. A step whose gradient norm is not
   finite is skipped, scheduler included. The same code runs on accelerators.
+- Mixture-of-experts models: every data-parallel rank of an expert-parallel group runs as many micro-batches
+  (padding ones with zero loss; services/trainer/moe.py), and the iteration's metrics carry `moe/aux_loss` and
+  `moe/expert_load_max_over_mean` (`moe.moe_metrics`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from services.trainer import grpo_loss, packing
+from services.trainer import grpo_loss, moe, packing, rollout_correction
 from services.trainer.step import (
     SequenceRows,
     gather_response_logits,
@@ -63,6 +66,8 @@ class UpdateOptions:
     # Truncation of the off-policy importance weight (rlfabric.importance_sampling_cap); only applied to an
     # Experience that carries behaviour log-probs (pipelined mode).
     is_cap: float = 2.0
+    # verl's loss keys (rlfabric.policy_loss_mode, loss_agg_mode, loss_scale_factor, rollout_*).
+    variant: grpo_loss.LossVariant = grpo_loss.LossVariant()
     # Versions a trained sample may lag the actor (rlfabric.max_staleness): the Update RPC's version fence.
     max_staleness: int = 0
     # use_remove_padding / use_dynamic_bsz with the update_* budgets (services/trainer/packing.py).
@@ -158,42 +163,83 @@ def grpo_update(
         # A KL run (init_kl_coef != 0) that trained without its KL term would diverge silently from the config.
         raise ValueError("ref_log_probs is required: this trainer's loss has a KL term (rl_config.init_kl_coef != 0), "
                          "so every UpdateRequest must carry the reference model's log-probs")
-    pp = ps.get_pipeline_model_parallel_world_size()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mb_metrics: list[dict[str, float]] = []
     step_metrics: list[tuple[float, float]] = []
+    lockstep = moe.lockstep_data_parallel(model)
+    load = moe.ExpertLoad(model) if moe.is_moe(model) else None
+    real_micro_batches = 0
 
     loss_fn = _micro_batch_loss(exp, opts, temperature, kl_coef)
     model.train()
-    for epoch in range(opts.epochs):
-        for mini in mini_batches(len(exp.rows), opts, step, epoch):
-            groups = packing.dp_groups(exp.rows, mini, opts.micro_batch_size, opts.packing, dp=dp, dp_rank=dp_rank)
-            share = sum(len(g) for g in groups)
-            if share % opts.micro_batch_size and pp > 1 and not (opts.packing.dynamic or opts.packing.remove_padding):
-                raise ValueError(
-                    f"{share} rows per data-parallel rank is not a multiple of micro_batch_size "
-                    f"{opts.micro_batch_size} (needed with pipeline parallelism)"
-                )
-            mbs = packing.build_micro_batches(exp.rows, groups, opts.packing, pp=pp,
-                                              tp=ps.get_tensor_model_parallel_world_size())
-            for mb, scale in zip(mbs, packing.loss_scales(groups, opts.packing), strict=True):
-                mb["loss_scale"] = scale
-            optimizer.zero_grad()
-            out = run_micro_batches(model, mbs, loss_fn, forward_only=False)
-            if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
-                mb_metrics.extend(out)
-            lr = optimizer.param_groups[0]["lr"]
-            norm = optimizer.step(clip_grad)
-            if math.isfinite(norm):
-                scheduler.step(increment=1)
-            step_metrics.append((norm, lr))
-    return _reduce_metrics(mb_metrics, step_metrics, exp.behavior_log_probs is not None)
+    try:
+        for epoch in range(opts.epochs):
+            for mini in mini_batches(len(exp.rows), opts, step, epoch):
+                groups = packing.dp_groups(exp.rows, mini, opts.micro_batch_size, opts.packing, dp=dp,
+                                           dp_rank=dp_rank, same_count=lockstep)
+                real_micro_batches += sum(1 for g in groups if g)
+                _step_mini_batch(model, optimizer, scheduler, exp, groups, opts, loss_fn, clip_grad, mb_metrics,
+                                 step_metrics)
+    finally:
+        if load is not None:
+            load.remove()
+    corrected = exp.behavior_log_probs is not None
+    metrics = _reduce_metrics(mb_metrics, step_metrics, corrected and opts.variant.weights_tokens)
+    if corrected:  # rollout_mismatch/*: token sums and a max over every rank (a collective: decided by the batch)
+        # measured here only when the current weights are the rollout's (synchronous, old-log-prob pass skipped)
+        same_weights = exp.old_log_probs is None and not opts.max_staleness
+        metrics.update(rollout_correction.reduce_metrics(mb_metrics, measured=same_weights))
+    if load is not None:
+        metrics.update(moe.moe_metrics(model, load, num_micro_batches=_mean_over_dp(real_micro_batches)))
+    return metrics
+
+
+def _step_mini_batch(model, optimizer, scheduler, exp: Experience, groups: list[list[int]], opts: UpdateOptions,
+                     loss_fn, clip_grad: float, mb_metrics: list, step_metrics: list) -> None:
+    """One mini-batch: this rank's micro-batches `groups` forward and backward, then one optimizer step."""
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    share = sum(len(g) for g in groups)
+    if share % opts.micro_batch_size and pp > 1 and not (opts.packing.dynamic or opts.packing.remove_padding):
+        raise ValueError(
+            f"{share} rows per data-parallel rank is not a multiple of micro_batch_size "
+            f"{opts.micro_batch_size} (needed with pipeline parallelism)"
+        )
+    mbs = packing.build_micro_batches(exp.rows, groups, opts.packing, pp=pp,
+                                      tp=ps.get_tensor_model_parallel_world_size())
+    for mb, scale in zip(mbs, packing.loss_scales(groups, opts.packing), strict=True):
+        mb["loss_scale"] = scale
+    optimizer.zero_grad()
+    with moe.inert_padding(model, mbs):
+        out = run_micro_batches(model, mbs, loss_fn, forward_only=False)
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        mb_metrics.extend(m for m in out if m)  # a padding micro-batch reports nothing
+    lr = optimizer.param_groups[0]["lr"]
+    norm = optimizer.step(clip_grad)
+    if math.isfinite(norm):
+        scheduler.step(increment=1)
+    step_metrics.append((norm, lr))
+
+
+def _mean_over_dp(count: int) -> float:
+    """The mean of `count` over the data-parallel ranks (a collective of the data-parallel group)."""
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_world_size()
+    if dp == 1:
+        return float(count)
+    t = torch.tensor([float(count)], dtype=torch.float64, device=moe.comm_device())
+    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    return float(t.item()) / dp
 
 
 def _micro_batch_loss(exp: Experience, opts: UpdateOptions, temperature: float, kl_coef: float):
     """The loss function Megatron's schedule calls per micro-batch: (logits, micro-batch) -> (loss, metrics)."""
 
     def loss_fn(logits: torch.Tensor, mb: dict):
+        if mb.get("padding"):  # zero, but through the graph: its backward is a collective of the expert group
+            return logits.sum() * 0.0, {}
         logits = gather_response_logits(logits, mb)
         dev = logits.device
         tokens = mb["resp_tokens"].to(dev)
@@ -226,6 +272,7 @@ def _micro_batch_loss(exp: Experience, opts: UpdateOptions, temperature: float, 
             token_level_loss=opts.token_level_loss,
             behavior_log_probs=behavior,
             is_cap=opts.is_cap,
+            variant=opts.variant,
         )
         # use_dynamic_bsz: the micro-batch's weight in the mini-batch (packing.loss_scales); metrics stay unscaled.
         return loss * mb.get("loss_scale", 1.0), metrics

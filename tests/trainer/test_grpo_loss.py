@@ -451,7 +451,8 @@ def test_errors_name_the_choice():
 
 def test_variant_tables_are_complete():
     assert sorted(KL_PENALTIES) == ["abs", "kl", "low_var_kl", "mse"]
-    assert sorted(LOSS_AGG_MODES) == ["seq-mean-token-mean", "token-mean"]
+    assert sorted(LOSS_AGG_MODES) == ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                                      "token-mean"]
 
 
 def test_empty_rows_contribute_zero_not_nan():
@@ -459,7 +460,8 @@ def test_empty_rows_contribute_zero_not_nan():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
     for mode in LOSS_AGG_MODES:
         assert torch.isfinite(aggregate_loss(logp + 1, mask, mode))
-    assert aggregate_loss(logp + 1, mask, "seq-mean-token-mean").item() == pytest.approx(0.5)
+    # A row without tokens is not a sample of the mean (as verl; it only arises when rejection empties a row).
+    assert aggregate_loss(logp + 1, mask, "seq-mean-token-mean").item() == pytest.approx(1.0)
 
 
 # ----------------------------------------------------------------------------- properties
@@ -491,7 +493,12 @@ def test_modes_agree_when_rows_have_equal_length(rows, length, values):
     mask = torch.cat([torch.ones(rows, length), torch.zeros(rows, 2)], dim=1)
     a = aggregate_loss(padded, mask, "token-mean").item()
     b = aggregate_loss(padded, mask, "seq-mean-token-mean").item()
-    assert a == pytest.approx(b, abs=1e-12)
+    # seq-mean-token-mean divides by count + 1e-8 (verl's formula): 1e-8 relative in float64; in float32, the
+    # trainer's dtype, count + 1e-8 rounds to count and the two are MindSpeed-RL's sum / count exactly.
+    assert a == pytest.approx(b, rel=1e-8, abs=1e-12)
+    f32 = padded.float()
+    mindspeed = ((f32 * mask).sum(-1) / mask.sum(-1)).mean()
+    assert aggregate_loss(f32, mask, "seq-mean-token-mean").item() == mindspeed.item()
     assert a == pytest.approx(per_token.mean().item(), abs=1e-12)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from services.common.config.loss_variants import loss_variant_rules
 from services.common.config.statuses import DPO, PPO
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ def algorithm_rules(cfg: RLFabricConfig) -> Iterable[Problem]:
     from services.common.config.validation import Problem
 
     stage, rl = cfg.actor_config.stage, cfg.rl_config
+    yield from loss_variant_rules(cfg)
     algorithm = algorithm_of(stage)
     if algorithm is None:
         if stage_feature(stage) is None:  # PPO/DPO stages are refused as features, by the loader
@@ -86,7 +88,9 @@ def inactive_keys(cfg: RLFabricConfig) -> dict[str, str]:
     if not rl.clip_higher_enable:
         out.update(dict.fromkeys(("rl_config.clip_ratio_low", "rl_config.clip_ratio_high"),
                                  "clip_higher_enable is false: the clip range is clip_ratio"))
-    if algorithm == GRPO:
+    if cfg.rlfabric.policy_loss_mode == "gspo":
+        out["rl_config.token_level_loss"] = "rlfabric.policy_loss_mode gspo always aggregates seq-mean-token-mean"
+    elif algorithm == GRPO:
         out["rl_config.token_level_loss"] = "ray_grpo's loss is always token-level"
     elif rl.clip_higher_enable:
         out["rl_config.clip_ratio"] = "clip_higher_enable is true: clip_ratio_low / clip_ratio_high apply"

@@ -120,8 +120,9 @@ class MegatronConfig(ModelConfig):
     context_parallel_algo: str = setting("ulysses_cp_algo", "CP algorithm: ulysses_cp_algo or megatron_cp_algo.",
                                          inert("how a sequence is split over CP ranks: the same math; rlfabric "
                                                "does not split sequences"))
+    # The trainer's ranks take it as derived.actor_expert_parallel_size (services/trainer/launch.py).
     expert_model_parallel_size: int = setting(1, "Expert parallel size (EP) of the trainer (MoE models).",
-                                              read(TRAINER_OPTIONS, DERIVED, MOE_RULES))
+                                              read(DERIVED, MOE_RULES))
     num_layers_per_virtual_pipeline_stage: int | None = setting(None, "Layers per virtual pipeline stage.", refused(
         "interleaved (virtual) pipeline stages are not implemented by rlfabric's trainer"))
     num_layer_list: _Layers = setting(None, "Layers per pipeline stage, e.g. \"4,4,4,4\".", inert(

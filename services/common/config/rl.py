@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from services.common.config.schema import inert, read, refused, setting
 from services.common.config.statuses import (
+    ALGORITHM_VARIANTS,
     COORDINATOR_APP,
     COORDINATOR_RUN,
     COORDINATOR_SETTINGS,
@@ -30,7 +31,8 @@ from services.common.config.statuses import (
 
 KL_PENALTIES = ("low_var_kl", "kl", "abs", "mse")
 KL_CTRL_TYPES = ("fixed", "adaptive")
-ADV_ESTIMATORS = ("group_norm",)
+# MindSpeed-RL's group_norm, then verl's outcome-reward estimators (services/common/config/loss_variants.py).
+ADV_ESTIMATORS = ("group_norm", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 # MindSpeed-RL's default verifier list (RLConfig.verifier_function): the one default of the run's verifiers.
 DEFAULT_VERIFIER_FUNCTION = ("base_acc",)
 DEFAULT_VERIFIER_WEIGHT = (1.0,)
@@ -87,9 +89,13 @@ class RLConfig:
     vit_forward_micro_batch_size: int | None = setting(None, "Vision encoder micro-batch (unsupported).", _MULTIMODAL)
 
     # Advantages, loss and KL.
-    adv_estimator: str = setting("group_norm", f"Advantage estimator; rlfabric supports {', '.join(ADV_ESTIMATORS)}.",
-                                 read(VALIDATION, note="group_norm is the only estimator (GRPO and DAPO)"))
-    gamma: float = setting(1.0, "Discount factor (GAE only).", _PPO_ONLY)
+    adv_estimator: str = setting(
+        "group_norm", f"Advantage estimator; rlfabric supports {', '.join(ADV_ESTIMATORS)}.",
+        read(VALIDATION, COORDINATOR_SETTINGS, ALGORITHM_VARIANTS,
+             note="group_norm is MindSpeed-RL's (GRPO and DAPO); rloo and reinforce_plus_plus(_baseline) are verl's"))
+    gamma: float = setting(1.0, "Discount factor (GAE; with reinforce_plus_plus only 1.0).", read(
+        ALGORITHM_VARIANTS, note="GAE's discount upstream (PPO, refused); with the reinforce_plus_plus estimators it "
+                                 "must be 1.0 (one advantage per sample), otherwise unused"))
     lam: float = setting(0.95, "GAE lambda (GAE only).", _PPO_ONLY)
     advantage_whiten: bool = setting(True, "Whiten advantages (GAE only).", _PPO_ONLY)
     clip_ratio: float = setting(0.2, "PPO clip range epsilon: ratio is clipped to [1 - eps, 1 + eps].",

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from services.common.config.schema import inert, read, refused, setting
 from services.common.config.statuses import (
+    ALGORITHM_VARIANTS,
     CONFIG_SECTIONS,
     COORDINATOR_RUN,
     COORDINATOR_SETTINGS,
@@ -47,6 +48,10 @@ _MSPROBE_ONLY = inert("only read with msprobe: true (refused)")
 WEIGHT_TRANSPORTS = ("auto", "grpc", "collective")
 # rlfabric.routing_replay: none, or replay the rollout's expert choices in training (MoE; not wired yet).
 RoutingReplay = Literal["none", "rollout"]
+# The verl keys' values (services/common/config/loss_variants.py holds the tuples and the rules).
+PolicyLossMode = Literal["vanilla", "gspo"]
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+RolloutIsLevel = Literal["token", "sequence"]
 
 
 @dataclass(kw_only=True)
@@ -195,7 +200,38 @@ class FabricConfig:
               "mode. Unused without bf16.", read(TRAINER_OPTIONS))
     importance_sampling_cap: float = setting(
         2.0, "Truncation of the per-token importance weight old-policy / behaviour-policy applied to the samples "
-             "of pipelined mode (max_staleness >= 1); unused when max_staleness is 0.", read(TRAINER_OPTIONS))
+             "of pipelined mode (max_staleness >= 1) when rollout_is is unset; unused when max_staleness is 0.",
+        read(TRAINER_OPTIONS))
+    # verl's estimator, loss and rollout-correction keys (services/common/config/loss_variants.py); MindSpeed-RL
+    # has none of them. Unset, the run is MindSpeed-RL's.
+    norm_adv_by_std_in_grpo: bool = setting(
+        True, "group_norm divides by the group's std (GRPO). false: A = r - mean(group) (Dr.GRPO, with "
+              "loss_agg_mode: seq-mean-token-sum-norm).", read(COORDINATOR_SETTINGS, ALGORITHM_VARIANTS))
+    policy_loss_mode: PolicyLossMode = setting(
+        "vanilla", "vanilla: the clipped token ratio. gspo: GSPO's sequence ratio exp(mean_t log(p / p_old)), "
+                   "clipped, aggregated seq-mean-token-mean (verl's actor.policy_loss.loss_mode).",
+        read(TRAINER_OPTIONS, ALGORITHM_VARIANTS))
+    loss_agg_mode: LossAggMode | None = setting(
+        None, "Aggregation of the policy-gradient term over tokens (verl's actor.loss_agg_mode): token-mean, "
+              "seq-mean-token-mean, seq-mean-token-sum, or seq-mean-token-sum-norm (token sums / "
+              "loss_scale_factor). Unset: rl_config.token_level_loss decides.", read(TRAINER_OPTIONS, ALGORITHM_VARIANTS))
+    loss_scale_factor: int | None = setting(
+        None, "seq-mean-token-sum-norm's divisor; unset: the response length limit (sampling_config.max_tokens, "
+              "verl's padded response width).", read(TRAINER_OPTIONS, ALGORITHM_VARIANTS))
+    rollout_is: RolloutIsLevel | None = setting(
+        None, "Truncated importance weight p_old / p_rollout on the loss, in every mode (verl's rollout_is): "
+              "token (per token) or sequence (the product over the sample). Unset: none in synchronous mode, "
+              "token at importance_sampling_cap in pipelined mode.", read(TRAINER_OPTIONS, ALGORITHM_VARIANTS))
+    rollout_is_threshold: float = setting(
+        2.0, "Truncation of the rollout_is weight.", read(TRAINER_OPTIONS, ALGORITHM_VARIANTS))
+    rollout_rs: str | None = setting(
+        None, "Rejection of tokens or samples whose rollout/trainer divergence passes rollout_rs_threshold "
+              "(masked importance sampling, verl's rollout_rs), comma-separated options: token_k1..3, "
+              "seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3; their tokens leave the loss.",
+        read(TRAINER_OPTIONS, ALGORITHM_VARIANTS))
+    rollout_rs_threshold: str | float | None = setting(
+        None, "rollout_rs thresholds: one, or one per option (comma-separated); k1 options take ratio bounds "
+              "`lower_upper` (or `upper`: 1/upper..upper).", read(TRAINER_OPTIONS, ALGORITHM_VARIANTS))
     # MoE: the trainer's router may pick other experts than the rollout's engine did for the same tokens.
     routing_replay: RoutingReplay = setting(
         "none", "MoE routing in training: none (the trainer's router chooses the experts) or rollout (replay the "

@@ -14,6 +14,7 @@ from services.common.config.schema import inert
 DERIVED = "services/common/config/derived.py"
 VALIDATION = "services/common/config/validation.py"
 ALGORITHM = "services/common/config/algorithm.py"
+ALGORITHM_VARIANTS = "services/common/config/loss_variants.py"
 RESUME = "services/common/config/resume.py"
 HF_CHECK = "services/common/config/hf_check.py"
 MOE_RULES = "services/common/config/moe.py"
