@@ -68,21 +68,21 @@ def serve_group(args: argparse.Namespace) -> int:
 
     from services.common.security import server_security
 
-    try:
-        server_security(args, "rlfabric.v1.Trainer")  # refuse bad security flags here, once, not in every rank
-    except ValueError as e:
-        print(f"rlfabric trainer serve: {e}", file=sys.stderr)
-        return 2
     if args.threads < 1:
         print(f"rlfabric trainer serve: --threads must be at least 1, got {args.threads}", file=sys.stderr)
         return 2
     tp, pp = args.tp, args.pp
-    if args.config and not (tp and pp):
+    if args.config and not (tp and pp):  # a bad config is the one line its error is, before any other output
         from services.common.config import load_config  # no torch: cheap
 
         cfg = load_config(args.config, overrides=args.override)
         mt = cfg.actor_config if args.role == "actor" else cfg.ref_config
         tp, pp = tp or mt.tensor_model_parallel_size, pp or mt.pipeline_model_parallel_size
+    try:
+        server_security(args, "rlfabric.v1.Trainer")  # refuse bad security flags here, once, not in every rank
+    except ValueError as e:
+        print(f"rlfabric trainer serve: {e}", file=sys.stderr)
+        return 2
     tp, pp = tp or 1, pp or 1
     ep, etp = _expert_sizes(args)
     # The smallest world that holds the dense layout (TP x PP) and the experts' (expert-TP x EP x PP).

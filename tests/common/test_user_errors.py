@@ -150,7 +150,8 @@ def test_reward_score_names_a_missing_input_in_a_sentence(repo_root: Path, hub: 
 def test_a_config_error_is_one_line_and_exit_2_in_every_command(repo_root: Path, hub: _Hub, tmp_path: Path) -> None:
     path = tmp_path / "empty.yaml"
     path.write_text("")
-    for argv in (("config", "check", str(path)), ("rollout", "serve", "--config", str(path))):
+    for argv in (("config", "check", str(path)), ("rollout", "serve", "--config", str(path)),
+                 ("trainer", "serve", "--config", str(path))):
         line = _one_line(_rlfabric(repo_root, hub, *argv))
         assert f"{path}: CONFIG is empty" in line, argv
     plan = _rlfabric(repo_root, hub, "plan", str(path))  # adds a second line: what plan needs
