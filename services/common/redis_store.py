@@ -338,6 +338,14 @@ class RunJournal:
     def iterations(self) -> dict[int, dict[str, float]]:
         return {int(k): json.loads(v) for k, v in self.client.hgetall(self._iter_key).items()}
 
+    def forget_iterations_after(self, iteration: int) -> list[int]:
+        """Drops the metrics of iterations past `iteration` (a resumed run computes them again; until it has,
+        a follower must not be shown the lost attempt's); returns them. Their details stay."""
+        later = sorted(int(k) for k in self.client.hkeys(self._iter_key) if int(k) > iteration)
+        if later:
+            self.client.hdel(self._iter_key, *map(str, later))
+        return later
+
     def iteration_metrics(self, iteration: int) -> dict[str, float] | None:
         """One journaled iteration's metrics, or None when it has not finished (one field read, not the run's)."""
         raw = self.client.hget(self._iter_key, str(iteration))

@@ -197,7 +197,9 @@ class RunDriver:
             loop = GrpoIteration(replicas, self.score, actor, reference, self.decode, settings, placement)
             self.validation.start(replicas, self.score, self.decode, settings, placement, iteration=iteration,
                                   version=version, sink=self.sink)
-            self.journal.write(phase="running", iteration=iteration, weights_version=version, consumed_batches=consumed,
+            self.journal.forget_iterations_after(iteration)  # computed again from here (a resume past them)
+            self.journal.write(phase="running", iteration=iteration, start_iteration=iteration, weights_version=version,
+                               consumed_batches=consumed,
                                train_iters=train_iters, rollout=endpoints.rollout, sampling_seed=seed, error="")
             step = _Stepper(loop, loader, self._journaled, train_iters, self.stop_event, s.max_staleness)
             while iteration < train_iters and not self.stop_event.is_set():

@@ -110,7 +110,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         journal = RunJournal(self.redis, request.run_id)
         if not journal.exists():
             abort(context, grpc.StatusCode.NOT_FOUND, f"no run {echo(request.run_id)}")
-        next_it = request.from_iteration or int(journal.read().get("iteration", 0)) + 1
+        if request.from_iteration:
+            next_it = request.from_iteration
+        else:
+            # From where this attempt of the run starts (a fresh run's is 0; a resumed one's is known once it
+            # leaves "starting"), so that iterations it computes again are shown again.
+            state = journal.read()
+            while context.is_active() and state.get("phase") == "starting":
+                time.sleep(0.2)
+                state = journal.read()
+            next_it = int(state.get("start_iteration", state.get("iteration", 0))) + 1
         while context.is_active():
             # Phase first: iterations journaled before a terminal phase are then all in `done`.
             finished = journal.read().get("phase") in ("done", "stopped", "failed")

@@ -138,3 +138,14 @@ def test_iteration_metrics_reads_one_journaled_iteration(redis_url: str) -> None
     journal.record_iteration(1, {"a": 1.5})
     assert journal.iteration_metrics(1) == {"a": 1.5}
     assert journal.iteration_metrics(2) is None
+
+
+def test_a_resume_forgets_the_metrics_of_the_iterations_it_computes_again(redis_url: str) -> None:
+    from services.common.redis_store import RunJournal, connect
+
+    journal = RunJournal(connect(redis_url), "forget-after")
+    for i in (1, 2, 3):
+        journal.record_iteration(i, {"a": float(i)}, detail={"batches": [i]})
+    assert journal.forget_iterations_after(1) == [2, 3]
+    assert journal.iterations() == {1: {"a": 1.0}} and journal.details()[3] == {"batches": [3]}
+    assert journal.forget_iterations_after(1) == []

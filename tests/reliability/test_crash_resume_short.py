@@ -70,8 +70,9 @@ def test_a_crash_after_a_redis_restart_resumes_by_the_docs_recipe(repo_root: Pat
     done = subprocess.run(["bash", "-c", f"{resume} {SHORTER} -o megatron_training.train_iters={end}"], cwd=repo_root,
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{resume}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    # It starts after the checkpoint (the console shows only iterations past the journal's last one).
-    assert f"iteration {end}/{end}" in done.stdout and f"iteration {crash_at - 1}/" not in done.stdout, done.stdout
+    # It starts after the checkpoint: the console shows the crashed iteration, computed again, and the next one.
+    assert f"iteration {crash_at}/{end}" in done.stdout and f"iteration {end}/{end}" in done.stdout, done.stdout
+    assert f"iteration {crash_at - 1}/" not in done.stdout, done.stdout
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == list(range(1, end + 1))  # the recomputed iteration's row is there once
     assert rows[:crash_at - 1] == [before[i] for i in range(1, crash_at)]  # rows before the checkpoint kept
