@@ -77,8 +77,10 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StreamMetrics(self, request, context):
-        """One message per finished iteration with its full metric table, starting with the next
-        iteration (or from `from_iteration` out of the journal). Ends when the run ends.
+        """One message per finished iteration with its full metric table, from the first iteration of the
+        run's current attempt (1 for a fresh run; for a resumed one, the one after its checkpoint, so
+        iterations computed again are shown again; the stream waits while the run is starting), or from
+        `from_iteration` out of the journal. Ends when the run ends.
         Errors: NOT_FOUND for an unknown id. Retry-safe: iterations come from the journal, so a client
         that lost the stream reconnects with `from_iteration` = the last one it saw + 1.
         """
