@@ -125,3 +125,21 @@ def _moe_spec(raw: dict[str, Any], source: str) -> MoeSpec:
                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                    moe_layers=tuple(lay for lay in range(layers) if lay not in dense and step > 0 and (lay + 1) % step == 0),
                    router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)))
+
+
+def check_expert_parallel(spec: ModelSpec, *, ep: int, etp: int = 1) -> None:
+    """Raise naming the sizes when `ep` experts groups (each expert split over `etp` ranks) cannot hold this
+    model's experts, or when ep > 1 on a dense model. The one rule for the trainer and the weight layout."""
+    if ep < 1 or etp < 1:
+        raise ValueError(f"expert parallel sizes must be >= 1, got expert parallel size {ep}, expert tensor "
+                         f"parallel size {etp}")
+    if spec.moe is None:
+        if ep > 1:
+            raise ValueError(f"expert parallel size {ep} needs a mixture-of-experts model; model_type "
+                             f"{spec.model_type} has no experts (use expert parallel size 1)")
+        return
+    if spec.moe.num_experts % ep:
+        raise ValueError(f"expert parallel size {ep} must divide num_experts={spec.moe.num_experts}")
+    if spec.moe.moe_intermediate_size % etp:
+        raise ValueError(f"expert tensor parallel size {etp} must divide moe_intermediate_size="
+                         f"{spec.moe.moe_intermediate_size}")

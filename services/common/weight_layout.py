@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from services.common.model_spec import ModelSpec
+from services.common.model_spec import ModelSpec, check_expert_parallel
 
 ShardKey = tuple[int, int, int]  # (tp_rank, pp_rank, ep_rank); ep_rank is 0 without expert parallelism
 
@@ -186,7 +186,7 @@ def recipes(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> list[TensorRecipe
     if spec.num_key_value_heads % tp or spec.num_attention_heads % tp:
         raise ValueError(f"tensor parallel size {tp} must divide num_attention_heads={spec.num_attention_heads} "
                          f"and num_key_value_heads={spec.num_key_value_heads}")
-    _check_ep(spec, tp, ep)
+    check_expert_parallel(spec, ep=ep, etp=tp)  # the layout splits each expert over TP
     h, d, f = spec.hidden_size, spec.head_dim, spec.intermediate_size
     g = spec.num_key_value_heads  # query groups
     qpg = spec.num_attention_heads // g
@@ -275,21 +275,6 @@ def recipes(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> list[TensorRecipe
     if not spec.tie_word_embeddings:
         out.append(vocab("lm_head.weight", "output_layer.weight", pp - 1))
     return out if ep == 1 else [r if _EXPERT in r.sources[0].name else _mirror_over_ep(r, ep) for r in out]
-
-
-def _check_ep(spec: ModelSpec, tp: int, ep: int) -> None:
-    if ep < 1:
-        raise ValueError(f"expert parallel size must be >= 1, got {ep}")
-    if spec.moe is None:
-        if ep > 1:
-            raise ValueError(f"expert parallel size {ep} needs a mixture-of-experts model; model_type "
-                             f"{spec.model_type} has no experts (use expert parallel size 1)")
-        return
-    if spec.moe.num_experts % ep:
-        raise ValueError(f"expert parallel size {ep} must divide num_experts={spec.moe.num_experts}")
-    if spec.moe.moe_intermediate_size % tp:
-        raise ValueError(f"tensor parallel size {tp} must divide moe_intermediate_size="
-                         f"{spec.moe.moe_intermediate_size} (experts are split over TP)")
 
 
 def _mirror_over_ep(r: TensorRecipe, ep: int) -> TensorRecipe:

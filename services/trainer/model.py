@@ -29,7 +29,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from services.common.model_spec import ModelSpec
+from services.common.model_spec import ModelSpec, check_expert_parallel
 from services.trainer import activation_memory, megatron_compat, moe, sequence_parallel
 from services.trainer.activation_memory import ActivationMemory
 from services.trainer.moe import MoeOptions
@@ -71,7 +71,7 @@ def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch
             f"tensor_model_parallel_size={tp} must divide num_attention_heads={spec.num_attention_heads} "
             f"and num_key_value_heads={spec.num_key_value_heads}"
         )
-    moe.check_expert_parallel(spec, ep=ep, etp=tp if etp is None else etp)
+    check_expert_parallel(spec, ep=ep, etp=tp if etp is None else etp)
     return TransformerConfig(
         num_layers=spec.num_hidden_layers,
         hidden_size=spec.hidden_size,

@@ -67,23 +67,6 @@ class MoeOptions:
             raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
 
 
-def check_expert_parallel(spec: ModelSpec, *, ep: int, etp: int = 1) -> None:
-    """Raise naming the keys when `ep` / `etp` cannot shard this model's experts (or ep > 1 on a dense model)."""
-    if ep < 1 or etp < 1:
-        raise ValueError(f"expert parallel sizes must be >= 1, got expert_model_parallel_size={ep}, expert tensor "
-                         f"parallel size {etp}")
-    if spec.moe is None:
-        if ep > 1:
-            raise ValueError(f"expert_model_parallel_size={ep} needs a mixture-of-experts model; "
-                             f"{spec.model_type} is dense")
-        return
-    if spec.moe.num_experts % ep:
-        raise ValueError(f"expert parallel size {ep} must divide num_experts={spec.moe.num_experts}")
-    if spec.moe.moe_intermediate_size % etp:
-        raise ValueError(f"expert tensor parallel size {etp} must divide moe_intermediate_size="
-                         f"{spec.moe.moe_intermediate_size}")
-
-
 def moe_layer_pattern(spec: ModelSpec) -> list[int]:
     """Megatron's `moe_layer_freq` as a list: 1 for a MoE layer, 0 for a dense one (model-wide)."""
     assert spec.moe is not None

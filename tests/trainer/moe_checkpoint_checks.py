@@ -18,11 +18,11 @@ Usage: python tests/trainer/moe_checkpoint_checks.py --rank R --world 2 --port P
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
+from trainer_helpers import rank_arguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -94,11 +94,7 @@ def check_optimizer_follows(model, opt: StateStandIn, what: str) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    for k in ("rank", "world", "port"):
-        ap.add_argument(f"--{k}", type=int, required=True)
-    ap.add_argument("--hf", required=True)
-    ap.add_argument("--work", required=True)
+    ap = rank_arguments()
     a = ap.parse_args()
     torch.set_num_threads(1)
 

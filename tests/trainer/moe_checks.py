@@ -13,13 +13,13 @@ Usage: python tests/trainer/moe_checks.py --rank R --world W --port P --hf DIR -
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from trainer_helpers import rank_arguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -111,11 +111,7 @@ def run(a, ep: int, dispatcher: str, hf_state: dict) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    for k in ("rank", "world", "port"):
-        ap.add_argument(f"--{k}", type=int, required=True)
-    ap.add_argument("--hf", required=True)
-    ap.add_argument("--work", required=True)
+    ap = rank_arguments()
     ap.add_argument("--case", action="append", required=True, help="EP:DISPATCHER, repeatable")
     a = ap.parse_args()
     torch.set_num_threads(1)

@@ -12,12 +12,12 @@ Usage: python tests/trainer/moe_update_checks.py --rank R --world W --port P --h
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from trainer_helpers import rank_arguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -66,11 +66,7 @@ def run(a, ep: int, dispatcher: str, distributed: bool) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    for k in ("rank", "world", "port"):
-        ap.add_argument(f"--{k}", type=int, required=True)
-    ap.add_argument("--hf", required=True)
-    ap.add_argument("--work", required=True)
+    ap = rank_arguments()
     ap.add_argument("--case", action="append", required=True, help="EP:DISPATCHER:plain|dist, repeatable")
     a = ap.parse_args()
     torch.set_num_threads(1)

@@ -8,7 +8,6 @@ rank 0 alone in a new one-rank group, loads the DP-2 checkpoint at DP 1. Rank 0 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -29,11 +28,9 @@ def run(world: int, hf: Path, work: Path, timeout_s: float = 300) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    for k in ("rank", "world", "port"):
-        ap.add_argument(f"--{k}", type=int, required=True)
-    ap.add_argument("--hf", required=True)
-    ap.add_argument("--work", required=True)
+    from trainer_helpers import rank_arguments
+
+    ap = rank_arguments()
     a = ap.parse_args()
     torch.set_num_threads(1)
 

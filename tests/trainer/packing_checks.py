@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from trainer_helpers import rank_arguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -171,12 +172,8 @@ def run_checks(a: argparse.Namespace, tp: int, pp: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    for k in ("rank", "world", "port"):
-        ap.add_argument(f"--{k}", type=int, required=True)
+    ap = rank_arguments()
     ap.add_argument("--layout", action="append", required=True, help="TPxPP, repeatable")
-    ap.add_argument("--hf", required=True)
-    ap.add_argument("--work", required=True)
     a = ap.parse_args()
     torch.set_num_threads(1)
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from trainer_helpers import rank_arguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -51,12 +52,8 @@ def broadcast(t: torch.Tensor | None, shape_like: torch.Tensor | int) -> torch.T
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    for k in ("rank", "world", "port"):
-        ap.add_argument(f"--{k}", type=int, required=True)
+    ap = rank_arguments()
     ap.add_argument("--layout", action="append", required=True, help="TPxPP, repeatable")
-    ap.add_argument("--hf", required=True)
-    ap.add_argument("--work", required=True)
     ap.add_argument("--load", default=None, help="converted Megatron checkpoint to start from (first layout only)")
     ap.add_argument("--lr", type=float, default=2e-4)
     a = ap.parse_args()

@@ -16,7 +16,7 @@ from moe_checks import TEMPERATURE
 from rank_checks import make_rows
 from trainer_helpers import run_ranks
 
-from services.common.model_spec import read_hf_config
+from services.common.model_spec import check_expert_parallel, read_hf_config
 
 CASES = ("1:allgather", "2:allgather", "2:alltoall")
 
@@ -130,11 +130,11 @@ def test_expert_parallel_and_options_refuse_bad_values(tiny_moe_dir: Path) -> No
 
     spec, _ = read_hf_config(tiny_moe_dir)
     with pytest.raises(ValueError, match="expert parallel size 3 must divide num_experts=8"):
-        moe.check_expert_parallel(spec, ep=3)
+        check_expert_parallel(spec, ep=3)
     with pytest.raises(ValueError, match="expert tensor parallel size 3 must divide moe_intermediate_size=64"):
-        moe.check_expert_parallel(spec, ep=2, etp=3)
+        check_expert_parallel(spec, ep=2, etp=3)
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
-        moe.check_expert_parallel(dataclasses.replace(spec, moe=None), ep=2)
+        check_expert_parallel(dataclasses.replace(spec, moe=None), ep=2)
     with pytest.raises(ValueError, match="moe_token_dispatcher_type 'flex'"):
         moe.MoeOptions(moe_token_dispatcher_type="flex")
     with pytest.raises(ValueError, match="moe_router_load_balancing_type 'sinkhorn'"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -14,6 +15,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 def rank_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
+
+
+def rank_arguments() -> argparse.ArgumentParser:
+    """The flags every rank script takes: `run_ranks`'s --rank/--world/--port, and the --hf model and --work folder
+    (add a script's own flags to the parser it returns)."""
+    ap = argparse.ArgumentParser()
+    for k in ("rank", "world", "port"):
+        ap.add_argument(f"--{k}", type=int, required=True)
+    ap.add_argument("--hf", required=True)
+    ap.add_argument("--work", required=True)
+    return ap
 
 
 def run_ranks(script: str, world: int, args: list[str], *, timeout_s: float = 300) -> None:
