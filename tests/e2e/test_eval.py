@@ -44,10 +44,13 @@ def test_eval_writes_samples_and_a_consistent_table(tiny_model_dir: Path, shared
     assert "| math500 | 5 | 3 |" in proc.stdout
 
 
-def test_eval_refuses_bad_flags(repo_root: Path, tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "eval", "--model", str(tmp_path), "-n", "2",
+def test_eval_refuses_bad_flags(repo_root: Path, tmp_path: Path, tiny_model_dir: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "eval", "--model", str(tiny_model_dir), "-n", "2",
                            "--k", "4"], cwd=repo_root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--k 4: k must be in 1..n (2)" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "eval", "--model", str(tmp_path), "--dataset",
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "eval", "--model", str(tiny_model_dir), "--dataset",
                            "no-such-set"], cwd=repo_root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "neither a named eval set" in proc.stderr
+    assert proc.returncode == 2 and "neither a named eval set" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "eval", "--model", str(tmp_path)], cwd=repo_root,
+                          capture_output=True, text=True, timeout=300)  # a folder that is not a model
+    assert proc.returncode == 2 and "has no config.json" in proc.stderr, proc.stderr
