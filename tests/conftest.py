@@ -163,7 +163,7 @@ def _server_security_restored() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def start_trainer(tmp_path_factory: pytest.TempPathFactory):
     """`start_trainer(*serve_args)` -> (group process, rank 0's address); every group is stopped at the end."""
-    from services.common.processes import start_trainer_group
+    from services.common.processes import start_trainer_group, stop_all
 
     started = []
 
@@ -176,8 +176,7 @@ def start_trainer(tmp_path_factory: pytest.TempPathFactory):
         return group, address
 
     yield start
-    for group in started:
-        group.stop(grace_s=30)
+    stop_all(started, grace_s=30)
 
 
 # --- the prompt set of whole-system runs (tests/e2e, tests/reliability) --------------------------------

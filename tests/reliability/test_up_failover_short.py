@@ -17,7 +17,7 @@ import pytest
 
 from tests.reliability.test_up_faults import Up
 
-ITERS, PROMPTS, SAMPLES = 4, 8, 8  # configs/grpo_tiny_cpu.yaml: global_batch_size 8, n_samples_per_prompt 8
+ITERS, PROMPTS, SAMPLES = 3, 8, 8  # configs/grpo_tiny_cpu.yaml: global_batch_size 8, n_samples_per_prompt 8
 
 
 def leaders(up: Up, needle: str) -> list[int]:
