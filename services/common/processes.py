@@ -125,9 +125,11 @@ def group_members(pgids: set[int]) -> list[int]:
     return [e.pid for e in process_table() if e.state != "Z" and (e.pgid in pgids or e.sid in pgids)]
 
 
-def stopped_members(pgid: int) -> list[int]:
-    """Pids of the process group or session `pgid` that are stopped (SIGSTOP, SIGTSTP: alive and doing nothing)."""
-    return [e.pid for e in process_table() if e.state in ("T", "t") and (e.pgid == pgid or e.sid == pgid)]
+def stopped_members(pgid: int, table: Sequence[ProcEntry] | None = None) -> list[int]:
+    """Pids of the process group or session `pgid` that are stopped (SIGSTOP, SIGTSTP: alive and doing nothing);
+    `table` is a `process_table()` already read (one scan for several groups)."""
+    return [e.pid for e in (process_table() if table is None else table)
+            if e.state in ("T", "t") and (e.pgid == pgid or e.sid == pgid)]
 
 
 def tail(path: Path, lines: int = 30) -> str:

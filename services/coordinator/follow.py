@@ -60,8 +60,6 @@ def stop_after_interrupt(address: str, run_id: str, last_logged: int | None = No
     stops either way. `last_logged` is the last iteration the console printed (it can trail the journal's by
     the one the coordinator finished while stopping). Returns the run's status, None when it is unknown.
     """
-    from services.common.client import make_channel
-
     print(f"interrupted: stopping run {run_id} after its current phase (Ctrl-C again to leave now; it stops "
           "anyway)", file=sys.stderr, flush=True)
     try:

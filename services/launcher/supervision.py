@@ -35,6 +35,7 @@ from services.common.processes import (
     ServiceProcess,
     ServiceStartError,
     describe_exit,
+    process_table,
     stopped_members,
 )
 from services.launcher.stack import LocalStack
@@ -119,8 +120,9 @@ class Supervisor:
     def tick(self) -> None:
         """Every poll: restart a dead private Redis, report children that stopped or run again."""
         self._keep_redis()
+        table = process_table()  # one scan of /proc for every child
         for process in list(self.stack.processes):
-            pids = stopped_members(process.pid) if process.alive() and process.pid else []
+            pids = stopped_members(process.pid, table) if process.alive() and process.pid else []
             before = self.stopped.get(process.name, [])
             if pids and pids != before:
                 moves = "; its work moves to another once the coordinator's keepalive gives up on it (~20 s)" \

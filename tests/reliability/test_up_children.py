@@ -17,21 +17,9 @@ from urllib.parse import urlparse
 
 import pytest
 
+from services.common.processes import group_members
+
 SCRIPT = Path(__file__).with_name("stack_script.py")
-
-
-def group_members(pgid: int) -> list[int]:
-    """Pids whose process group is `pgid` (the service and what it started: pool slots, ranks)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                found.append(int(entry.name))
-    return found
 
 
 def alive(pid: int) -> bool:
@@ -111,7 +99,7 @@ def test_sigkill_of_the_launcher_leaves_no_child_and_no_redis(repo_root: Path, t
     script = Script(repo_root, tmp_path / "run", "sleep")
     try:
         worker = script.info["children"]["reward-0"]
-        guarded = group_members(worker) + [script.info["redis_pid"]]
+        guarded = group_members({worker}) + [script.info["redis_pid"]]
         assert len(guarded) >= 4, guarded  # the worker, its two pool processes, Redis
         os.kill(script.proc.pid, signal.SIGKILL)
         script.proc.wait()
@@ -119,7 +107,7 @@ def test_sigkill_of_the_launcher_leaves_no_child_and_no_redis(repo_root: Path, t
         assert not port_open(script.info["redis_url"])
     finally:
         script.cleanup()
-        for pid in group_members(script.info["children"]["reward-0"]) + [script.info["redis_pid"]]:
+        for pid in group_members({script.info["children"]["reward-0"]}) + [script.info["redis_pid"]]:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
@@ -128,7 +116,7 @@ def test_a_child_killed_mid_run_is_named_at_once_and_everything_stops(repo_root:
     script = Script(repo_root, tmp_path / "run", "watch")
     try:
         worker = script.info["children"]["reward-0"]
-        members = group_members(worker)
+        members = group_members({worker})
         os.kill(worker, signal.SIGKILL)
         out = script.rest(timeout_s=60)
         assert script.proc.returncode == 3, out
