@@ -3,7 +3,7 @@ PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: setup proto lint test soak bench lock clean help up train ps logs down scale-reward scale-rollout demo \
-        device-check
+        demo-multi-turn device-check
 
 help:
 	@echo "make setup [PLATFORM=cpu|cuda|ascend]  create .venv with the platform's locked stack (default cpu;"
@@ -11,6 +11,7 @@ help:
 	@echo "make device-check  the CUDA paths (trainer bf16/TE, vLLM rollout, NCCL weight sync) on one GPU, < 10 min"
 	@echo "make test    lint + the default test suite (what CI runs)"
 	@echo "make demo    GRPO that learns, on this machine in under 10 min: warm-up, every service, before/after, charts"
+	@echo "make demo-multi-turn  GRPO with a tool (code sandbox + tool server): reward, tool calls and success rise"
 	@echo "make up [CONFIG=configs/x.yaml] [REWARD_WORKERS=N] [ROLLOUT_REPLICAS=N] [ARGS='-o k=v ...']"
 	@echo "              Redis + every service, detached (rlfabric system up); the default config's tiny model"
 	@echo "              and data are made in runs/tiny_cpu first"
@@ -81,11 +82,15 @@ scale-rollout:
 demo:
 	bash examples/grpo/grpo_demo_cpu.sh
 
+demo-multi-turn:
+	bash examples/multi_turn/multi_turn_demo_cpu.sh
+
 proto:
 	$(PY) -m services.common.protogen
 
 lint:
 	$(PY) -m ruff check services tests bench examples cli
+	.venv/bin/lint-imports  # the layers of pyproject.toml [tool.importlinter]
 
 test: lint
 	$(PY) -m pytest -q --durations=25 tests
@@ -100,4 +105,4 @@ lock:
 	$(PY) -m pip freeze | grep -vE '^-e|^rlfabric' > requirements/constraints-cpu.txt
 
 clean:
-	rm -rf .venv .pytest_cache .ruff_cache
+	rm -rf .venv .pytest_cache .ruff_cache .import_linter_cache

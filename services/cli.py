@@ -26,13 +26,16 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "services.trainer.cli",
     "services.rollout.cli",
     "services.reward.cli",
+    "services.tools.cli",
     "services.coordinator.cli",
-    "services.coordinator.eval_cli",
+    "services.launcher.train_cli",
+    "services.launcher.eval_cli",
     "services.launcher.cli",
     "services.launcher.system_cli",
     "services.sft.cli",
     "services.report.cli",
     "services.planning.cli",
+    "services.sandbox.cli",
 )
 
 

@@ -67,6 +67,18 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny DeepSeek-V3 (configs/model/tiny_deepseek_v3.yaml: MLA, first layer dense, 8 routed + 1 shared
+    experts, sigmoid group-limited top-2 with expert bias), with tiny_model_dir's tokenizer."""
+    import torch
+
+    torch.set_num_threads(1)
+    from services.common.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_deepseek") / "model", family="deepseek_v3")
+
+
+@pytest.fixture(scope="session")
 def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Two tiny Qwen3-MoE folders with the same names and other values (weights of seeds 0 and 1, one tokenizer);
     an untied LM head makes greedy continuations more than a copy of the last prompt token."""
@@ -150,11 +162,11 @@ def rollout_stub(rollout_server) -> Iterator:
 def _server_security_restored() -> Iterator[None]:
     """A serve command run in-process sets this process's server security (a fail-closed token without
     --auth-token-file); the next test's in-process servers must not inherit it."""
-    from services.common import server
+    from services.common import credentials
 
-    before = server._process
+    before = credentials.server_credentials()
     yield
-    server._process = before
+    credentials.set_server_credentials(before)
 
 
 # --- trainer groups: real `rlfabric trainer serve` processes (services/common/processes.py) --------------

@@ -40,3 +40,14 @@ elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 else
   "$VENV/bin/python" -c "from services.common.redis_store import find_redis_server as f; print('setup: redis-server at', f())"
 fi
+
+# bubblewrap isolates the code sandbox (`rlfabric sandbox serve`, services/sandbox/); installed like redis-server.
+if command -v bwrap >/dev/null 2>&1; then
+  echo "setup: bwrap at $(command -v bwrap)"
+elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+     && (apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }); then
+  echo "setup: installed Debian's bubblewrap"
+else
+  echo "setup: WARNING: bubblewrap (bwrap) is missing and was not installed (needs root and apt-get; else install" \
+       "the bubblewrap package): \`rlfabric sandbox serve\` refuses to start and tests/sandbox skip" >&2
+fi

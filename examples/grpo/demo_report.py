@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from services.report.plot import find_metrics, read_metrics
+from services.report.run_metrics import find_metrics, read_metrics
 from services.report.seed_metrics import check_record
 
 MIN_REWARD_GAIN = 0.15

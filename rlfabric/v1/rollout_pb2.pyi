@@ -88,7 +88,7 @@ class ParameterInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
 
 class RolloutInfo(_message.Message):
-    __slots__ = ("model", "engine", "tensor_parallel_size", "weights_version", "sleeping", "parameters", "max_model_len", "dtype", "max_samples_per_group")
+    __slots__ = ("model", "engine", "tensor_parallel_size", "weights_version", "sleeping", "parameters", "max_model_len", "dtype", "max_samples_per_group", "returns_routed_experts")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class RolloutInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_SAMPLES_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
+    RETURNS_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
     tensor_parallel_size: int
@@ -107,4 +108,5 @@ class RolloutInfo(_message.Message):
     max_model_len: int
     dtype: _common_pb2.DType
     max_samples_per_group: int
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., weights_version: _Optional[int] = ..., sleeping: _Optional[bool] = ..., parameters: _Optional[_Iterable[_Union[ParameterInfo, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., max_samples_per_group: _Optional[int] = ...) -> None: ...
+    returns_routed_experts: bool
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., weights_version: _Optional[int] = ..., sleeping: _Optional[bool] = ..., parameters: _Optional[_Iterable[_Union[ParameterInfo, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., max_samples_per_group: _Optional[int] = ..., returns_routed_experts: _Optional[bool] = ...) -> None: ...

@@ -20,18 +20,22 @@ WEIGHT_TRANSPORT_SHM: WeightTransport
 WEIGHT_TRANSPORT_COLLECTIVE: WeightTransport
 
 class SequenceBatch(_message.Message):
-    __slots__ = ("sample_ids", "token_ids", "prompt_lengths", "response_lengths", "weights_version")
+    __slots__ = ("sample_ids", "token_ids", "prompt_lengths", "response_lengths", "weights_version", "routed_experts", "response_mask")
     SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_MASK_FIELD_NUMBER: _ClassVar[int]
     sample_ids: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _common_pb2.Tensor
     prompt_lengths: _common_pb2.Tensor
     response_lengths: _common_pb2.Tensor
     weights_version: int
-    def __init__(self, sample_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., response_lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., weights_version: _Optional[int] = ...) -> None: ...
+    routed_experts: _common_pb2.Tensor
+    response_mask: _common_pb2.Tensor
+    def __init__(self, sample_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., response_lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., weights_version: _Optional[int] = ..., routed_experts: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., response_mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class LogProbRequest(_message.Message):
     __slots__ = ("batch", "temperature", "with_entropy")

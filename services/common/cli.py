@@ -11,15 +11,17 @@ from services.common.tiny_model import FAMILIES
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "tiny-model",
-        help="write a tiny random Qwen2 (or Qwen3-MoE) model with a byte-level BPE tokenizer (tests, the demo)",
-        description="Writes a seeded, randomly initialised Qwen2 (or, with --family qwen3_moe, Qwen3-MoE) model "
+        help="write a tiny random Qwen2 (or Qwen3-MoE, DeepSeek-V3) model with a byte-level BPE tokenizer (tests, "
+             "the demo)",
+        description="Writes a seeded, randomly initialised Qwen2 (or, with --family qwen3_moe / deepseek_v3, "
+        "Qwen3-MoE / DeepSeek-V3) model "
         "in HF layout, loadable by transformers, vLLM and Megatron, with a real byte-level BPE tokenizer carrying "
         "the ChatML special tokens. No hub access.",
     )
     p.add_argument("out_dir", help="output folder (created; must be empty if it exists)")
     p.add_argument("--family", choices=FAMILIES, default="qwen2", help="model family (default qwen2)")
-    p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: routed experts (default 8)")
-    p.add_argument("--top-k", type=int, default=2, help="qwen3_moe: experts per token (default 2)")
+    p.add_argument("--num-experts", type=int, default=8, help="MoE families: routed experts (default 8)")
+    p.add_argument("--top-k", type=int, default=2, help="MoE families: experts per token (default 2)")
     p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer and embedding size (default 4096)")
     p.add_argument("--hidden-size", type=int, default=128, help="hidden size (default 128)")
     p.add_argument("--num-layers", type=int, default=2, help="transformer layers (default 2)")

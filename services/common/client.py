@@ -4,26 +4,19 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from services.common.server import MAX_MESSAGE_BYTES
+from rlfabric.v1 import coordinator_pb2, reward_pb2, rollout_pb2, trainer_pb2, verifier_pb2
+from services.common.credentials import client_credentials
+from services.common.wire_limits import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES
 
 DEFAULT_DEADLINE_S = 30.0
-
-# How fast a dead peer is noticed on an open call: a ping after KEEPALIVE_TIME_MS of silence, the connection
-# dropped when no answer comes within KEEPALIVE_TIMEOUT_MS. A SIGKILLed peer on the same host fails the call at
-# once (the kernel resets the connection); a hung or partitioned one within about 15 s.
-KEEPALIVE_TIME_MS = 10_000
-KEEPALIVE_TIMEOUT_MS = 5_000
 
 
 def _unary_methods() -> list[dict[str, str]]:
     """Every unary rpc of the rlfabric.v1 services, as service-config method names."""
-    from rlfabric.v1 import coordinator_pb2, reward_pb2, rollout_pb2, trainer_pb2, verifier_pb2
-
     names = []
     for module in (coordinator_pb2, reward_pb2, rollout_pb2, trainer_pb2, verifier_pb2):
         for service in module.DESCRIPTOR.services_by_name.values():
@@ -109,30 +102,8 @@ def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
 
-@dataclass(frozen=True)
-class _Defaults:
-    token: str | None = None
-    tls_ca: str | None = None
-
-
-# This process's service identity: the token and CA its `serve` or client flags gave
-# (services/common/security.py configure_client). `make_channel` uses them unless told otherwise, so every
-# service-to-service call of a process carries the same credentials without each call site threading them.
-_defaults = _Defaults()
+# Passed for `token` / `tls_ca`: this process's (services/common/credentials.py).
 INHERIT: Any = object()
-
-
-def configure(*, token: str | None, tls_ca: str | None) -> tuple[str | None, str | None]:
-    """Sets the token and CA that `make_channel` uses when its caller passes neither; returns the previous."""
-    global _defaults
-    previous = (_defaults.token, _defaults.tls_ca)
-    _defaults = _Defaults(token, tls_ca)
-    return previous
-
-
-def default_token() -> str | None:
-    """This process's service token (None without one)."""
-    return _defaults.token
 
 
 def make_channel(target: str, *, token: str | None = INHERIT, tls_ca: str | None = INHERIT) -> grpc.Channel:
@@ -140,10 +111,11 @@ def make_channel(target: str, *, token: str | None = INHERIT, tls_ca: str | None
 
     With a `token`, every call carries `authorization: Bearer <token>` (as call credentials over TLS, as
     plain metadata over a plaintext channel). Unless given, `token` and `tls_ca` are this process's
-    (`configure`); pass None explicitly for a channel to a peer that must not see them (a user's verifier).
+    (credentials.py); pass None explicitly for a channel to a peer that must not see them (a user's verifier).
     """
-    token = _defaults.token if token is INHERIT else token
-    tls_ca = _defaults.tls_ca if tls_ca is INHERIT else tls_ca
+    own = client_credentials()
+    token = own.token if token is INHERIT else token
+    tls_ca = own.tls_ca if tls_ca is INHERIT else tls_ca
     options = channel_options()
     if target.startswith("dns:///"):
         options.append(("grpc.lb_policy_name", "round_robin"))
@@ -159,7 +131,8 @@ def make_channel(target: str, *, token: str | None = INHERIT, tls_ca: str | None
 
 def raw_channel(target: str, options: list[tuple[str, object]]) -> grpc.Channel:
     """A channel with the caller's own options, plaintext or TLS after this process's CA (no token added)."""
-    if _defaults.tls_ca is None:
+    tls_ca = client_credentials().tls_ca
+    if tls_ca is None:
         return grpc.insecure_channel(target, options=options)
-    with open(_defaults.tls_ca, "rb") as f:
+    with open(tls_ca, "rb") as f:
         return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=f.read()), options=options)

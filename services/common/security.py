@@ -10,7 +10,8 @@ calls first) reads them into `args.auth_token` and `args.redis_url` as `SecretFi
 flag and path and never print themselves), so a launcher that re-creates a command line from parsed flags
 (`trainer serve` -> `trainer rank`) passes the paths on, not the secrets, and manifests validate without them.
 
-What each service requires the token on is `GUARDED_METHODS`; docs/security.md says why the rest stay open.
+The credentials themselves live in credentials.py, which `create_server` and `make_channel` read; this module
+sets them from the flags. What each service requires the token on is `credentials.GUARDED_METHODS`.
 """
 
 from __future__ import annotations
@@ -23,26 +24,17 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.credentials import (
+    GUARDED_METHODS,
+    ClientCredentials,
+    ServerCredentials,
+    TlsConfig,
+    set_client_credentials,
+    set_server_credentials,
+)
 from services.common.net import env_redis_url
 
 logger = logging.getLogger(__name__)
-
-# Per service, the RPCs that need `authorization: Bearer TOKEN` whenever the server has a token. Everything that
-# changes state (weights, versions, checkpoints, runs, the verifier table, engine residency) is here; what stays
-# open only reads (Info, GetRun, StreamMetrics, ListVerifiers) or computes on the caller's input without keeping
-# anything (Rollout.Generate, Reward.Score). Health and reflection are always open (probes use them).
-GUARDED_METHODS: dict[str, frozenset[str]] = {
-    "rlfabric.v1.Trainer": frozenset({"ComputeLogProbs", "Update", "SaveCheckpoint", "LoadCheckpoint",
-                                      "PushWeights", "Offload", "Onload"}),
-    "rlfabric.v1.Rollout": frozenset({"UpdateWeights", "Sleep", "Wake"}),
-    "rlfabric.v1.Coordinator": frozenset({"StartRun", "StopRun"}),
-    "rlfabric.v1.Reward": frozenset({"RegisterVerifier", "UnregisterVerifier"}),
-}
-
-
-def guarded(service: str) -> frozenset[str]:
-    """Full method names ("/rlfabric.v1.X/Method") the token guards on `service`."""
-    return frozenset(f"/{service}/{m}" for m in GUARDED_METHODS[service])
 
 
 class SecretFileError(ValueError):
@@ -168,7 +160,7 @@ class ServerSecurity:
     """
 
     token: str | None
-    tls: object | None  # services.common.server.TlsConfig
+    tls: TlsConfig | None
     mode: str = "token"
 
 
@@ -179,12 +171,10 @@ CLOSED_REFUSAL = ("this server was started without --auth-token-file, so its gua
 def server_security(args: argparse.Namespace, service: str | None = None) -> ServerSecurity:
     """ServerSecurity of the flags; ValueError naming a flag given without its partner or a missing file.
 
-    Makes them this process's defaults: of every server it creates (server.configure) and of its calls to
-    other services (client.configure). Without a token the server fails closed unless `--insecure` says
+    Makes them this process's credentials (credentials.py): of every server it creates and of its calls to
+    other services. Without a token the server fails closed unless `--insecure` says
     otherwise; with `service` (a GUARDED_METHODS key) the mode is logged, as the service's first log line.
     """
-    from services.common.server import TlsConfig
-
     resolve_secrets(args)
     cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
     if bool(cert) != bool(key):
@@ -192,8 +182,6 @@ def server_security(args: argparse.Namespace, service: str | None = None) -> Ser
     for flag, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-ca", getattr(args, "tls_ca", None))):
         if path and not Path(path).is_file():
             raise ValueError(f"{flag} {path}: no such file")
-    from services.common import server
-
     configure_client(args)
     tls = TlsConfig(cert, key) if cert else None
     token = getattr(args, "auth_token", None) or None
@@ -202,9 +190,9 @@ def server_security(args: argparse.Namespace, service: str | None = None) -> Ser
         raise ValueError("--insecure opens the guarded RPCs to every caller: give it or --auth-token-file, not both")
     mode = "token" if token else "insecure" if insecure else "closed"
     if mode == "closed":  # as if a token were set that no caller has; calls this process makes send none
-        server.configure(token=secrets.token_hex(32), tls=tls, refusal=CLOSED_REFUSAL)
+        set_server_credentials(ServerCredentials(secrets.token_hex(32), tls, CLOSED_REFUSAL))
     else:
-        server.configure(token=token, tls=tls)
+        set_server_credentials(ServerCredentials(token, tls))
     if service is not None:
         announce_auth(service, mode)
     return ServerSecurity(token, tls, mode)
@@ -223,14 +211,12 @@ def announce_auth(service: str, mode: str) -> None:
 
 
 def configure_client(args: argparse.Namespace) -> None:
-    """Makes the flags' token and CA the defaults of `make_channel` in this process."""
-    from services.common import client
-
+    """Makes the flags' token and CA what this process's calls to other services carry (`make_channel`)."""
     resolve_secrets(args)
     ca = getattr(args, "tls_ca", None)
     if ca and not Path(ca).is_file():
         raise ValueError(f"--tls-ca {ca}: no such file")
-    client.configure(token=getattr(args, "auth_token", None) or None, tls_ca=ca or None)
+    set_client_credentials(ClientCredentials(getattr(args, "auth_token", None) or None, ca or None))
 
 
 def child_args(*, token_file: Path | None, tls: tuple[Path, Path, Path] | None = None,

@@ -21,21 +21,27 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.credentials import (
+    GUARDED_METHODS,
+    TlsConfig,
+    guarded,
+    server_credentials,
+)
+from services.common.wire_limits import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES
+
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 GRPC_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    # Clients ping every 10 s of silence (services/common/client.py KEEPALIVE_TIME_MS); allow that without a
-    # GOAWAY ("too_many_pings").
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # Clients ping every KEEPALIVE_TIME_MS of silence; allow twice that rate without a GOAWAY ("too_many_pings").
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
     ("grpc.keepalive_permit_without_calls", 1),
     # The server pings silent clients too, so the calls of a dead caller (a killed coordinator) end within
     # about 15 s instead of holding their handler threads and engine work for hours.
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.ping_timeout_ms", 5_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.http2.max_pings_without_data", 0),
 ]
 
@@ -47,27 +53,6 @@ class ServiceSpec:
     add_fn: Callable[[Any, grpc.Server], None]
     servicer: Any
     name: str
-
-
-@dataclass(frozen=True)
-class TlsConfig:
-    """Server TLS material (PEM file paths). With `client_ca`, clients must present a certificate."""
-
-    cert_chain: str
-    private_key: str
-    client_ca: str | None = None
-
-    def credentials(self) -> grpc.ServerCredentials:
-        def read(path: str) -> bytes:
-            with open(path, "rb") as f:
-                return f.read()
-
-        root = read(self.client_ca) if self.client_ca else None
-        return grpc.ssl_server_credentials(
-            [(read(self.private_key), read(self.cert_chain))],
-            root_certificates=root,
-            require_client_auth=root is not None,
-        )
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -173,30 +158,12 @@ class ServiceServer:
         self.server.wait_for_termination()
 
 
-@dataclass(frozen=True)
-class _ProcessSecurity:
-    token: str | None = None
-    tls: TlsConfig | None = None
-    refusal: str | None = None
-
-
-# The token and TLS material this process's `serve` flags gave (services/common/security.py server_security);
-# `create_server` uses them unless its caller passes its own, so every server of a process is protected alike.
-_process = _ProcessSecurity()
+# Passed for `auth_token` / `auth_methods` / `tls`: this process's (services/common/credentials.py).
 INHERIT: Any = object()
 
 
-def configure(*, token: str | None, tls: TlsConfig | None, refusal: str | None = None) -> None:
-    """Sets the token and TLS that `create_server` uses when its caller passes neither; `refusal`, the
-    UNAUTHENTICATED message of its guarded methods (a fail-closed server's token is one nobody knows)."""
-    global _process
-    _process = _ProcessSecurity(token, tls, refusal)
-
-
 def _default_methods(names: Sequence[str]) -> Collection[str] | None:
-    """The guarded methods of the mounted services (security.GUARDED_METHODS); None (all) for unknown ones."""
-    from services.common.security import GUARDED_METHODS, guarded
-
+    """The guarded methods of the mounted services (credentials.GUARDED_METHODS); None (all) for unknown ones."""
     if not names or any(n not in GUARDED_METHODS for n in names):
         return None
     return frozenset().union(*(guarded(n) for n in names))
@@ -221,15 +188,16 @@ def create_server(
         component: service name used in logs.
         metrics_port: Prometheus HTTP port; 0 picks a free one; None disables it.
         auth_token: when set, `auth_methods` (or every non-health method when None) need the token.
-            Default: this process's (`configure`), on the services' GUARDED_METHODS (security.py).
-        tls: serve TLS instead of plaintext. Default: this process's (`configure`).
+            Default: this process's (credentials.py), on the services' GUARDED_METHODS.
+        tls: serve TLS instead of plaintext. Default: this process's (credentials.py).
         max_workers: handler threads (each streaming call holds one for its lifetime).
     """
     names = [s.name for s in specs]
-    refusal = _process.refusal if auth_token is INHERIT else None
-    auth_token = _process.token if auth_token is INHERIT else auth_token
+    own = server_credentials()
+    refusal = own.refusal if auth_token is INHERIT else None
+    auth_token = own.token if auth_token is INHERIT else auth_token
     auth_methods = _default_methods(names) if auth_methods is INHERIT else auth_methods
-    tls = _process.tls if tls is INHERIT else tls
+    tls = own.tls if tls is INHERIT else tls
     interceptors = [TokenAuthInterceptor(auth_token, auth_methods, refusal)] if auth_token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=component),

@@ -9,6 +9,13 @@ so that a number's tokens are its digits and a small model can learn column addi
 `family="qwen3_moe"` writes a Qwen3-MoE model instead (routed experts, softmax top-k router): the tiny
 mixture-of-experts model of the MoE tests, saved with the per-expert checkpoint names of the Qwen3-MoE
 releases (`mlp.experts.{e}.gate_proj.weight`, ...).
+
+`family="deepseek_v3"` writes a DeepSeek-V3 model: multi-latent attention (query and key/value latents,
+split rotary/non-rotary head dimensions; the key/value latent and rotary sizes are DeepSeek's own, 512 and 64,
+the only ones vLLM-CPU's MLA decode kernel takes), the first layer dense, the others 8 routed experts plus one shared
+expert behind a sigmoid router with group-limited top-2 (2 groups, 1 chosen) and a routed scaling factor of
+2.5, YaRN rope, no multi-token prediction layers, untied embeddings (as the releases). Its expert bias
+(`e_score_correction_bias`, zeros after transformers' init) is drawn at random, so that routing depends on it.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD_TOKEN, BOS_LIKE, EOS_TOKEN = SPECIAL_TOKENS
-FAMILIES = ("qwen2", "qwen3_moe")
+FAMILIES = ("qwen2", "qwen3_moe", "deepseek_v3")
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -78,7 +85,7 @@ def write_tiny_model(
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
     intermediate_size: int = 512,
-    tie_word_embeddings: bool = True,
+    tie_word_embeddings: bool | None = None,
     max_position_embeddings: int = 2048,
     seed: int = 0,
     split_digits: bool = False,
@@ -87,15 +94,23 @@ def write_tiny_model(
     num_experts_per_tok: int = 2,
     moe_intermediate_size: int = 64,
     norm_topk_prob: bool = True,
+    q_lora_rank: int | None = 64,
+    kv_lora_rank: int = 512,
+    qk_nope_head_dim: int = 16,
+    qk_rope_head_dim: int = 64,
+    v_head_dim: int = 32,
 ) -> Path:
     """Writes an HF folder (config, fp32 safetensors, tokenizer) to `out_dir` and returns it.
 
     `split_digits` gives the tokenizer one token per digit (see `train_tokenizer`). `family` is one of
-    `FAMILIES`; the `num_experts*`, `moe_intermediate_size` and `norm_topk_prob` arguments apply to
-    "qwen3_moe" only. `out_dir` must be empty or absent (a model is never written over other files).
+    `FAMILIES`; the `num_experts*`, `moe_intermediate_size` and `norm_topk_prob` arguments apply to the MoE
+    families, the MLA sizes (`q_lora_rank` ... `v_head_dim`) to "deepseek_v3" only. `tie_word_embeddings` unset:
+    tied, except for "deepseek_v3". `out_dir` must be empty or absent (a model is never written over other files).
     """
     if family not in FAMILIES:
         raise ValueError(f"model family {family!r}: expected one of {', '.join(FAMILIES)}")
+    if tie_word_embeddings is None:
+        tie_word_embeddings = family != "deepseek_v3"
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty folder; give a new or empty one")
@@ -132,15 +147,47 @@ def write_tiny_model(
         common.update(head_dim=hidden_size // num_attention_heads, num_experts=num_experts,
                       num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
                       norm_topk_prob=norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+    elif family == "deepseek_v3":
+        from transformers import DeepseekV3Config as Config
+        from transformers import DeepseekV3ForCausalLM as Model
+
+        rope_theta = common.pop("rope_theta")
+        common.update(num_key_value_heads=num_attention_heads, n_routed_experts=num_experts, n_shared_experts=1,
+                      num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
+                      norm_topk_prob=norm_topk_prob, routed_scaling_factor=2.5, n_group=2, topk_group=1,
+                      first_k_dense_replace=1, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+                      qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
+                      num_nextn_predict_layers=0, rope_interleave=True,
+                      # YaRN as DeepSeek-V3's releases (factor 40 from 4096 positions, mscale = mscale_all_dim = 1),
+                      # scaled to the tiny's 2048 positions.
+                      rope_parameters={"rope_type": "yarn", "rope_theta": rope_theta, "factor": 4.0,
+                                       "original_max_position_embeddings": max_position_embeddings // 4,
+                                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
     else:
         from transformers import Qwen2Config as Config
         from transformers import Qwen2ForCausalLM as Model
     config = Config(**common)
     torch.manual_seed(seed)
     model = Model(config).to(torch.float32)
+    if family == "deepseek_v3":
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.copy_(0.02 * torch.randn(buf.shape))
     model.save_pretrained(out, safe_serialization=True)
     _pin_tokenizer_class(out)
+    if family == "deepseek_v3":
+        _name_deepseek_routing(out)
     return out
+
+
+def _name_deepseek_routing(out: Path) -> None:
+    # transformers' DeepSeek-V3 always routes with a sigmoid and the expert bias (noaux_tc) and does not write
+    # that down; vLLM reads it from the config.json (its defaults: softmax, no bias), as DeepSeek's releases state it.
+    path = out / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1)
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def _pin_tokenizer_class(out: Path) -> None:

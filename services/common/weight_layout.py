@@ -1,4 +1,4 @@
-"""Megatron-core <-> Hugging Face weight names and layouts (Qwen2 / Qwen2.5 / Qwen3 / Llama, Qwen3-MoE).
+"""Megatron-core <-> Hugging Face weight names and layouts (Qwen2 / Qwen2.5 / Qwen3 / Llama, Qwen3-MoE, DeepSeek-V3).
 
 The one place that knows how an HF tensor is laid out across Megatron's per-(TP, PP, EP) rank state dicts.
 Checkpoint conversion (services/trainer/convert.py) and the weight-sync resharding plan
@@ -20,6 +20,17 @@ no Megatron import, no I/O.
     mlp.gate.weight [E, H] (the router)       ...mlp.router.weight                       replicated (TP and EP)
     mlp.experts.X.{gate,up}_proj.weight       ...mlp.experts.local_experts.i.linear_fc1.weight  dim 0, [gate_r; up_r]
     mlp.experts.X.down_proj.weight            ...mlp.experts.local_experts.i.linear_fc2.weight  dim 1
+  DeepSeek-V3 (spec.mla: multi-latent attention instead of q/k/v/o above; MoE layers as Qwen3-MoE's plus):
+    self_attn.q_a_proj.weight                 ...self_attention.linear_q_down_proj.weight  dim 0
+    self_attn.q_a_layernorm.weight            ...self_attention.q_layernorm.weight         replicated
+    self_attn.q_b_proj.weight (q_proj without q_lora_rank: linear_q_proj)  ...linear_q_up_proj.weight  dim 0
+    self_attn.kv_a_proj_with_mqa.weight       ...self_attention.linear_kv_down_proj.weight dim 0
+    self_attn.kv_a_layernorm.weight           ...self_attention.kv_layernorm.weight        replicated
+    self_attn.kv_b_proj.weight                ...self_attention.linear_kv_up_proj.weight   dim 0 (by heads)
+    self_attn.o_proj.weight                   ...self_attention.linear_proj.weight         dim 1
+    mlp.gate.e_score_correction_bias          ...mlp.router.expert_bias                    replicated (TP and EP)
+    mlp.shared_experts.{gate,up}_proj.weight  ...mlp.shared_experts.linear_fc1.weight      dim 0, [gate_r; up_r]
+    mlp.shared_experts.down_proj.weight       ...mlp.shared_experts.linear_fc2.weight      dim 1
 
 Facts encoded here:
 - Fused QKV: Megatron orders the rows by query group g: [q heads of g (heads/groups * head_dim); k_g; v_g],
@@ -31,6 +42,10 @@ Facts encoded here:
   `global_layer_name`).
 - Tied embeddings: no lm_head in HF; with PP > 1 the last stage keeps its own copy of the embedding as
   output_layer.weight (Megatron keeps the two in sync), a *mirror* of the embedding's shards.
+- Multi-latent attention: Megatron's local spec builds the down projections as ColumnParallelLinear, so they
+  are split by rows over TP like the up projections (services/trainer/mla.py keeps TransformerEngine's so); the
+  rows of q_b_proj / kv_b_proj are per head, so a TP rank holds whole heads. Shared experts are a dense MLP of
+  their own size on every EP rank.
 - Experts (megatron-core's local spec, SequentialMLP, no grouped GEMM): EP rank e holds global experts
   X in [e * E/ep, (e + 1) * E/ep), numbered i = X - e * E/ep locally; each expert's fc1 / fc2 follow the dense
   fc1 / fc2 TP rules (the expert TP size is the TP size, Megatron's default). Every other tensor, the router
@@ -51,7 +66,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from services.common.model_spec import ModelSpec, check_expert_parallel
+from services.common.model_spec import ModelSpec, check_expert_parallel, check_tensor_parallel
 
 ShardKey = tuple[int, int, int]  # (tp_rank, pp_rank, ep_rank); ep_rank is 0 without expert parallelism
 
@@ -183,9 +198,7 @@ def recipes(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> list[TensorRecipe
     """Every HF tensor of the model in HF order, with the shard slices of a TP x PP x EP Megatron layout."""
     if spec.num_hidden_layers % pp:
         raise ValueError(f"num_hidden_layers={spec.num_hidden_layers} is not divisible by pipeline size {pp}")
-    if spec.num_key_value_heads % tp or spec.num_attention_heads % tp:
-        raise ValueError(f"tensor parallel size {tp} must divide num_attention_heads={spec.num_attention_heads} "
-                         f"and num_key_value_heads={spec.num_key_value_heads}")
+    check_tensor_parallel(spec, tp)
     check_expert_parallel(spec, ep=ep, etp=tp)  # the layout splits each expert over TP
     h, d, f = spec.hidden_size, spec.head_dim, spec.intermediate_size
     g = spec.num_key_value_heads  # query groups
@@ -230,13 +243,43 @@ def recipes(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> list[TensorRecipe
         assert moe is not None  # moe_layers is empty without it
         inner, per_rank = moe.moe_intermediate_size, moe.num_experts // ep
         res = [replicated(src + "mlp.gate.weight", (moe.num_experts, h), dst + "mlp.router.weight", p, layer)]
+        if moe.expert_bias:
+            res.append(replicated(src + "mlp.gate.e_score_correction_bias", (moe.num_experts,),
+                                  dst + "mlp.router.expert_bias", p, layer))
         for x in range(moe.num_experts):
             e, i = divmod(x, per_rank)
             hf_prefix, name = f"{src}mlp.experts.{x}.", f"{dst}mlp.experts.local_experts.{i}."
             res += gate_up(hf_prefix, name + "linear_fc1.weight", inner, p, layer, e)
             res.append(split_dim(hf_prefix + "down_proj.weight", (h, inner), name + "linear_fc2.weight", p, 1,
                                  layer, e))
+        shared = moe.shared_expert_intermediate_size
+        if shared:
+            res += [*gate_up(src + "mlp.shared_experts.", dst + "mlp.shared_experts.linear_fc1.weight", shared, p,
+                             layer),
+                    split_dim(src + "mlp.shared_experts.down_proj.weight", (h, shared),
+                              dst + "mlp.shared_experts.linear_fc2.weight", p, 1, layer)]
         return res
+
+    def mla(src, dst, p, layer) -> list[TensorRecipe]:
+        m, heads = spec.mla, spec.num_attention_heads
+        assert m is not None
+        a, b = src + "self_attn.", dst + "self_attention."
+        res = []
+        if m.q_lora_rank is None:
+            res.append(split_dim(a + "q_proj.weight", (heads * m.q_head_dim, h), b + "linear_q_proj.weight", p, 0,
+                                 layer))
+        else:
+            res += [split_dim(a + "q_a_proj.weight", (m.q_lora_rank, h), b + "linear_q_down_proj.weight", p, 0, layer),
+                    replicated(a + "q_a_layernorm.weight", (m.q_lora_rank,), b + "q_layernorm.weight", p, layer),
+                    split_dim(a + "q_b_proj.weight", (heads * m.q_head_dim, m.q_lora_rank),
+                              b + "linear_q_up_proj.weight", p, 0, layer)]
+        return [*res,
+                split_dim(a + "kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, h),
+                          b + "linear_kv_down_proj.weight", p, 0, layer),
+                replicated(a + "kv_a_layernorm.weight", (m.kv_lora_rank,), b + "kv_layernorm.weight", p, layer),
+                split_dim(a + "kv_b_proj.weight", (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+                          b + "linear_kv_up_proj.weight", p, 0, layer),
+                split_dim(a + "o_proj.weight", (h, heads * m.v_head_dim), b + "linear_proj.weight", p, 1, layer)]
 
     def vocab(hf_name, name, p) -> TensorRecipe:
         padded = padded_vocab_size(spec, tp)
@@ -258,6 +301,12 @@ def recipes(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> list[TensorRecipe
         for local, layer in enumerate(layers_of_stage(spec, pp, p)):
             src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
             out.append(replicated(src + "input_layernorm.weight", (h,), dst + "input_layernorm.weight", p, layer))
+            if spec.mla is not None:
+                out += mla(src, dst, p, layer)
+                out.append(replicated(src + "post_attention_layernorm.weight", (h,), dst + "pre_mlp_layernorm.weight",
+                                      p, layer))
+                out += mlp(src, dst, p, layer)
+                continue
             out += qkv(src + "self_attn.", "weight", dst + "self_attention.linear_qkv.weight", p, layer)
             if spec.attention_bias:
                 out += qkv(src + "self_attn.", "bias", dst + "self_attention.linear_qkv.bias", p, layer)

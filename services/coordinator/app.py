@@ -99,9 +99,34 @@ def build_driver(config_yaml: str, overrides: list[str], run_id: str, *, redis_c
         raise ValueError(f"cannot read the model's config.json beside the tokenizer at {tokenizer_path!r}: {e}") from e
     registry = Registry(redis_client)
     pool = RewardClientPool(registry, token=token)
+    multi_turn = _multi_turn(cfg, tokenizer, registry, token, decode)
     run_dir = runs_dir / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_yaml)
     return RunDriver(cfg, run_id, registry, RunJournal(redis_client, run_id), loader, decode, pool.score,
                      build_sinks(cfg, run_dir), hf_config, token=token, discovery_timeout_s=discovery_timeout_s,
-                     score_metrics=pool.take_failover_metrics)
+                     score_metrics=pool.take_failover_metrics, multi_turn=multi_turn)
+
+
+def _multi_turn(cfg, tokenizer, registry: Registry, token: str | None, decode):
+    """With `rl_config.multi_turn_enable`: the run's turn logic (services/coordinator/multi_turn.py), else None."""
+    from services.coordinator.multi_turn import build_multi_turn
+    from services.coordinator.settings import multi_turn_settings
+    from services.coordinator.tool_client import ToolClient
+    from services.data.templates import get_template
+
+    settings = multi_turn_settings(cfg)
+    if settings is None:
+        return None
+    mt = cfg.actor_config
+    template = None  # without prompt_type: the tokenizer's own chat template renders the answers, as upstream
+    if mt.prompt_type:
+        template = get_template(mt.prompt_type, cfg.derived.prompt_type_path)
+        if template.format_observation is None:
+            raise ValueError(f"rl_config.multi_turn_enable: template {mt.prompt_type!r} (megatron_training."
+                             "prompt_type) has no format_observation to wrap the tool answers in")
+    elif not getattr(tokenizer, "chat_template", None):
+        raise ValueError("rl_config.multi_turn_enable: the tokenizer has no chat template to render the tool answers "
+                         "with; set megatron_training.prompt_type to a template with format_observation")
+    return build_multi_turn(settings, tokenizer=tokenizer, template=template,
+                            tool_client=ToolClient(registry, token=token), decode=decode)

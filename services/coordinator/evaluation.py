@@ -1,6 +1,6 @@
 """Evaluation through the services: sample each problem n times on rollout replicas, score on reward workers.
 
-Used by `rlfabric eval` (services/coordinator/eval_cli.py) and by periodic validation during training
+Used by `rlfabric eval` (services/launcher/eval_cli.py) and by periodic validation during training
 (services/coordinator/validation.py). The sampling and scoring are the training iteration's own
 (`Generator` of services/coordinator/generation.py: token ids in, each finished sample scored as it arrives),
 with the evaluation's sampling values and a seed of its own, so evaluation samples never repeat training's

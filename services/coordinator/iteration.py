@@ -66,6 +66,7 @@ from services.coordinator.iteration_metrics import (
     timeline_metrics,
     timing_metrics,
 )
+from services.coordinator.multi_turn import MultiTurn
 from services.coordinator.off_policy import behavior_log_probs, fence, rollout_mismatch
 from services.coordinator.placement import Placement
 from services.coordinator.settings import IterationSettings
@@ -136,15 +137,16 @@ class GrpoIteration:
         decode: token ids -> text without special tokens (the tokenizer of the run).
         settings: see IterationSettings.
         placement: the device-sharing transitions and the weight sync (`placement.py`).
+        multi_turn: the turn logic of a multi-turn run (`multi_turn.py`), else None.
     """
 
     def __init__(self, replicas: Sequence[Replica],
                  score: Callable[[Iterator[reward_pb2.ScoreRequest]], Iterator[reward_pb2.ScoreResponse]],
                  actor: Any, reference: Any | None, decode: Callable[[Sequence[int]], str],
-                 settings: IterationSettings, placement: Placement) -> None:
+                 settings: IterationSettings, placement: Placement, multi_turn: MultiTurn | None = None) -> None:
         if settings.use_reference and reference is None:
             raise ValueError("a KL term needs a reference trainer")
-        self.generator = Generator(replicas, score, decode, settings)
+        self.generator = Generator(replicas, score, decode, settings, multi_turn)
         self.actor = actor
         self.reference = reference
         self.decode = decode

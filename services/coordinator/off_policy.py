@@ -68,7 +68,9 @@ def rollout_mismatch(groups: Sequence[Group], trainer_log_probs: dict[str, np.nd
             continue
         rollout = to_numpy(x.response_log_probs).astype(np.float64).reshape(-1)
         if rollout.shape[0] == trainer.shape[0]:
-            diffs.append(trainer.astype(np.float64) - rollout)
+            d = trainer.astype(np.float64) - rollout
+            # multi-turn: tool answers were not sampled (their rollout log-probs are 0), so they leave the measure
+            diffs.append(d[to_numpy(x.response_mask).astype(bool).reshape(-1)] if x.HasField("response_mask") else d)
     if not diffs:
         return {}
     d = np.concatenate(diffs)

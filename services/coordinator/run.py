@@ -128,7 +128,7 @@ class RunDriver:
                  loader_factory: Callable[[int], Any], decode: Callable[[list[int]], str], score: Callable,
                  sink: MetricsSink, hf_config: dict[str, Any], *, token: str | None = None,
                  discovery_timeout_s: float = 300.0,
-                 score_metrics: Callable[[], dict[str, float]] = dict) -> None:
+                 score_metrics: Callable[[], dict[str, float]] = dict, multi_turn: Any = None) -> None:
         self.cfg = cfg
         self.run_id = run_id
         self.registry = registry
@@ -141,6 +141,7 @@ class RunDriver:
         self.token = token
         self.discovery_timeout_s = discovery_timeout_s
         self.score_metrics = score_metrics
+        self.multi_turn = multi_turn  # services/coordinator/multi_turn.py MultiTurn, with multi_turn_enable
         self.settings = settings_from_config(cfg)
         self.validation = Validation(plan_from_config(cfg, decode))
         self.stop_event = threading.Event()
@@ -194,7 +195,8 @@ class RunDriver:
             loader = self.loader_factory(consumed)
             seed = self._sampling_seed(previous)
             settings = dataclasses.replace(s, seed=seed)
-            loop = GrpoIteration(replicas, self.score, actor, reference, self.decode, settings, placement)
+            loop = GrpoIteration(replicas, self.score, actor, reference, self.decode, settings, placement,
+                                 multi_turn=self.multi_turn)
             self.validation.start(replicas, self.score, self.decode, settings, placement, iteration=iteration,
                                   version=version, sink=self.sink)
             self.journal.forget_iterations_after(iteration)  # computed again from here (a resume past them)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.config.loss_variants import rollout_correction_on
+from services.coordinator.multi_turn import MultiTurnSettings
 
 
 @dataclass(frozen=True)
@@ -114,4 +115,20 @@ def settings_from_config(cfg: Any) -> IterationSettings:
         adv_estimator=rl.adv_estimator,
         norm_adv_by_std_in_grpo=cfg.rlfabric.norm_adv_by_std_in_grpo,
         rollout_correction=rollout_correction_on(cfg.rlfabric),
+    )
+
+
+def multi_turn_settings(cfg: Any) -> MultiTurnSettings | None:
+    """The multi-turn keys (`rl_config.multi_turn_enable` and companions; checked when the config loaded), or None."""
+    rl = cfg.rl_config
+    if not rl.multi_turn_enable:
+        return None
+    return MultiTurnSettings(
+        max_tool_calls=rl.max_tool_calls,
+        max_parallel_calls=rl.max_parallel_calls,
+        max_total_response_length=rl.max_total_response_length,
+        max_tool_response_length=rl.max_tool_response_length,
+        truncate_side=rl.tool_response_truncate_side or "middle",
+        tool_parser_format=rl.tool_parser_format or "hermes",
+        tool_config_path=str(rl.tool_config_path),
     )

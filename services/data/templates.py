@@ -101,6 +101,8 @@ class Template:
     efficient_eos: bool = False
     replace_eos: bool = False
     system_in_user: bool = False
+    # The tool turn (multi-turn rollouts): None when the template has no `format_observation`.
+    format_observation: Formatter | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def prompt_slots(self, content: str, system: str = "") -> list[Slot]:
@@ -116,19 +118,14 @@ class Template:
 
     def encode_prompt(self, tokenizer: Tokenizer, content: str, system: str = "") -> list[int]:
         """Prompt token ids, each slot tokenised separately without the tokenizer's own special tokens."""
-        ids: list[int] = []
-        for slot in self.prompt_slots(content, system):
-            if isinstance(slot, str):
-                if slot:
-                    ids += tokenizer.encode(slot, add_special_tokens=False)
-            elif isinstance(slot, frozenset):
-                for name in sorted(slot):
-                    token_id = getattr(tokenizer, f"{_SPECIAL_SLOT_NAMES[name]}_id", None)
-                    if token_id is not None:
-                        ids.append(int(token_id))
-            else:
-                ids.append(int(tokenizer.convert_tokens_to_ids(slot["token"])))
-        return ids
+        return _encode_slots(tokenizer, self.prompt_slots(content, system))
+
+    def encode_observation(self, tokenizer: Tokenizer, content: str) -> list[int]:
+        """Token ids of a tool turn after an assistant turn: the separator, then `format_observation` (which
+        ends where the assistant's next turn starts). ValueError when the template has no observation format."""
+        if self.format_observation is None:
+            raise ValueError(f"template {self.name!r} has no format_observation (a tool turn's format)")
+        return _encode_slots(tokenizer, [*self.format_separator.apply(), *self.format_observation.apply(content=content)])
 
     def render_prompt(self, content: str, system: str = "", tokenizer: Tokenizer | None = None) -> str:
         """The prompt as text: what `encode_prompt`'s ids decode to (special-token slots need `tokenizer`)."""
@@ -143,6 +140,23 @@ class Template:
             else:
                 parts.append(slot["token"])
         return "".join(parts)
+
+
+def _encode_slots(tokenizer: Tokenizer, slots: list[Slot]) -> list[int]:
+    """Token ids of `slots`, each tokenised separately without the tokenizer's own special tokens."""
+    ids: list[int] = []
+    for slot in slots:
+        if isinstance(slot, str):
+            if slot:
+                ids += tokenizer.encode(slot, add_special_tokens=False)
+        elif isinstance(slot, frozenset):
+            for name in sorted(slot):
+                token_id = getattr(tokenizer, f"{_SPECIAL_SLOT_NAMES[name]}_id", None)
+                if token_id is not None:
+                    ids.append(int(token_id))
+        else:
+            ids.append(int(tokenizer.convert_tokens_to_ids(slot["token"])))
+    return ids
 
 
 def _parse_slot(raw: Any, where: str) -> Slot:
@@ -198,8 +212,11 @@ def parse_template(raw: Mapping[str, Any], source: str = "templates.json") -> Te
     # MindSpeed-RL picks its Llama2 template class by name prefix; qwen3's ReasoningTemplate only changes
     # assistant turns, so a prompt renders as the plain template.
     kwargs["system_in_user"] = name.startswith("llama2")
-    kwargs["extra"] = {k: raw[k] for k in ("format_function", "format_observation", "format_tools",
-                                          "force_system", "template_class") if k in raw}
+    if raw.get("format_observation"):
+        kwargs["format_observation"] = _parse_formatter(raw["format_observation"], f"{where}.format_observation",
+                                                        needs_placeholder=True)
+    kwargs["extra"] = {k: raw[k] for k in ("format_function", "format_tools", "force_system", "template_class")
+                       if k in raw}
     return Template(**kwargs)
 
 

@@ -4,6 +4,10 @@ Order: Redis -> reward worker(s) -> custom verifiers -> rollout replica -> actor
 coordinator; each registers in Redis with a lease, and the run starts once all have. Ctrl-C stops the run
 (journaled, resumable with `--resume --run-id ID`) and then every child.
 
+With rl_config.multi_turn_enable, the tool servers (`rlfabric tools serve`, --tool-servers of them) and, for a
+local sandbox_fusion_url in the tool YAML, a code sandbox (`rlfabric sandbox serve`) start too; see
+services/launcher/tools.py.
+
 Custom verifiers (servers of rlfabric.v1.Verifier) join the run with
   --verifier NAME=HOST:PORT                       a server that already runs, or
   --verifier-command 'NAME=python my.py --port {port}'   started on a free port and stopped with the run;
@@ -62,6 +66,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                    help="rollout replicas, each a vLLM engine (default 1); with 2 or more, one may die: the others "
                         "take its prompts and it is restarted")
     p.add_argument("--reward-processes", type=int, default=1, help="verifier pool processes per worker (default 1)")
+    p.add_argument("--tool-servers", type=int, default=1,
+                   help="tool servers of a multi-turn run (rl_config.multi_turn_enable; default 1); one that dies "
+                        "is restarted, its calls meanwhile answered as tool errors")
     p.add_argument("--trainer-threads", type=int, default=1, metavar="N",
                    help="torch threads of each trainer rank (default 1; 2 on a 2-core host makes a synchronous run's "
                         "update, which runs alone, faster)")
@@ -100,7 +107,8 @@ def _up(args: argparse.Namespace) -> int:
     from services.common.security import resolve_secrets
 
     for flag, value in (("--trainer-threads", args.trainer_threads), ("--reward-workers", args.reward_workers),
-                        ("--rollout-replicas", args.rollout_replicas), ("--reward-processes", args.reward_processes)):
+                        ("--rollout-replicas", args.rollout_replicas), ("--reward-processes", args.reward_processes),
+                        ("--tool-servers", args.tool_servers)):
         if value < 1:
             print(f"error: {flag} must be at least 1, got {value}", file=sys.stderr)
             return 2
@@ -125,7 +133,8 @@ def _up(args: argparse.Namespace) -> int:
                        auth_token=args.auth_token, tls=tls)
     grpo = GrpoStack(stack, args.config, args.override, cfg, reward_workers=args.reward_workers,
                      reward_processes=args.reward_processes, full_metrics=args.full_metrics,
-                     trainer_threads=args.trainer_threads, rollout_replicas=args.rollout_replicas)
+                     trainer_threads=args.trainer_threads, rollout_replicas=args.rollout_replicas,
+                     tool_servers=args.tool_servers)
     try:
         grpo.start()
         return grpo.train(run_id=args.run_id, resume=args.resume)

@@ -1,8 +1,10 @@
 """The GRPO service set of `rlfabric up`, in start order, and the run on it.
 
-Order: Redis -> reward worker(s) -> custom verifiers -> rollout replica -> actor and reference trainers ->
-coordinator. Every child registers in Redis with a lease; `LocalStack.wait_ready` shows each one arrive, the
-custom verifiers are registered, then the run starts (`StartRun`) and its iterations print as they finish.
+Order: Redis -> reward worker(s) -> custom verifiers -> (multi-turn runs: code sandbox, tool servers) ->
+rollout replica -> actor and reference trainers -> coordinator. Every child registers in Redis with a lease (a
+sandbox answers `/health` instead); `LocalStack.wait_ready` shows each one arrive, the custom verifiers are
+registered, then the run starts (`StartRun`) and its iterations print as they finish. The tool side is
+services/launcher/tools.py's.
 
 With `reward_workers` or `rollout_replicas` above 1 those services are redundant: while the run goes, a
 `Supervisor` (services/launcher/supervision.py) lets one of them die (naming it and what took over, and
@@ -20,9 +22,17 @@ from typing import Any
 
 import grpc
 
-from services.common.processes import Reaper, ServiceStartError, tail
+from services.common.processes import Reaper, ServiceProcess, ServiceStartError, tail
 from services.launcher.stack import Expected, LocalStack
 from services.launcher.supervision import Supervisor
+from services.launcher.tools import (
+    TOOLS_KIND,
+    ToolPlan,
+    plan_tools,
+    start_sandboxes,
+    tool_server_args,
+    wait_sandboxes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +42,7 @@ class GrpoStack:
 
     def __init__(self, stack: LocalStack, config_path: Path, overrides: list[str], cfg: Any, *,
                  reward_workers: int = 1, reward_processes: int = 1, full_metrics: bool = False,
-                 trainer_threads: int = 1, rollout_replicas: int = 1) -> None:
+                 trainer_threads: int = 1, rollout_replicas: int = 1, tool_servers: int = 1) -> None:
         self.stack = stack
         self.config_path = Path(config_path).resolve()
         self.overrides = list(overrides)
@@ -42,6 +52,7 @@ class GrpoStack:
         self.full_metrics = full_metrics
         self.trainer_threads = trainer_threads
         self.rollout_replicas = rollout_replicas
+        self.tool_servers = tool_servers
         self.coordinator_address: str | None = None
         self.run_id: str | None = None
         self.last_logged = 0  # the last iteration the console printed
@@ -58,6 +69,7 @@ class GrpoStack:
         print(f"starting services (logs in {stack.logs_dir})", file=stack.out, flush=True)
         stack.spawn_reward_workers(self.reward_workers, self.reward_processes)
         stack.spawn_verifiers()
+        tools = self._spawn_tools(url)
         rollout_overrides = [a for o in self.overrides for a in ("--set", o)]
         for i in range(self.rollout_replicas):
             stack.spawn(f"rollout-{i}", ["rollout", "serve", *cfg_args, *rollout_overrides, "--address", "127.0.0.1:0",
@@ -71,8 +83,23 @@ class GrpoStack:
         stack.spawn("coordinator", ["coordinator", "serve", *url, "--runs-dir", str(stack.run_dir / "runs")],
                     Expected("coordinator", "coordinator"))
         stack.wait_ready()
+        if tools is not None:
+            plan, sandboxes = tools
+            wait_sandboxes(plan, sandboxes, max(10.0, stack.startup_timeout_s), say=stack._say)
         self.coordinator_address = stack.endpoints("coordinator")[0]
         print(f"services up; coordinator at {self.coordinator_address}", file=stack.out, flush=True)
+
+    def _spawn_tools(self, redis_args: list[str]) -> tuple[ToolPlan, list[ServiceProcess]] | None:
+        """With multi_turn_enable: the sandboxes the tool YAML needs and the tool servers (see tools.py)."""
+        plan = plan_tools(self.cfg, self.stack.run_dir)
+        if plan is None:
+            return None
+        sandboxes = start_sandboxes(plan, self.stack.logs_dir, detached=self.stack.detached)
+        self.stack.processes.extend(sandboxes)
+        for i in range(self.tool_servers):
+            self.stack.spawn(f"{TOOLS_KIND}-{i}", tool_server_args(plan, redis_args),
+                             Expected(f"{TOOLS_KIND}-{i}", TOOLS_KIND))
+        return plan, sandboxes
 
     def train(self, run_id: str = "", resume: bool = False) -> int:
         with self.supervisor:

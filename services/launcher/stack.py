@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from services.common import client
+from services.common.credentials import ClientCredentials, set_client_credentials
 from services.common.processes import ServiceProcess, ServiceStartError
 from services.common.redis_store import RedisServer, Registry, connect, start_private_redis
 from services.common.security import child_args, generate_tls, private_dir, write_secret_file
@@ -71,7 +71,7 @@ class LocalStack:
         self.tls: tuple[Path, Path, Path] | None = None
         self.token_file: Path | None = None
         self.redis_url_file: Path | None = None
-        self._client_before: tuple[str | None, str | None] | None = None
+        self._client_before: ClientCredentials | None = None
         self.redis: RedisServer | None = None
         self.processes: list[ServiceProcess] = []
         self.expected: list[Expected] = []
@@ -95,7 +95,8 @@ class LocalStack:
             self.tls = generate_tls(self.secrets_dir)
         elif self.tls_request is not None:
             self.tls = tuple(Path(p).resolve() for p in self.tls_request)  # type: ignore[assignment]
-        self._client_before = client.configure(token=self.auth_token, tls_ca=str(self.tls[2]) if self.tls else None)
+        self._client_before = set_client_credentials(
+            ClientCredentials(self.auth_token, str(self.tls[2]) if self.tls else None))
 
     def start_redis(self) -> str:
         """The Redis URL: the given one, else a private server's (append-only file in run_dir/redis, a password).
@@ -205,5 +206,5 @@ class LocalStack:
         if self.redis is not None:
             self.redis.stop()
         if self._client_before is not None:  # this process's calls go back to what they were before the stack
-            client.configure(token=self._client_before[0], tls_ca=self._client_before[1])
+            set_client_credentials(self._client_before)
             self._client_before = None

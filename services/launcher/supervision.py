@@ -6,6 +6,10 @@ The policy, one rule per kind of child:
   the lost replica's groups, each sample answered once). `up` prints which one died and which took over its
   work, restarts it (at most `MAX_RESTARTS` times per child: a child that keeps dying is left dead), and the run
   goes on; a restarted replica gets the current weights from the coordinator before it is given work.
+- A tool server or code sandbox (multi-turn runs, services/launcher/tools.py) is *expendable*: its death never
+  ends the run, even as the last of its kind. It is restarted like a redundant child (a sandbox on its own
+  port, so the tool servers' URL stays right); until it is back, the calls it would have answered come back to
+  the coordinator as tool errors (or go to another tool server), which the model reads like any tool error.
 - Any other death is *fatal*: the last worker or replica of its kind, a trainer group (one rank's death
   ends its group; the group names the rank), the coordinator, a custom verifier. The run fails at once,
   whatever iteration it is in, with the child's name, pid, exit code and log tail.
@@ -42,6 +46,8 @@ from services.launcher.stack import LocalStack
 
 # Kinds of child that may die while another of the kind carries on (the part of the name before "-N").
 REDUNDANT = ("reward", "rollout")
+# Kinds of child whose death costs the samples using them a tool error, never the run (see the module doc).
+EXPENDABLE = ("tools", "sandbox")
 # Restarts of one child per run: past this it is left dead (its kind carries on while one is alive).
 MAX_RESTARTS = 3
 # How long a broken coordinator stream waits for a dying child to be seen dead (the kernel closes a killed
@@ -74,7 +80,12 @@ class Supervisor:
             kind = kind_of(process)
             others = [p.name for p in self.stack.processes
                       if p is not process and kind_of(p) == kind and p.alive()]
-            if kind not in REDUNDANT or not others:
+            if kind in EXPENDABLE:
+                goes_on = f"the run goes on{' with ' + ', '.join(others) if others else ''} (calls it would answer " \
+                          "are tool errors until it is back)"
+            elif kind in REDUNDANT and others:
+                goes_on = f"the run goes on with {', '.join(others)}"
+            else:
                 return False
             assert process.proc is not None
             died = f"{process.name} (pid {process.proc.pid}) {describe_exit(process.proc.returncode)}"
@@ -82,8 +93,7 @@ class Supervisor:
             count = self.restarts.get(process.name, 0)
             if count >= MAX_RESTARTS:
                 self.stack.processes.pop(index)
-                self._say(f"{died}; the run goes on with {', '.join(others)}; not restarted: it died "
-                          f"{count + 1} times")
+                self._say(f"{died}; {goes_on}; not restarted: it died {count + 1} times")
                 return True
             self.restarts[process.name] = count + 1
             replacement = ServiceProcess(process.name, process.args, process.log_path, env=process.env,
@@ -92,11 +102,10 @@ class Supervisor:
                 replacement.start()
             except ServiceStartError as e:
                 self.stack.processes.pop(index)
-                self._say(f"{died}; the run goes on with {', '.join(others)}; restarting it failed: {e}")
+                self._say(f"{died}; {goes_on}; restarting it failed: {e}")
                 return True
             self.stack.processes[index] = replacement
-            self._say(f"{died}; the run goes on with {', '.join(others)}; restarted it as pid "
-                      f"{replacement.pid} (log {process.log_path})")
+            self._say(f"{died}; {goes_on}; restarted it as pid {replacement.pid} (log {process.log_path})")
             return True
 
     def check(self) -> None:

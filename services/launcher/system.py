@@ -5,7 +5,8 @@ registered and reports SERVING on gRPC health, writes DIR/state.json (service, i
 and returns; runs then go to its coordinator (`rlfabric train CONFIG`, which reads the address from there).
 A service that fails to start fails `up` with its log's last lines, and everything started is stopped again.
 `scale` starts or drains reward workers and rollout replicas; `down` stops everything and checks that no
-process and no port of the system remain. Processes are started as `rlfabric up` starts them
+process and no port of the system remain. A multi-turn config adds its tool servers and code sandbox
+(services/launcher/tools.py; the sandbox answers HTTP `/health`, not gRPC health). Processes are started as `rlfabric up` starts them
 (services/launcher/stack.py, services/common/processes.py).
 """
 
@@ -24,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from services.common.credentials import ClientCredentials, set_client_credentials
 from services.common.processes import ServiceStartError, group_members
 from services.launcher.stack import Expected, LocalStack
 
@@ -36,7 +38,7 @@ SECRETS = "secrets"  # LocalStack's token and Redis URL files (0600 in a 0700 fo
 class Entry:
     """One process of the system, as `ps` shows it."""
 
-    service: str  # redis, reward, rollout, trainer, coordinator
+    service: str  # redis, reward, rollout, trainer, coordinator, tools, sandbox
     instance: str  # its registry instance id (and log name)
     pid: int
     address: str
@@ -99,9 +101,7 @@ def system_run_config(args) -> None:
 
 def configure_client_from(state: dict) -> None:
     """This process's calls (health, Info) carry the system's token."""
-    from services.common import client
-
-    client.configure(token=secret(state, "token_file"), tls_ca=None)
+    set_client_credentials(ClientCredentials(secret(state, "token_file"), None))
 
 
 @contextmanager
@@ -174,6 +174,10 @@ class SystemStack(LocalStack):
 
     detached = True
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.addresses: dict[str, str] = {}  # children that do not register in Redis (a sandbox): name -> address
+
     def spawn_reward(self, instance: str, processes: int) -> None:
         self.spawn(instance, ["reward", "serve", *self.redis_args(), "--worker-id", instance,
                               "--processes", str(processes)], Expected(instance, "reward"))
@@ -188,7 +192,7 @@ class SystemStack(LocalStack):
         from services.common.redis_store import Registry, connect
 
         registry = Registry(connect(str(self.redis_url)))
-        members = {(s, m.instance_id): m for s in ("reward", "rollout", "trainer", "coordinator")
+        members = {(s, m.instance_id): m for s in ("reward", "rollout", "trainer", "coordinator", "tools")
                    for m in registry.members(s)}
         out = []
         if self.redis is not None:
@@ -198,7 +202,8 @@ class SystemStack(LocalStack):
         for p in self.processes:
             service = p.name.split("-", 1)[0]
             m = members.get((service, p.name))
-            out.append(Entry(service, p.name, p.proc.pid, m.endpoint if m else "", str(p.log_path),
+            out.append(Entry(service, p.name, p.proc.pid, m.endpoint if m else self.addresses.get(p.name, ""),
+                             str(p.log_path),
                              int((m.metadata if m else {}).get("metrics_port") or 0)))
         return out
 
@@ -209,10 +214,21 @@ def wait_serving(items: list[Entry], timeout_s: float) -> None:
     for e in items:
         if e.service == "redis":
             continue
-        while (status := health(e.address)) != "SERVING":
+        while (status := entry_health(e)) != "SERVING":
             if time.monotonic() > deadline:
                 raise ServiceStartError(f"{e.instance} at {e.address} reports {status} on gRPC health")
             time.sleep(0.5)
+
+
+def entry_health(entry: Entry) -> str:
+    """SERVING or why not: gRPC health for the services, HTTP `/health` for a sandbox, RUNNING for Redis."""
+    from services.launcher.tools import SANDBOX_KIND, sandbox_health
+
+    if entry.service == "redis":
+        return "RUNNING"
+    if entry.service == SANDBOX_KIND:
+        return "SERVING" if entry.address and sandbox_health(f"http://{entry.address}") else "UNAVAILABLE"
+    return health(entry.address)
 
 
 def health(address: str, timeout_s: float = 3.0) -> str:

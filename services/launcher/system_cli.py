@@ -28,6 +28,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--reward-workers", type=int, default=1, help="reward workers (default 1)")
     up.add_argument("--reward-processes", type=int, default=1, help="verifier processes per worker (default 1)")
     up.add_argument("--rollout-replicas", type=int, default=1, help="rollout replicas (default 1)")
+    up.add_argument("--tool-servers", type=int, default=1,
+                    help="tool servers of a multi-turn config (rl_config.multi_turn_enable; default 1)")
     up.add_argument("--trainer-threads", type=int, default=1, metavar="N",
                     help="torch threads of each trainer rank (default 1; 2 on a 2-core host makes a synchronous run's "
                          "update, which runs alone, faster)")
@@ -60,7 +62,8 @@ def _up(args: argparse.Namespace) -> int:
     from services.launcher.system import SystemStateError, locked, state_path
 
     for flag, value in (("--reward-workers", args.reward_workers), ("--rollout-replicas", args.rollout_replicas),
-                        ("--reward-processes", args.reward_processes), ("--trainer-threads", args.trainer_threads)):
+                        ("--reward-processes", args.reward_processes), ("--trainer-threads", args.trainer_threads),
+                        ("--tool-servers", args.tool_servers)):
         if value < 1:
             return _fail(f"{flag} must be at least 1, got {value}", 2)
     try:
@@ -80,6 +83,7 @@ def _up(args: argparse.Namespace) -> int:
 def _start(args: argparse.Namespace, cfg) -> int:
     from services.launcher.stack import Expected, ServiceStartError
     from services.launcher.system import SystemStack, as_dicts, wait_serving, write_state
+    from services.launcher.tools import wait_sandboxes
 
     stack = SystemStack(args.dir.resolve(), startup_timeout_s=args.startup_timeout)
     config = str(args.config.resolve())
@@ -89,6 +93,7 @@ def _start(args: argparse.Namespace, cfg) -> int:
         print(f"starting services (logs in {stack.logs_dir})", flush=True)
         for i in range(args.reward_workers):
             stack.spawn_reward(f"reward-{i}", args.reward_processes)
+        tools = _spawn_tools(stack, cfg, redis, args.tool_servers)
         for i in range(args.rollout_replicas):
             stack.spawn_rollout(f"rollout-{i}", config, args.override)
         roles = ["actor", "reference"] if cfg.derived.use_kl_loss else ["actor"]
@@ -102,6 +107,8 @@ def _start(args: argparse.Namespace, cfg) -> int:
                                     str(stack.run_dir / "runs"), "--instance-id", "coordinator"],
                     Expected("coordinator", "coordinator"))
         stack.wait_ready()
+        if tools is not None:
+            wait_sandboxes(*tools, timeout_s=max(10.0, args.startup_timeout), say=stack._say)
         items = stack.entries()
         wait_serving(items, timeout_s=60)
     except ServiceStartError as e:
@@ -117,6 +124,23 @@ def _start(args: argparse.Namespace, cfg) -> int:
                                 "services": as_dicts(items)})
     _print_summary(stack.run_dir, items, cfg)
     return 0
+
+
+def _spawn_tools(stack, cfg, redis: list[str], count: int):
+    """With multi_turn_enable: the sandboxes and `count` tool servers (services/launcher/tools.py), else None."""
+    from services.launcher.stack import Expected
+    from services.launcher.tools import TOOLS_KIND, plan_tools, start_sandboxes, tool_server_args
+
+    plan = plan_tools(cfg, stack.run_dir)
+    if plan is None:
+        return None
+    sandboxes = start_sandboxes(plan, stack.logs_dir, detached=True)
+    stack.processes.extend(sandboxes)
+    stack.addresses.update({p.name: f"127.0.0.1:{s.port}" for p, s in zip(sandboxes, plan.sandboxes, strict=True)})
+    for i in range(count):
+        stack.spawn(f"{TOOLS_KIND}-{i}", [*tool_server_args(plan, redis), "--instance-id", f"{TOOLS_KIND}-{i}"],
+                    Expected(f"{TOOLS_KIND}-{i}", TOOLS_KIND))
+    return plan, sandboxes
 
 
 def _print_summary(root: Path, items, cfg) -> None:
@@ -137,7 +161,7 @@ def _ps(args: argparse.Namespace) -> int:
         SystemStateError,
         configure_client_from,
         entries,
-        health,
+        entry_health,
         pid_alive,
         read_state,
         weights_version,
@@ -151,7 +175,7 @@ def _ps(args: argparse.Namespace) -> int:
     rows = [("SERVICE", "INSTANCE", "PID", "ADDRESS", "HEALTH", "WEIGHTS")]
     for e in entries(state):
         alive = pid_alive(e.pid)
-        status = ("RUNNING" if e.service == "redis" else health(e.address)) if alive else "EXITED"
+        status = entry_health(e) if alive else "EXITED"
         rows.append((e.service, e.instance, str(e.pid), e.address or "-", status,
                      weights_version(e) if alive else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

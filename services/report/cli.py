@@ -1,4 +1,4 @@
-"""`rlfabric plot RUN_DIR`: PNG charts of a run from its metrics JSONL (see services/report/plot.py)."""
+"""`rlfabric plot RUN_DIR`: PNG charts of a run from its metrics JSONL (services/report/figures.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from services.report.plot import load, plot_run
+    from services.report.figures import plot_run
+    from services.report.run_metrics import load
 
     try:
         path, metrics = load(args.run)

@@ -1,12 +1,13 @@
-"""The four figures of `rlfabric plot` (matplotlib; the caller has selected the Agg backend)."""
+"""Charts of a run from its metrics (run_metrics.py): reward and accuracy, response length, KL / entropy / grad
+norm, and the per-iteration timeline of the phases (how rollout, reward, reference pass, update and weight sync
+overlap). `plot_run` writes the four PNGs; rendering is matplotlib's Agg (no display needed).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from services.report.plot import (
-    OTHER_COLORS,
-    PHASE_COLORS,
+from services.report.run_metrics import (
     Metrics,
     phase_spans,
     representative_iterations,
@@ -14,8 +15,29 @@ from services.report.plot import (
     series,
 )
 
+# Colours of the phases a timeline shows; a phase not named here (a new one) gets one of OTHER_COLORS.
+PHASE_COLORS = {"rollout": "#4C72B0", "rule_reward": "#DD8452", "reward_model": "#DA8BC3",
+                "reference_model": "#55A868", "old_log_p": "#8172B3", "adv": "#937860", "update": "#C44E52",
+                "resharding_to_infer": "#64B5CD", "resharding_enter_infer": "#64B5CD",
+                "resharding_exit_infer": "#9BD0E0", "resharding_to_train": "#8C8C8C",
+                "resharding_enter_train": "#8C8C8C", "resharding_exit_train": "#B5B5B5", "ref_onload": "#A6D8A8",
+                "ref_offload": "#A6D8A8"}
+OTHER_COLORS = ("#CCB974", "#8EBA42", "#E24A33", "#348ABD")
+
 _RAW = {"alpha": 0.3, "linewidth": 0.8}
 _SMOOTH = {"linewidth": 2.0}
+
+
+def plot_run(metrics: Metrics, out_dir: Path, title: str = "") -> list[Path]:
+    """Writes the four PNGs to `out_dir`; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # before the first pyplot import (in each figure)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [reward(metrics, out_dir / "reward.png", title),
+            response_length(metrics, out_dir / "response_length.png", title),
+            training(metrics, out_dir / "kl_entropy_grad_norm.png", title),
+            timeline(metrics, out_dir / "timeline.png", title)]
 
 
 def _window(n: int) -> int:

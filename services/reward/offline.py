@@ -20,6 +20,8 @@ from typing import TextIO
 
 import redis
 
+from services.common.errors import DataError
+from services.common.jsonl import json_lines
 from services.common.redis_store import Registry, connect
 from services.reward.endpoints import EndpointPolicy, member_hosts
 from services.reward.outcome import Outcome
@@ -52,19 +54,12 @@ class ScoreSummary:
 
 def _read_records(path: Path) -> list[dict]:
     records = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from e
-            for key in ("response", "ground_truth"):
-                if not isinstance(record.get(key), str):
-                    raise ValueError(f"{path}:{line_no}: field {key!r} must be a string; every record needs "
-                                     "'response' and 'ground_truth'")
-            records.append(record)
+    for line_no, record in json_lines(path):
+        for key in ("response", "ground_truth"):
+            if not isinstance(record, dict) or not isinstance(record.get(key), str):
+                raise DataError(f"{path}:{line_no}: field {key!r} must be a string; every record needs "
+                                "'response' and 'ground_truth'")
+        records.append(record)
     return records
 
 

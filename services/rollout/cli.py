@@ -37,6 +37,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF model folder to load (default: the config's rollout tokenizer/model path)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 picks one (default 0)")
     p.add_argument("--dtype", help="engine dtype, overriding generate_config.dtype (e.g. float32 on CPU)")
+    p.add_argument("--return-routed-experts", action="store_true",
+                   help="MoE: every sample carries the experts each MoE layer chose (routing replay); without "
+                        "--config only (with it, rlfabric.routing_replay decides)")
     p.add_argument("--tensor-parallel-size", type=int, help="overrides generate_config.infer_tensor_parallel_size")
     p.add_argument("--max-num-seqs", type=int, help="overrides generate_config.max_num_seqs")
     p.add_argument("--max-model-len", type=int, help="overrides generate_config.max_model_len")
@@ -72,6 +75,9 @@ def build_options(args: argparse.Namespace):
     from services.rollout.options import EngineOptions, options_from_config
 
     extra = {"cpu_kv_cache_gib": args.cpu_kv_cache_gib, "num_threads": args.num_threads, "seed": args.seed}
+    if args.config and args.return_routed_experts:
+        raise DataError("--return-routed-experts is for a replica without --config; with one, set "
+                        "rlfabric.routing_replay: rollout")
     if args.config:
         from services.common.config import load_config
 
@@ -81,12 +87,14 @@ def build_options(args: argparse.Namespace):
             raise DataError("no model: pass --model or set generate_config.tokenizer_name_or_path / "
                             "megatron_training.tokenizer_name_or_path")
         require_model_dir(model, "--model" if args.model else "tokenizer_name_or_path")
-        engine, sampling = options_from_config(cfg.generate_config, model, **extra)
+        # Routing replay needs each sample's routing from the engine (a MoE model; checked when the config loaded).
+        replay = cfg.rlfabric.routing_replay == "rollout"
+        engine, sampling = options_from_config(cfg.generate_config, model, return_routed_experts=replay, **extra)
     else:
         if not args.model:
             raise DataError("pass --model DIR (or --config YAML)")
         require_model_dir(args.model, "--model")
-        engine = EngineOptions(model=args.model, **extra)
+        engine = EngineOptions(model=args.model, return_routed_experts=args.return_routed_experts, **extra)
         length = args.max_model_len or engine.max_model_len
         sampling = SamplingOptions(max_tokens=min(DEFAULT_MAX_TOKENS, max(1, length // 2)))
     changes = {k: v for k, v in (("dtype", args.dtype), ("tensor_parallel_size", args.tensor_parallel_size),

@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import grpc
+import numpy as np
 
 from rlfabric.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.memory import resident_bytes
@@ -243,7 +244,7 @@ def _unfit_reason(prompt_length: int, max_tokens: int, max_model_len: int) -> st
 
 def to_sample(meta: tuple[str, int, float], result: SampleResult) -> common_pb2.Sample:
     group_id, index, arrival = meta
-    return common_pb2.Sample(
+    sample = common_pb2.Sample(
         sample_id=f"{group_id}/{index}",
         group_id=group_id,
         index=index,
@@ -256,6 +257,9 @@ def to_sample(meta: tuple[str, int, float], result: SampleResult) -> common_pb2.
         error=result.error,
         latency_s=max(0.0, result.finished_at - arrival),
     )
+    if result.routed_experts is not None and not result.error:
+        sample.routed_experts.CopyFrom(to_proto(result.routed_experts.astype(np.int32, copy=False)))
+    return sample
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
@@ -405,6 +409,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             sleeping=engine.sleeping,
             max_model_len=engine.max_model_len,
             max_samples_per_group=self.max_samples_per_group,
+            returns_routed_experts=engine.options.return_routed_experts,
         )
         if request.include_parameters:
             for name, spec in engine.expected_weights.items():

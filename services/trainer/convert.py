@@ -5,7 +5,7 @@ conversions `hf_to_mcore` / `mcore_to_hf`. The name and layout mapping itself (f
 [gate; up], vocabulary padding, TP split dims, PP renumbering, tied embeddings, experts over EP ranks) lives
 in services/common/weight_layout.py, shared with the weight-sync resharding plan. The conversion is pure
 slicing and concatenation, so HF -> mcore -> HF is bitwise exact. With expert parallelism (`ep` > 1, a
-Qwen3-MoE model) every (tp, pp, ep) rank gets its own folder, as Megatron writes them (ckpt_layout.py).
+Qwen3-MoE or DeepSeek-V3 model) every (tp, pp, ep) rank gets its own folder, as Megatron writes them (ckpt_layout.py).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from rlfabric.v1 import trainer_pb2
+from services.common.model_spec import MoeSpec
 from services.common.sequences import Sequences
 from services.common.status import echo
 from services.common.tensors import to_numpy
@@ -30,9 +31,12 @@ def check_kl_coef(kl_coef: float) -> None:
         raise ValueError(f"kl_coef must be a finite value >= 0, got {kl_coef}")
 
 
-def sequences(batch: trainer_pb2.SequenceBatch, vocab_size: int) -> Sequences:
-    """The batch's sequences, each with a response token, every token id in [0, vocab_size)."""
+def sequences(batch: trainer_pb2.SequenceBatch, vocab_size: int, moe: MoeSpec | None = None) -> Sequences:
+    """The batch's sequences, each with a response token, every token id in [0, vocab_size); routing to replay
+    only on a MoE model (`moe`), with its MoE-layer count and top-k and expert ids in range."""
     seqs = Sequences.from_proto(batch)
+    if seqs.routed_experts is not None:
+        check_routed_experts(seqs.routed_experts, moe)
     if (seqs.response_lengths < 1).any():
         raise ValueError("every sequence needs at least one response token")
     bad = np.flatnonzero((seqs.token_ids < 0) | (seqs.token_ids >= vocab_size))
@@ -44,6 +48,23 @@ def sequences(batch: trainer_pb2.SequenceBatch, vocab_size: int) -> Sequences:
                          f"{echo(seqs.sample_ids[row])}) is outside the vocabulary of {vocab_size} tokens "
                          f"(ids 0 to {vocab_size - 1}); {bad.size} ids are")
     return seqs
+
+
+def check_routed_experts(routed: np.ndarray, moe: MoeSpec | None) -> None:
+    """`batch.routed_experts` fits the model: [tokens, its MoE layers, its top_k], each row all -1 or all experts."""
+    if moe is None:
+        raise ValueError("batch.routed_experts is set but the model has no MoE layers (routing replay is for MoE "
+                         "models)")
+    want = (len(moe.moe_layers), moe.num_experts_per_tok)
+    if tuple(routed.shape[1:]) != want:
+        raise ValueError(f"batch.routed_experts has [moe_layers, top_k] = {list(routed.shape[1:])}; the model has "
+                         f"{list(want)}")
+    free = (routed == -1).all(-1)
+    bad = np.argwhere(~free[..., None] & ((routed < 0) | (routed >= moe.num_experts)))
+    if bad.size:
+        t, layer, j = (int(v) for v in bad[0])
+        raise ValueError(f"batch.routed_experts[{t}, {layer}, {j}] = {int(routed[t, layer, j])} is not an expert of "
+                         f"the model (0 to {moe.num_experts - 1}; a row of -1 leaves the router free)")
 
 
 def experience_arrays(parts: Sequence[trainer_pb2.UpdateRequest], seqs: Sequence[Sequences]
@@ -77,10 +98,22 @@ def experience_arrays(parts: Sequence[trainer_pb2.UpdateRequest], seqs: Sequence
         _require_finite(field, values)
         return values
 
+    routed = [s.routed_experts for s in seqs]
+    if any(r is None for r in routed) and not all(r is None for r in routed):
+        raise ValueError("batch.routed_experts is set on some UpdateRequests of the call but not on others")
+    # A request without a mask generated every response token: all True beside the others' masks.
+    masks = [s.response_mask for s in seqs]
+    response_mask = None if all(m is None for m in masks) else np.concatenate(
+        [np.ones(int(s.response_lengths.sum()), dtype=np.bool_) if m is None else m for s, m in zip(seqs, masks,
+                                                                                                   strict=True)])
+    if response_mask is not None and not response_mask.any():
+        raise ValueError("batch.response_mask leaves no generated token to train on")
     return {
         "token_ids": tokens, "prompt_lengths": prompt, "response_lengths": resp, "advantages": advantages,
         "old_log_probs": per_token("old_log_probs"), "ref_log_probs": per_token("ref_log_probs"),
         "behavior_log_probs": per_token("behavior_log_probs"),
+        "routed_experts": None if routed[0] is None else np.concatenate(routed),
+        "response_mask": response_mask,
     }
 
 

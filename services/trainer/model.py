@@ -1,9 +1,11 @@
-"""Megatron-core GPTModel built from a Hugging Face config (dense Qwen2 / Qwen2.5 / Qwen3 / Llama, Qwen3-MoE).
+"""Megatron-core GPTModel built from a Hugging Face config (dense Qwen2 / Qwen2.5 / Qwen3 / Llama, Qwen3-MoE,
+DeepSeek-V3).
 
 Owns: turning a `ModelSpec` (services/common/model_spec.py, read from an HF `config.json`) into Megatron's TransformerConfig,
 and building this rank's GPTModel (pre/post-process flags set by the pipeline stage). A MoE model's MoE fields and
 expert-parallel sharding are services/trainer/moe.py's; its MoE layers use Megatron's MoELayer spec, the others the
-dense MLP (per layer, as the HF config's MoE layers say).
+dense MLP (per layer, as the HF config's MoE layers say: DeepSeek-V3's first_k_dense_replace layers are dense).
+Multi-latent attention (DeepSeek-V3) is Megatron's MLASelfAttention with MLATransformerConfig (services/trainer/mla.py).
 
 Choices:
 - Layer spec: TransformerEngine's when TE is importable and an accelerator is present, else Megatron's
@@ -29,8 +31,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from services.common.model_spec import ModelSpec, check_expert_parallel
-from services.trainer import activation_memory, megatron_compat, moe, sequence_parallel
+from services.common.model_spec import ModelSpec, check_expert_parallel, check_tensor_parallel
+from services.trainer import activation_memory, megatron_compat, mla, moe, sequence_parallel
 from services.trainer.activation_memory import ActivationMemory
 from services.trainer.moe import MoeOptions
 
@@ -58,21 +60,16 @@ def _maybe_import_mindspeed(memory: ActivationMemory) -> None:
 def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
                        memory: ActivationMemory = ActivationMemory(), ep: int = 1, etp: int | None = None,
                        moe_opts: MoeOptions = MoeOptions()):
-    """Megatron TransformerConfig for `spec` at this TP/PP (and EP / expert TP, for a MoE model; etp None: TP)."""
-    from megatron.core.transformer import TransformerConfig
-
+    """Megatron TransformerConfig for `spec` at this TP/PP (and EP / expert TP, for a MoE model; etp None: TP);
+    MLATransformerConfig for multi-latent attention."""
     on_accel = megatron_compat.accelerator_present()
     if spec.num_hidden_layers % pp:
         raise ValueError(
             f"num_hidden_layers={spec.num_hidden_layers} is not divisible by pipeline_model_parallel_size={pp}"
         )
-    if spec.num_key_value_heads % tp or spec.num_attention_heads % tp:
-        raise ValueError(
-            f"tensor_model_parallel_size={tp} must divide num_attention_heads={spec.num_attention_heads} "
-            f"and num_key_value_heads={spec.num_key_value_heads}"
-        )
+    check_tensor_parallel(spec, tp)
     check_expert_parallel(spec, ep=ep, etp=tp if etp is None else etp)
-    return TransformerConfig(
+    return mla.config_class(spec)(
         num_layers=spec.num_hidden_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -106,6 +103,7 @@ def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch
         persist_layer_norm=on_accel,
         **activation_memory.transformer_config_kwargs(memory, tp=tp, layers_per_stage=spec.num_hidden_layers // pp),
         **moe.transformer_config_kwargs(spec, moe_opts, ep=ep, etp=etp),
+        **mla.transformer_config_kwargs(spec),
     )
 
 
@@ -120,13 +118,16 @@ def layer_spec(spec: ModelSpec, memory: ActivationMemory = ActivationMemory(), *
     )
 
     activation_memory.note_platform_only(memory, on_ascend=megatron_compat.npu_present())
+    latent = spec.mla is not None
     if megatron_compat.accelerator_present():
         _maybe_import_mindspeed(memory)
         if _have_te():
-            return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                                              qk_layernorm=spec.qk_norm)
-    return _with_torch_norms(get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                                      qk_layernorm=spec.qk_norm, normalization="RMSNorm"))
+            return mla.adapt_layer_spec(get_gpt_layer_with_transformer_engine_spec(
+                num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm,
+                multi_latent_attention=latent), te=True)
+    return mla.adapt_layer_spec(_with_torch_norms(get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm, normalization="RMSNorm",
+        multi_latent_attention=latent)), te=False)
 
 
 def _with_torch_norms(local_spec):
@@ -136,8 +137,9 @@ def _with_torch_norms(local_spec):
     norm = megatron_compat.TorchNorm
     sub = local_spec.submodules
     attn = sub.self_attention
-    attn_sub = dataclasses.replace(attn.submodules, **{
-        k: norm for k in ("q_layernorm", "k_layernorm") if getattr(attn.submodules, k) is not IdentityOp})
+    attn_sub = dataclasses.replace(attn.submodules, **{  # MLA's latent norms are q_layernorm and kv_layernorm
+        k: norm for k in ("q_layernorm", "k_layernorm", "kv_layernorm")
+        if getattr(attn.submodules, k, IdentityOp) is not IdentityOp})
     sub = dataclasses.replace(sub, input_layernorm=norm, pre_mlp_layernorm=norm,
                               self_attention=dataclasses.replace(attn, submodules=attn_sub))
     return dataclasses.replace(local_spec, submodules=sub)
@@ -210,7 +212,7 @@ def _gpt_model(gpt_model_class, spec: ModelSpec, config, tp: int, memory: Activa
         position_embedding_type="rope",
         rotary_percent=1.0,
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
-        rope_scaling=spec.rope_scaling_factor is not None,
+        rope_scaling=spec.rope_scaling_factor is not None,  # MLA's rope is its own (mla.py); GPTModel builds none
         rope_scaling_factor=spec.rope_scaling_factor or 8.0,
     )
 
@@ -231,11 +233,13 @@ def model_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor | N
     return model(input_ids=input_ids, position_ids=position_ids, attention_mask=causal_mask(s, input_ids.device))
 
 
-# TransformerEngine specs fuse the pre-attention / pre-MLP norms into the next linear layer, which
-# renames their weights. Checkpoints and conversion always use the local spec's names.
+# TransformerEngine specs fuse the pre-attention / pre-MLP norms (and MLA's latent norms) into the next linear
+# layer, which renames their weights. Checkpoints and conversion always use the local spec's names.
 _TE_NORM_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+    "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
 }
 
 

@@ -11,6 +11,9 @@ Owns what the trainer adds for a MoE `ModelSpec` (`spec.moe`, read from the HF c
   SequentialMLP (`moe_grouped_gemm` off: no grouped-GEMM kernel on a CPU). The YAML's training keys
   (`moe_aux_loss_coeff`, `moe_router_load_balancing_type`, `moe_token_dispatcher_type`) arrive as
   `MoeOptions`; the HF config's `router_aux_loss_coef` does not train (MindSpeed-RL reads the YAML's).
+  DeepSeek-V3 (model_spec.MoeSpec): Megatron's sigmoid router with the expert bias (HF's `e_score_correction_bias`,
+  fp32 logits as HF's), group-limited top-k, the routed scaling factor and the shared experts; its bias update is
+  services/trainer/expert_bias.py's.
 - Token dispatchers: "allgather" (Megatron's default) and "alltoall" both run on gloo ("alltoall" with the CPU
   patch in megatron_compat: its device-to-host copies run on a CUDA side stream). Megatron's allgather
   dispatcher all-gathers every rank's tokens of the EP x TP group into one tensor, which assumes every rank's
@@ -55,6 +58,10 @@ class MoeOptions:
     moe_aux_loss_coeff: float = 0.0  # Megatron's default; MindSpeed-RL's config default is 0.001 (options.py reads it)
     moe_router_load_balancing_type: str = "aux_loss"
     moe_token_dispatcher_type: str = "allgather"
+    # Aux-loss-free balancing of a router with expert bias (DeepSeek-V3): after each optimizer step the bias moves by
+    # the rate towards under-loaded experts (expert_bias.update_expert_bias); off, the HF bias stays as loaded.
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3  # Megatron's default
 
     def __post_init__(self) -> None:
         if self.moe_token_dispatcher_type not in TOKEN_DISPATCHERS:
@@ -84,11 +91,18 @@ def transformer_config_kwargs(spec: ModelSpec, opts: MoeOptions, *, ep: int, etp
         moe_router_topk=m.num_experts_per_tok,
         moe_ffn_hidden_size=m.moe_intermediate_size,
         moe_layer_freq=moe_layer_pattern(spec),
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not m.norm_topk_prob,
-        moe_router_topk_scaling_factor=None,
-        moe_router_dtype=None,  # logits in the model dtype, softmax in fp32: HF's router in any dtype
-        moe_shared_expert_intermediate_size=None,
+        moe_router_score_function=m.score_function,
+        moe_router_pre_softmax=m.score_function == "softmax" and not m.norm_topk_prob,
+        moe_router_topk_scaling_factor=m.routed_scaling_factor,
+        # Qwen3-MoE: logits in the model dtype, softmax in fp32 (HF's router in any dtype); DeepSeek-V3's HF router
+        # computes its logits in fp32.
+        moe_router_dtype="fp32" if m.score_function == "sigmoid" else None,
+        moe_shared_expert_intermediate_size=m.shared_expert_intermediate_size or None,
+        # DeepSeek-V3 (model_spec: transformers' router; sigmoid normalised exactly when top-k > 1, as Megatron's).
+        moe_router_num_groups=m.num_groups,
+        moe_router_group_topk=m.group_topk,
+        moe_router_enable_expert_bias=m.expert_bias,
+        moe_router_bias_update_rate=opts.moe_router_bias_update_rate if opts.moe_router_enable_expert_bias else 0.0,
         moe_expert_capacity_factor=None,  # dropless, as HF
         moe_aux_loss_coeff=opts.moe_aux_loss_coeff,
         moe_router_load_balancing_type=opts.moe_router_load_balancing_type,

@@ -135,4 +135,5 @@ def moe_options_from_config(mt) -> MoeOptions:
         moe_aux_loss_coeff=mt.moe_aux_loss_coeff,
         moe_router_load_balancing_type=mt.moe_router_load_balancing_type,
         moe_token_dispatcher_type="alltoall" if dispatcher == "alltoall_seq" else dispatcher,
+        moe_router_enable_expert_bias=mt.moe_router_enable_expert_bias,
     )

@@ -41,7 +41,7 @@ import torch
 
 from services.trainer import megatron_compat
 from services.trainer.model import unwrap
-from services.trainer.step import SequenceRows, dp_share, make_micro_batch
+from services.trainer.step import SequenceRows, dp_share, make_micro_batch, response_token_mask
 
 # MindSpeed-RL's per-pass budget when the YAML leaves it unset (RLConfig copies max_packing_token_size's
 # default into it before reading the file).
@@ -261,10 +261,14 @@ def make_packed_micro_batch(rows: SequenceRows, idx: Sequence[int], *, width: in
     input_ids = torch.zeros((k, w), dtype=torch.long)
     position_ids = torch.zeros((k, w), dtype=torch.long)
     segment = torch.zeros((k, w), dtype=torch.long)
+    routed = rows.routed_experts
+    routed_mb = None if routed is None else torch.full((k, w, *routed.shape[1:]), -1, dtype=torch.long)
     resp_pos, resp_rows = [], []
     for j, ((r, o), length) in enumerate(zip(place, lengths, strict=True)):
         start = int(rows.seq_offsets[idx[j]])
         input_ids[r, o : o + length] = rows.token_ids[start : start + length]
+        if routed_mb is not None:
+            routed_mb[r, o : o + length] = routed[start : start + length]
         position_ids[r, o : o + length] = torch.arange(length)
         segment[r, o : o + length] = j
         # The logit at position t predicts the token at t + 1: response token c comes from prompt - 1 + c.
@@ -279,18 +283,21 @@ def make_packed_micro_batch(rows: SequenceRows, idx: Sequence[int], *, width: in
     width_r = max(1, int(n.max()) if b else 1)
     cols = torch.arange(width_r)
     resp_mask = cols[None, :] < n[:, None]
+    generated = response_token_mask(rows, i, resp_mask)  # loss mask; resp_mask stays the unpacking layout
     mb = {
         "input_ids": input_ids,
         "position_ids": position_ids,
         "resp_pos": pos.unsqueeze(0),
         "resp_rows": prow,
         "resp_tokens": input_ids[prow, (pos + 1).clamp(max=w - 1)].unsqueeze(0),
-        "response_mask": resp_mask.float(),
+        "response_mask": generated.float(),
         "rows": idx,
         "packed": True,
         # flat index of each packed response token in the [b, R] per-row layout
         "unpack_index": resp_mask.flatten().nonzero().squeeze(1),
     }
+    if routed_mb is not None:  # routing replay, [k, W, layers, k] beside input_ids (services/trainer/routing_replay.py)
+        mb["routed_experts"] = routed_mb
     if one_row:
         seg_lens = torch.tensor(lengths + ([w - used[0]] if w > used[0] else []))
         mb["attention_mask"] = None

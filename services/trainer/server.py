@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 
 from rlfabric.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from services.common.credentials import client_credentials
 from services.common.memory import resident_bytes
 from services.common.reshard_plan import ReshardPlan
 from services.common.sequences import Sequences
@@ -78,7 +79,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return self.executor.run(op, remaining, **kwargs)
 
     def _rows(self, batch: trainer_pb2.SequenceBatch) -> Sequences:
-        return inputs.sequences(batch, self.worker.spec.vocab_size)
+        return inputs.sequences(batch, self.worker.spec.vocab_size, self.worker.spec.moe)
 
     # ---- RPCs -------------------------------------------------------------------------------
     def ComputeLogProbs(self, request_iterator, context) -> Iterator[trainer_pb2.LogProbResponse]:
@@ -90,7 +91,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                     context, "log_probs",
                     token_ids=np.array(seqs.token_ids), prompt_lengths=np.array(seqs.prompt_lengths),
                     response_lengths=np.array(seqs.response_lengths), temperature=float(req.temperature),
-                    with_entropy=req.with_entropy,
+                    with_entropy=req.with_entropy, routed_experts=seqs.routed_experts,
                 )
             resp = trainer_pb2.LogProbResponse(
                 sample_ids=seqs.sample_ids, log_probs=to_proto(logp.numpy()),
@@ -269,9 +270,7 @@ def _counters(**values: int) -> None:
 
 def _outbound_token() -> str | None:
     # This process's service token (`--auth-token-file`, services/common/security.py).
-    from services.common.client import default_token
-
-    return default_token()
+    return client_credentials().token
 
 
 def worker_handlers(worker) -> dict:
@@ -281,21 +280,26 @@ def worker_handlers(worker) -> dict:
     from services.trainer.step import SequenceRows
     from services.trainer.update import Experience
 
-    def rows(token_ids, prompt_lengths, response_lengths) -> SequenceRows:
+    def rows(token_ids, prompt_lengths, response_lengths, routed_experts=None) -> SequenceRows:
         return SequenceRows(torch.from_numpy(np.asarray(token_ids, dtype=np.int64)),
                             torch.from_numpy(np.asarray(prompt_lengths, dtype=np.int64)),
-                            torch.from_numpy(np.asarray(response_lengths, dtype=np.int64)))
+                            torch.from_numpy(np.asarray(response_lengths, dtype=np.int64)),
+                            None if routed_experts is None else torch.from_numpy(np.asarray(routed_experts,
+                                                                                            dtype=np.int64)))
 
-    def log_probs(token_ids, prompt_lengths, response_lengths, temperature, with_entropy):
-        return worker.compute_log_probs(rows(token_ids, prompt_lengths, response_lengths), temperature, with_entropy)
+    def log_probs(token_ids, prompt_lengths, response_lengths, temperature, with_entropy, routed_experts=None):
+        return worker.compute_log_probs(rows(token_ids, prompt_lengths, response_lengths, routed_experts),
+                                        temperature, with_entropy)
 
     def update(step, temperature, kl_coef, token_ids, prompt_lengths, response_lengths, advantages,
-               old_log_probs, ref_log_probs, behavior_log_probs=None):
+               old_log_probs, ref_log_probs, behavior_log_probs=None, routed_experts=None, response_mask=None):
         def t(x):
             return None if x is None else torch.from_numpy(np.asarray(x, dtype=np.float32))
 
-        exp = Experience(rows(token_ids, prompt_lengths, response_lengths), t(advantages), t(old_log_probs),
-                         t(ref_log_probs), t(behavior_log_probs))
+        sequences = rows(token_ids, prompt_lengths, response_lengths, routed_experts)
+        if response_mask is not None:
+            sequences.response_mask = torch.from_numpy(np.asarray(response_mask, dtype=np.bool_))
+        exp = Experience(sequences, t(advantages), t(old_log_probs), t(ref_log_probs), t(behavior_log_probs))
         return worker.update(exp, temperature=temperature, kl_coef=kl_coef, step=step)
 
     def push_weights(**kwargs):

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from services.trainer import megatron_compat
+from services.trainer import megatron_compat, routing_replay
 from services.trainer.model import causal_mask, unwrap
 
 
@@ -30,11 +30,22 @@ class SequenceRows:
     token_ids: torch.Tensor  # int64 [sum(prompt_lengths + response_lengths)]
     prompt_lengths: torch.Tensor  # int64 [B]
     response_lengths: torch.Tensor  # int64 [B]
+    # Routing replay (MoE): int64 [sum(prompt_lengths + response_lengths), moe_layers, top_k], the experts for
+    # each token (-1 rows free); None: the routers choose (services/trainer/routing_replay.py).
+    routed_experts: torch.Tensor | None = None
+    # Multi-turn: bool [sum(response_lengths)], False on response tokens the policy did not generate (tool
+    # responses): they stay in the input but leave the micro-batch's `response_mask` (loss, KL, entropy, counts).
+    response_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = torch.as_tensor(self.token_ids).long().reshape(-1)
         self.prompt_lengths = torch.as_tensor(self.prompt_lengths).long().reshape(-1)
         self.response_lengths = torch.as_tensor(self.response_lengths).long().reshape(-1)
+        if self.routed_experts is not None:
+            self.routed_experts = torch.as_tensor(self.routed_experts).long()
+            if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != self.token_ids.numel():
+                raise ValueError(f"routed_experts must be [{self.token_ids.numel()} tokens, moe_layers, top_k], "
+                                 f"got shape {tuple(self.routed_experts.shape)}")
         if self.prompt_lengths.shape != self.response_lengths.shape:
             raise ValueError(
                 f"prompt_lengths has {self.prompt_lengths.numel()} entries but response_lengths has "
@@ -112,8 +123,8 @@ def make_micro_batch(rows: SequenceRows, idx: Sequence[int], *, pad_rows_to: int
     resp_tokens = torch.zeros((b, r), dtype=torch.long)
     resp_tokens[:k] = torch.where(in_resp, input_ids[:k].gather(1, (pos + 1).clamp_(max=s - 1)), 0)
     mask = torch.zeros((b, r), dtype=torch.float32)
-    mask[:k] = in_resp.float()
-    return {
+    mask[:k] = response_token_mask(rows, i, in_resp).float()
+    mb = {
         "input_ids": input_ids,
         "position_ids": cols.unsqueeze(0).expand(b, s).contiguous(),
         "attention_mask": causal_mask(s),
@@ -122,6 +133,20 @@ def make_micro_batch(rows: SequenceRows, idx: Sequence[int], *, pad_rows_to: int
         "response_mask": mask,
         "rows": idx + [-1] * (b - k),
     }
+    if rows.routed_experts is not None:  # [b, S, layers, k] beside input_ids; padding free (-1)
+        routed = rows.routed_experts
+        mb["routed_experts"] = torch.full((b, s, *routed.shape[1:]), -1, dtype=torch.long)
+        mb["routed_experts"][:k] = torch.where(in_seq[:, :, None, None], routed[src], -1)
+    return mb
+
+
+def response_token_mask(rows: SequenceRows, i: torch.Tensor, in_resp: torch.Tensor) -> torch.Tensor:
+    """[k, R] bools: response columns inside each row's response that the policy generated (rows `i`)."""
+    if rows.response_mask is None:
+        return in_resp
+    src = (rows.resp_offsets[i][:, None] + torch.arange(in_resp.shape[1])[None, :]).clamp_(
+        max=max(rows.response_mask.numel() - 1, 0))
+    return in_resp & rows.response_mask[src]
 
 
 def gather_response_logits(logits: torch.Tensor, mb: dict) -> torch.Tensor:
@@ -218,6 +243,7 @@ def run_micro_batches(
 
     def forward_step(data_iterator, m):
         mb = _to_device(next(data_iterator), device)
+        routing_replay.set_targets(m, mb)
         with (megatron_compat.outside_cpu_device_mode(), packing.rope_at_positions(m, mb),
               response_logits_only(m, mb["resp_pos"], mb.get("resp_rows")) as at_response):
             out = m(input_ids=mb["input_ids"], position_ids=mb["position_ids"], attention_mask=mb["attention_mask"],
@@ -226,16 +252,19 @@ def run_micro_batches(
         return out, partial(_call_loss, loss_fn, mb)
 
     # Megatron's schedules allocate a token counter on "cuda" by name (see megatron_compat).
-    with megatron_compat.cpu_device_mode():
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=[model],
-            num_microbatches=len(micro_batches),
-            seq_length=seq_len,
-            micro_batch_size=mbs,
-            forward_only=forward_only,
-        )
+    try:
+        with megatron_compat.cpu_device_mode():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=[model],
+                num_microbatches=len(micro_batches),
+                seq_length=seq_len,
+                micro_batch_size=mbs,
+                forward_only=forward_only,
+            )
+    finally:
+        routing_replay.clear(model)
 
 
 def _call_loss(loss_fn, mb: dict, output_tensor: torch.Tensor):

@@ -28,7 +28,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from services.trainer import grpo_loss, moe, packing, rollout_correction
+from services.trainer import grpo_loss, moe, packing, rollout_correction, routing_replay
+from services.trainer.expert_bias import update_expert_bias
 from services.trainer.step import (
     SequenceRows,
     gather_response_logits,
@@ -191,6 +192,8 @@ def grpo_update(
         metrics.update(rollout_correction.reduce_metrics(mb_metrics, measured=same_weights))
     if load is not None:
         metrics.update(moe.moe_metrics(model, load, num_micro_batches=_mean_over_dp(real_micro_batches)))
+    if exp.rows.routed_experts is not None:
+        metrics.update(routing_replay.take_metrics(model))
     return metrics
 
 
@@ -213,6 +216,7 @@ def _step_mini_batch(model, optimizer, scheduler, exp: Experience, groups: list[
     optimizer.zero_grad()
     with moe.inert_padding(model, mbs):
         out = run_micro_batches(model, mbs, loss_fn, forward_only=False)
+    update_expert_bias(model)  # DeepSeek-V3's aux-loss-free balancing, where Megatron's finalize_model_grads does it
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
         mb_metrics.extend(m for m in out if m)  # a padding micro-batch reports nothing
     lr = optimizer.param_groups[0]["lr"]

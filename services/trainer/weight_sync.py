@@ -47,7 +47,7 @@ from services.common import weight_layout
 from services.common.reshard_plan import ReshardPlan
 from services.common.transports import TRANSPORTS, TargetFailure, WeightAck
 from services.trainer.model import canonical_name
-from services.trainer.weights_export import check_expert_layout
+from services.trainer.weights_export import check_expert_layout, exported_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +137,8 @@ def _position(layout) -> _Position:
 
 
 def local_parameters(model) -> dict[str, torch.Tensor]:
-    """This rank's parameters by stage-local, canonical (local-spec) Megatron name."""
-    return {canonical_name(n): p.detach() for n, p in model.named_parameters()}
+    """This rank's exported tensors (parameters and routers' expert bias) by stage-local, canonical Megatron name."""
+    return {canonical_name(n): p.detach() for n, p in exported_tensors(model)}
 
 
 def _mine(s: weight_layout.ShardSlice, pos: _Position) -> bool:

@@ -54,8 +54,17 @@ def check_expert_layout() -> None:
                          "sync and checkpoints lay experts out over TP (moe_tp_extend_ep is not supported there)")
 
 
+def exported_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """What the rollout serves of this rank's model: every parameter (in `named_parameters` order), then the routers'
+    expert bias (DeepSeek-V3's `e_score_correction_bias`: a buffer, trained outside the gradient, read when routing)."""
+    yield from model.named_parameters()
+    for name, buffer in model.named_buffers():
+        if name.endswith(".router.expert_bias"):
+            yield name, buffer
+
+
 def iter_shards(model, spec: ModelSpec) -> Iterator[WeightShard]:
-    """Every parameter of this rank, in `named_parameters` order."""
+    """Every exported tensor of this rank (`exported_tensors`)."""
     from megatron.core import parallel_state as ps
 
     check_expert_layout()
@@ -63,7 +72,7 @@ def iter_shards(model, spec: ModelSpec) -> Iterator[WeightShard]:
     pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     per_stage = spec.num_hidden_layers // pp
-    for name, p in model.named_parameters():
+    for name, p in exported_tensors(model):
         partition_dim = int(getattr(p, "partition_dim", -1)) if getattr(p, "tensor_model_parallel", False) else -1
         meta = ShardMeta(global_layer_name(canonical_name(name), pp_rank, per_stage), tuple(p.shape),
                          tp_rank, tp, pp_rank, pp, partition_dim, ep_rank, ep)

@@ -1,6 +1,6 @@
 """Mixture-of-experts configs (issue 24): MindSpeed-RL's Qwen3-MoE config loads unchanged and means what it means
 upstream, its expert layout is checked as Megatron and MindSpeed check it, the model block is compared with a
-Qwen3-MoE config.json, and DeepSeek-V3's keys stay refused by name."""
+Qwen3-MoE config.json (DeepSeek-V3's keys: test_config_deepseek.py)."""
 
 from __future__ import annotations
 
@@ -156,47 +156,12 @@ def test_moe_values_are_checked(override: str, key: str, needle: str):
     assert key in errors and needle in errors[key], errors
 
 
-# --- DeepSeek-V3 stays refused -----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("key", "value"), [
-    ("multi_latent_attention", "true"), ("qk_pos_emb_head_dim", "64"), ("qk_head_dim", "128"),
-    ("q_lora_rank", "1536"), ("kv_lora_rank", "512"), ("v_head_dim", "128"), ("n_shared_experts", "1"),
-    ("moe_router_score_function", "sigmoid"), ("moe_router_enable_expert_bias", "true"),
-    ("moe_router_num_groups", "8"), ("moe_router_group_topk", "4"), ("moe_router_topk_scaling_factor", "2.5"),
-    ("first_k_dense_replace", "3"), ("seq_aux", "true"),
-])
-def test_each_deepseek_v3_key_is_refused_by_name(key: str, value: str):
-    errors = _errors(QWEN3_MOE, f"{BLOCK}.{key}={value}")
-    assert len(errors) == 1, errors
-    message = next(iter(errors.values()))
-    assert f"`{BLOCK}.{key}`" in message
-    assert "DeepSeek-V3" in message and "not supported yet" in message and "Qwen3-MoE" in message
-
-
-def test_a_deepseek_v3_block_is_refused_with_one_message():
-    overrides = [f"{BLOCK}.{k}={v}" for k, v in (("multi_latent_attention", "true"), ("n_shared_experts", "1"),
-                                                  ("moe_router_score_function", "sigmoid"),
-                                                  ("first_k_dense_replace", "3"))]
-    errors = _errors(QWEN3_MOE, *overrides)
-    assert list(errors) == [f"{BLOCK}.multi_latent_attention"]
-    message = errors[f"{BLOCK}.multi_latent_attention"]
-    assert all(f"`{BLOCK}.{k}`" in message for k in ("n_shared_experts", "moe_router_score_function",
-                                                      "first_k_dense_replace"))
-    assert "rlfabric trains GRPO and DAPO on dense and Qwen3-MoE text models" in message
-
-
-def test_dense_first_layers_at_zero_and_softmax_routing_are_accepted():
-    load_config(QWEN3_MOE, overrides=[f"{BLOCK}.first_k_dense_replace=0", f"{BLOCK}.moe_router_score_function=softmax"])
-
-
 # --- routing replay ----------------------------------------------------------------------------------------------
 
 
-def test_routing_replay_is_an_enumeration_and_rollout_is_not_wired_yet():
-    assert _errors(QWEN3_MOE, "rlfabric.routing_replay=rollout") == {
-        "rlfabric.routing_replay": "`rlfabric.routing_replay` is 'rollout': routing replay is not wired yet "
-                                   "(issue 24); remove it"}
+def test_routing_replay_is_an_enumeration_and_rollout_fits_the_upstream_moe_config():
+    # the other rules (dense model, prefix cache, recompute under PP): tests/trainer/test_routing_replay_inputs.py
+    assert load_config(QWEN3_MOE, overrides=["rlfabric.routing_replay=rollout"]).rlfabric.routing_replay == "rollout"
     errors = _errors(QWEN3_MOE, "rlfabric.routing_replay=always")
     assert "must be one of 'none', 'rollout', got 'always'" in errors["rlfabric.routing_replay"]
     assert load_config(QWEN3_MOE, overrides=["rlfabric.routing_replay=none"]).rlfabric.routing_replay == "none"
@@ -253,13 +218,6 @@ def test_a_moe_block_against_a_dense_config_json_is_refused(tiny_moe_config: Pat
     issues = {i.key: i.message for i in exc.value.issues}
     assert list(issues) == ["model.tiny_qwen3_moe.num_experts"]
     assert "has model_type: qwen3 (a dense model, no experts)" in issues["model.tiny_qwen3_moe.num_experts"]
-
-
-def test_a_deepseek_config_json_is_named(tiny_moe_config: Path, tiny_moe: Path, tmp_path: Path):
-    model = _hf_copy(tmp_path, tiny_moe, model_type="deepseek_v3", num_nextn_predict_layers=1)
-    with pytest.raises(ConfigError) as exc:
-        check_model_files(_tiny(tiny_moe_config, model))
-    assert "DeepSeek-V3 is not supported yet" in str(exc.value) and "Qwen3-MoE" in str(exc.value)
 
 
 def test_megatron_moe_layer_frequency():

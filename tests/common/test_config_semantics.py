@@ -102,18 +102,6 @@ def test_a_ppo_config_is_refused_with_one_message(tmp_path: Path):
     assert "rlfabric does not support PPO" in message and "`critic_config`" in message and "stage" in message
 
 
-def test_a_deepseek_v3_model_is_refused_with_one_message(tmp_path: Path):
-    text = SEVEN_B.read_text() + ("\nmodel:\n  qwen25_7b:\n    num_experts: 64\n    moe_router_topk: 8\n"
-                                  "    n_shared_experts: 1\n    moe_router_score_function: sigmoid\n")
-    with pytest.raises(ConfigError) as exc:
-        _load_upstream_text(tmp_path, "deepseek.yaml", text)
-    assert len(exc.value.issues) == 1
-    assert "rlfabric does not support DeepSeek-V3 models" in str(exc.value)
-    assert "`model.qwen25_7b.n_shared_experts`" in str(exc.value)
-    assert "`model.qwen25_7b.moe_router_score_function`" in str(exc.value)
-    assert "`model.qwen25_7b.num_experts`" not in str(exc.value)  # Qwen3-MoE's keys are not the refusal
-
-
 def test_vllm_ascend_keys_are_accepted_passed_on_and_inactive_here():
     cfg = load_config(UPSTREAM / "grpo_qwen25_32b_A3.yaml", overrides=[
         "generate_config.torchair_graph=true", "generate_config.expert_map_path=/maps/x.json",

@@ -10,7 +10,7 @@ from services.common import protogen
 
 def test_generated_stubs_do_not_drift(tmp_path: Path, repo_root: Path) -> None:
     generated = protogen.generate(tmp_path)
-    assert len(generated) == 18  # 6 protos x (_pb2.py, _pb2.pyi, _pb2_grpc.py)
+    assert len(generated) == 21  # 7 protos x (_pb2.py, _pb2.pyi, _pb2_grpc.py)
     for rel in generated:
         committed = repo_root / rel
         assert committed.exists(), f"{rel} is not committed: run `make proto`"
@@ -18,14 +18,14 @@ def test_generated_stubs_do_not_drift(tmp_path: Path, repo_root: Path) -> None:
 
 
 def test_every_service_is_defined() -> None:
-    from rlfabric.v1 import coordinator_pb2, reward_pb2, rollout_pb2, trainer_pb2, verifier_pb2
+    from rlfabric.v1 import coordinator_pb2, reward_pb2, rollout_pb2, tool_pb2, trainer_pb2, verifier_pb2
 
     services = {
         name
-        for module in (coordinator_pb2, reward_pb2, rollout_pb2, trainer_pb2, verifier_pb2)
+        for module in (coordinator_pb2, reward_pb2, rollout_pb2, tool_pb2, trainer_pb2, verifier_pb2)
         for name in module.DESCRIPTOR.services_by_name
     }
-    assert services == {"Coordinator", "Reward", "Rollout", "Trainer", "Verifier"}
+    assert services == {"Coordinator", "Reward", "Rollout", "Tool", "Trainer", "Verifier"}
 
 
 def test_every_field_message_and_rpc_is_commented(repo_root: Path) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from services.report.plot import find_metrics, read_metrics
+from services.report.run_metrics import find_metrics, read_metrics
 from services.report.seed_metrics import check_record
 
 CONFIG = "configs/grpo_demo_cpu.yaml"

@@ -1,8 +1,10 @@
-"""Security of a default `rlfabric up` (issue 12): probed from outside while the run trains, as an attacker on the
-same host would. Unauthenticated mutating calls to the coordinator, trainer and rollout are refused
-UNAUTHENTICATED and the run still completes; even with the token, a checkpoint outside the run's directories
-and a weight push to an unregistered host:port are refused; Redis wants its password; no secret is on any
-command line; the trainer's sockets are bound to loopback. With `--tls`, the whole run works over TLS.
+"""Security of `rlfabric up` (issue 12): probed from outside while the run trains, as an attacker on the same host
+would. Unauthenticated mutating calls to the coordinator, trainer and rollout are refused UNAUTHENTICATED and the
+run still completes; even with the token, a checkpoint outside the run's directories and a weight push to an
+unregistered host:port are refused; Redis wants its password; no secret is on any command line; the trainer's
+sockets are bound to loopback. One run does it all with `--tls` (the service token guards the same methods
+with and without TLS; every other `up` of the suite runs the default, plaintext with the token): a plaintext
+client gets no answer, one that verifies the run's CA does. The soak also runs it without TLS.
 """
 
 from __future__ import annotations
@@ -85,27 +87,27 @@ def code_of(call) -> grpc.StatusCode:
     return e.value.code()
 
 
-def probe_unauthenticated(coordinator: str, trainer: str, rollout: str, run_id: str) -> None:
-    with make_channel(coordinator, token=None, tls_ca=None) as ch:
+def probe_unauthenticated(coordinator: str, trainer: str, rollout: str, run_id: str, ca: str | None) -> None:
+    with make_channel(coordinator, token=None, tls_ca=ca) as ch:
         stub = coordinator_pb2_grpc.CoordinatorStub(ch)
         assert code_of(lambda: stub.StopRun(coordinator_pb2.StopRunRequest(run_id=run_id), timeout=30)) == DENIED
         assert stub.GetRun(coordinator_pb2.GetRunRequest(run_id=run_id), timeout=30).run_id == run_id  # read-only
-    with make_channel(trainer, token=None, tls_ca=None) as ch:
+    with make_channel(trainer, token=None, tls_ca=ca) as ch:
         stub = trainer_pb2_grpc.TrainerStub(ch)
         update = iter([trainer_pb2.UpdateRequest(step=10**6, temperature=1.0)])
         assert code_of(lambda: stub.Update(update, timeout=30)) == DENIED
         save = trainer_pb2.SaveCheckpointRequest(dir="/tmp/rlfabric-attack", iteration=1)
         assert code_of(lambda: stub.SaveCheckpoint(save, timeout=30)) == DENIED
         assert stub.Info(trainer_pb2.TrainerInfoRequest(), timeout=30).role == "actor"
-    with make_channel(rollout, token=None, tls_ca=None) as ch:
+    with make_channel(rollout, token=None, tls_ca=ca) as ch:
         stub = rollout_pb2_grpc.RolloutStub(ch)
         chunk = iter([rollout_pb2.WeightUpdateChunk(commit=common_pb2.WeightCommit(version=10**6))])
         assert code_of(lambda: stub.UpdateWeights(chunk, timeout=30)) == DENIED
         assert code_of(lambda: stub.Sleep(rollout_pb2.SleepRequest(), timeout=30)) == DENIED
 
 
-def probe_with_token(trainer: str, token: str, run_dir: Path, tmp_path: Path) -> None:
-    with make_channel(trainer, token=token, tls_ca=None) as ch:
+def probe_with_token(trainer: str, token: str, run_dir: Path, tmp_path: Path, ca: str | None) -> None:
+    with make_channel(trainer, token=token, tls_ca=ca) as ch:
         stub = trainer_pb2_grpc.TrainerStub(ch)
         outside = tmp_path / "outside"
         with pytest.raises(grpc.RpcError) as e:
@@ -119,6 +121,17 @@ def probe_with_token(trainer: str, token: str, run_dir: Path, tmp_path: Path) ->
             list(stub.PushWeights(trainer_pb2.PushWeightsRequest(version=10**6, targets=["203.0.113.7:9"]),
                                   timeout=60))
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "203.0.113.7:9" in e.value.details()
+
+
+def check_tls(coordinator: str, ca: str) -> None:
+    with make_channel(coordinator, token=None, tls_ca=None) as ch:  # plaintext never gets an answer
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        assert code_of(lambda: stub.GetRun(coordinator_pb2.GetRunRequest(run_id="x"), timeout=5)) in (
+            grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    with make_channel(coordinator, token=None, tls_ca=ca) as ch:  # TLS, verified against the run's CA
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        assert code_of(lambda: stub.GetRun(coordinator_pb2.GetRunRequest(run_id="x"), timeout=30)) == (
+            grpc.StatusCode.NOT_FOUND)
 
 
 def check_processes(proc: subprocess.Popen, secrets: list[str]) -> None:
@@ -135,18 +148,22 @@ def check_processes(proc: subprocess.Popen, secrets: list[str]) -> None:
             assert all(a.ip in LOOPBACK for a in listening), (cmdline[:120], listening)
 
 
-def test_default_up_refuses_unauthenticated_calls_and_completes(repo_root: Path, tiny_model_dir: Path,
-                                                                arith_prefix: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("tls", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_up_refuses_unauthenticated_calls_and_completes(repo_root: Path, tiny_model_dir: Path, arith_prefix: Path,
+                                                        tmp_path: Path, tls: bool) -> None:
     from services.common.redis_store import Registry, connect
 
     run_dir = tmp_path / "up"
     # A run longer than the probes take (a 2-iteration run could end first on a quiet machine, and with it the
     # services); it is stopped by an authenticated StopRun once a checkpoint is written.
     proc = start_up(repo_root, tiny_model_dir, arith_prefix, run_dir, "-o", "megatron_training.train_iters=1000",
-                    "-o", "megatron_training.save_interval=2")
+                    "-o", "megatron_training.save_interval=2", *(["--tls"] if tls else []))
     seen: list[str] = []
     try:
         coordinator = wait_for_line(proc, "services up; coordinator at ", seen).rsplit(" ", 1)[1]
+        ca = str(run_dir / "secrets" / "ca.crt") if tls else None
+        if tls:
+            check_tls(coordinator, ca)
         run_id = wait_for_line(proc, "run ", seen).split()[1]
         secrets_dir = run_dir / "secrets"
         assert secrets_dir.stat().st_mode & 0o077 == 0
@@ -158,8 +175,8 @@ def test_default_up_refuses_unauthenticated_calls_and_completes(repo_root: Path,
         port = int(url.rsplit(":", 1)[1].split("/")[0])
         with pytest.raises(redis.exceptions.AuthenticationError):  # no password: no registry writes
             redis.Redis(host="127.0.0.1", port=port, socket_timeout=5).set("rlfabric:members:reward:fake", "{}")
-        probe_unauthenticated(coordinator, trainer, rollout, run_id)
-        probe_with_token(trainer, token, run_dir, tmp_path)
+        probe_unauthenticated(coordinator, trainer, rollout, run_id, ca)
+        probe_with_token(trainer, token, run_dir, tmp_path, ca)
         check_processes(proc, [token, url.split("@")[0].split(":")[-1]])
         wait_for_line(proc, "iteration 2/", seen)
         proc.send_signal(signal.SIGINT)  # Ctrl-C: `up` stops the run (StopRun with the run's token), then it all
@@ -176,26 +193,3 @@ def test_default_up_refuses_unauthenticated_calls_and_completes(repo_root: Path,
         in out, out[-3000:]
     saved = int((run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
     assert saved >= 2 and saved % 2 == 0, saved
-
-
-def test_up_with_tls_runs_over_tls(repo_root: Path, tiny_model_dir: Path, arith_prefix: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "up-tls"
-    proc = start_up(repo_root, tiny_model_dir, arith_prefix, run_dir, "--tls",
-                    "-o", "megatron_training.train_iters=1")
-    seen: list[str] = []
-    try:
-        coordinator = wait_for_line(proc, "services up; coordinator at ", seen).rsplit(" ", 1)[1]
-        ca = run_dir / "secrets" / "ca.crt"
-        with make_channel(coordinator, token=None, tls_ca=None) as ch:  # plaintext never gets an answer
-            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
-            assert code_of(lambda: stub.GetRun(coordinator_pb2.GetRunRequest(run_id="x"), timeout=5)) in (
-                grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-        with make_channel(coordinator, token=None, tls_ca=str(ca)) as ch:  # TLS, verified against the run's CA
-            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
-            assert code_of(lambda: stub.GetRun(coordinator_pb2.GetRunRequest(run_id="x"), timeout=30)) == (
-                grpc.StatusCode.NOT_FOUND)
-        out = finish(proc, seen)
-    finally:
-        stop(proc)
-    assert proc.returncode == 0, out
-    assert "RUN_PHASE_DONE at iteration 1" in out, out

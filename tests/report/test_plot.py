@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.report.plot import find_metrics, phase_spans, read_metrics, rolling_mean
+from services.report.run_metrics import find_metrics, phase_spans, read_metrics, rolling_mean
 
 
 def test_timeline_rebuilt_from_timings() -> None:

@@ -29,7 +29,7 @@ R1_GOOD = "<think>2+2 is 4</think> <answer>The answer is \\boxed{4}</answer>"
 
 def test_registry_names_match_mindspeed_and_signature_is_uniform():
     expected = {"math_17k_acc", "base_acc", "acc", "format", "strict_format", "step", "acc_for_dapo",
-                "math_verify_reward", "math_equiv"}
+                "math_verify_reward", "math_equiv", "retool_reward"}
     assert set(VERIFIERS) == expected
     for name, entry in VERIFIERS.items():
         score = entry.fn(R1_GOOD, "4")

@@ -17,6 +17,7 @@ from rollout_helpers import generate, group_request, hf_greedy, hf_token_log_pro
 
 from rlfabric.v1 import common_pb2, rollout_pb2
 from services.common.checksum import combine_checksums
+from services.common.tensors import to_numpy
 from services.rollout.weights import make_bucket
 
 MAX_NEW = 12
@@ -68,6 +69,10 @@ def _assert_greedy_matches(stub, hf, version: int, batch: list[list[int]]) -> li
     for i, prompt in enumerate(batch):
         expected = hf_greedy(hf, prompt, MAX_NEW)
         assert tokens(got[i]) == expected
+        # the replica captures routing: every sample brings its experts over the wire (one row per computed
+        # position, both MoE layers, top-2 experts each)
+        routed = to_numpy(got[i].routed_experts)
+        assert routed.shape == (len(prompt) + len(expected) - 1, 2, 2) and 0 <= routed.min() and routed.max() < 8
         np.testing.assert_allclose(log_probs(got[i]), hf_token_log_probs(hf, prompt, expected), atol=1e-4)
     return [tokens(got[i]) for i in range(len(batch))]
 

@@ -131,12 +131,12 @@ def test_checkpoint_directories_are_confined(tmp_path: Path) -> None:
 
 def test_every_mutating_rpc_is_guarded() -> None:
     """The table against the protos: every rpc of our services is guarded or listed as read-only here."""
-    from rlfabric.v1 import coordinator_pb2, reward_pb2, rollout_pb2, trainer_pb2
+    from rlfabric.v1 import coordinator_pb2, reward_pb2, rollout_pb2, tool_pb2, trainer_pb2
 
     open_rpcs = {"rlfabric.v1.Trainer": {"Info"}, "rlfabric.v1.Rollout": {"Info", "Generate"},
                  "rlfabric.v1.Coordinator": {"GetRun", "StreamMetrics"},
-                 "rlfabric.v1.Reward": {"Score", "ListVerifiers"}}
-    for module in (coordinator_pb2, reward_pb2, rollout_pb2, trainer_pb2):
+                 "rlfabric.v1.Reward": {"Score", "ListVerifiers"}, "rlfabric.v1.Tool": {"ListTools"}}
+    for module in (coordinator_pb2, reward_pb2, rollout_pb2, tool_pb2, trainer_pb2):
         for service in module.DESCRIPTOR.services_by_name.values():
             methods = {m.name for m in service.methods}
             assert methods == GUARDED_METHODS[service.full_name] | open_rpcs[service.full_name], service.full_name
@@ -145,8 +145,8 @@ def test_every_mutating_rpc_is_guarded() -> None:
 
 def test_create_server_uses_the_process_token_on_the_guarded_methods() -> None:
     from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
-    from services.common import server as server_module
     from services.common.client import make_channel
+    from services.common.credentials import ServerCredentials, set_server_credentials
     from services.common.server import ServiceSpec, create_server
 
     class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
@@ -156,12 +156,12 @@ def test_create_server_uses_the_process_token_on_the_guarded_methods() -> None:
         def StopRun(self, request, context):  # noqa: N802
             return coordinator_pb2.RunStatus(run_id="stopped")
 
-    server_module.configure(token="tok", tls=None)
+    before = set_server_credentials(ServerCredentials(token="tok"))
     try:
         srv = create_server([ServiceSpec(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, Coordinator(),
                                          "rlfabric.v1.Coordinator")], component="t", metrics_port=None).start()
     finally:
-        server_module.configure(token=None, tls=None)
+        set_server_credentials(before)
     try:
         with make_channel(srv.address, token=None) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
@@ -324,20 +324,29 @@ def test_every_serve_command_has_insecure_and_hands_it_to_the_ranks(command: lis
 
 
 def test_server_security_modes(tmp_path: Path) -> None:
-    from services.common import server as server_module
+    from services.common.credentials import (
+        client_credentials,
+        server_credentials,
+        set_client_credentials,
+        set_server_credentials,
+    )
     from services.common.security import CLOSED_REFUSAL, server_security
 
     token = write_secret_file(tmp_path / "token", "t0k")
     p = _parser()
+    before = server_credentials(), client_credentials()
     try:
         assert server_security(p.parse_args([])).mode == "closed"
-        assert server_module._process.token and server_module._process.refusal == CLOSED_REFUSAL
+        assert server_credentials().token and server_credentials().refusal == CLOSED_REFUSAL
+        assert client_credentials().token is None  # a fail-closed server's own calls send no token
         assert server_security(p.parse_args(["--insecure"])).mode == "insecure"
-        assert server_module._process.token is None
+        assert server_credentials().token is None
         assert server_security(p.parse_args(["--auth-token-file", str(token)])).mode == "token"
-        assert server_module._process.token == "t0k" and server_module._process.refusal is None
+        assert server_credentials().token == "t0k" and server_credentials().refusal is None
+        assert client_credentials().token == "t0k"
     finally:
-        server_module.configure(token=None, tls=None)
+        set_server_credentials(before[0])
+        set_client_credentials(before[1])
 
 
 def _open_to_others(root: Path) -> list[str]:

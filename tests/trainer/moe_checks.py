@@ -80,6 +80,8 @@ def run(a, ep: int, dispatcher: str, hf_state: dict) -> dict:
     # Forward micro-batches of 3 rows: DP rank 0 gets rows 0-3 (two micro-batches of 3 and 1 rows), rank 1 rows 4-7.
     log_probs, _ = compute_log_probs_rows(model, rows, temperature=TEMPERATURE, micro_batch_size=3)
     forward_metrics = moe.moe_metrics(model, load)
+    replayed = replay_log_probs(a, model, rows, spec)
+    load.reset()
 
     model.train()
     share = list(dp_share(len(rows), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()))
@@ -107,7 +109,31 @@ def run(a, ep: int, dispatcher: str, hf_state: dict) -> dict:
                 assert torch.equal(merged[k], g), k
             merged[k] = g
     return {"log_probs": log_probs, "grads": merged, "forward_metrics": forward_metrics,
-            "update_metrics": update_metrics}
+            "update_metrics": update_metrics, "replay": replayed}
+
+
+def replay_log_probs(a, model, rows, spec) -> dict[str, torch.Tensor]:
+    """Log-probs with routing replay (services/trainer/routing_replay.py) of: HF's own experts ("own"), only free
+    rows ("free"), random experts ("forced", also packed: "forced_packed"); plus the random routing itself."""
+    import dataclasses
+
+    import transformers
+    from routing_reference import hf_routing, random_routing
+
+    from services.trainer import packing
+    from services.trainer.logprobs import compute_log_probs_rows
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(a.hf, dtype=torch.float32).eval()
+    moe_spec = spec.moe
+    forced = random_routing(rows.token_ids.numel(), len(moe_spec.moe_layers), moe_spec.num_experts,
+                            moe_spec.num_experts_per_tok, seed=7)
+    cases = {"own": (hf_routing(hf, rows), packing.Packing()), "free": (torch.full_like(forced, -1), packing.Packing()),
+             "forced": (forced, packing.Packing()), "forced_packed": (forced, packing.Packing(remove_padding=True))}
+    out = {"routing": forced}
+    for name, (routed, packing_opts) in cases.items():
+        out[name], _ = compute_log_probs_rows(model, dataclasses.replace(rows, routed_experts=routed),
+                                              temperature=TEMPERATURE, micro_batch_size=3, packing_opts=packing_opts)
+    return out
 
 
 def main() -> int:

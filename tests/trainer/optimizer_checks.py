@@ -55,13 +55,14 @@ def main() -> int:
 
 # ---- shared pieces ---------------------------------------------------------------------------------
 def worker(a, *, dtype: str = "float32", distributed: bool = False, master_weights: bool = True, lr: float = 2e-4,
-           clip: float = 1.0, load: str | None = None, reuse: bool = False):
+           clip: float = 1.0, load: str | None = None, reuse: bool = False, no_load_optim: bool = False):
     from services.trainer.optimizer import OptimizerOptions
     from services.trainer.update import UpdateOptions
     from services.trainer.worker import TrainerWorker, WorkerOptions
 
     return TrainerWorker(WorkerOptions(
-        role="actor", hf_dir=a.hf, load=load, finetune=load is None, forward_micro_batch_size=4,
+        role="actor", hf_dir=a.hf, load=load, finetune=load is None, no_load_optim=no_load_optim,
+        forward_micro_batch_size=4,
         update=UpdateOptions(micro_batch_size=2, mini_batch_rows=4, shuffle_mini_batch=True, seed=3),
         optimizer=OptimizerOptions(lr=lr, clip_grad=clip, weight_decay=0.01, use_distributed_optimizer=distributed,
                                    master_weights=master_weights, reuse_fp32_param=reuse),
@@ -96,6 +97,12 @@ def masters(w) -> dict[str, torch.Tensor]:
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def mean_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    total = sum((a[k].double() - b[k].double()).abs().sum().item() for k in a)
+    return total / sum(a[k].numel() for k in a)
 
 
 def all_max(x: float) -> float:
@@ -270,6 +277,12 @@ def distributed_checks(a) -> dict:
     train(unsharded, rows, logp, range(3, 5))
     unsharded_masters = masters(unsharded)
     out["resume_unsharded_master_diff"] = max_diff(straight_masters, unsharded_masters) if a.rank == 0 else None
+    out["resume_unsharded_master_mean_diff"] = mean_diff(straight_masters, unsharded_masters) if a.rank == 0 else None
+    # A plain resume that lost the Adam state (a fresh optimizer on the checkpoint's weights): what a broken load
+    # looks like, for scale.
+    fresh = worker(a, dtype="bfloat16", load=str(ckpt), no_load_optim=True)
+    train(fresh, rows, logp, range(3, 5))
+    out["resume_fresh_adam_master_mean_diff"] = mean_diff(straight_masters, masters(fresh)) if a.rank == 0 else None
     out["reshard_ckpt"] = str(ckpt)
     return out
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from optimizer_checks import run
 
-from services.trainer.optimizer import join_master, split_master
+from services.trainer.reuse_fp32_param import join_master, split_master
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import torch
 from hf_reference import hf_log_probs
 from moe_checks import TEMPERATURE
 from rank_checks import make_rows
+from routing_reference import hf_forced_log_probs
 from trainer_helpers import run_ranks
 
 from services.common.model_spec import check_expert_parallel, read_hf_config
@@ -44,6 +45,26 @@ def test_log_probs_equal_transformers(moe_results, hf_model, case: str) -> None:
     got = moe_results[case]["log_probs"]
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_replaying_the_routers_own_experts_is_exact(moe_results, case: str) -> None:
+    """Routing replay of the experts the routers choose themselves (HF's choice), or of free rows only, gives the
+    log-probs of the plain forward bitwise."""
+    plain, replay = moe_results[case]["log_probs"], moe_results[case]["replay"]
+    assert torch.equal(replay["own"], plain)
+    assert torch.equal(replay["free"], plain)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_replayed_routing_equals_a_forward_forced_to_those_experts(moe_results, hf_model, case: str) -> None:
+    replay = moe_results[case]["replay"]
+    rows = make_rows(hf_model.config.vocab_size, 1)
+    forced = hf_forced_log_probs(hf_model, rows, replay["routing"], TEMPERATURE)
+    assert (replay["forced"] - forced).abs().max().item() < 1e-5
+    assert (replay["forced_packed"] - forced).abs().max().item() < 1e-5
+    # ... and the replay really moved the experts: random routing is far from the routers' own.
+    assert (replay["forced"] - moe_results[case]["log_probs"]).abs().max().item() > 1e-2
 
 
 @pytest.mark.parametrize("case", ["2:allgather", "2:alltoall"])

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from services.common.config.problems import Problem
+
 if TYPE_CHECKING:
     from services.common.config.resolved import RLFabricConfig
-    from services.common.config.validation import Problem
-
 GRANULARITIES = ("full", "selective")
 METHODS = ("uniform", "block")
 
@@ -75,8 +75,6 @@ def _layers_per_stage(mt) -> int | None:
 
 
 def activation_rules(cfg: RLFabricConfig) -> Iterable[Problem]:
-    from services.common.config.validation import Problem
-
     for prefix, mt in _sections(cfg):
         found = recompute_problem(mt.recompute_granularity, mt.recompute_method, mt.recompute_num_layers,
                                   _layers_per_stage(mt))
@@ -86,8 +84,6 @@ def activation_rules(cfg: RLFabricConfig) -> Iterable[Problem]:
 
 
 def activation_warnings(cfg: RLFabricConfig) -> Iterable[Problem]:
-    from services.common.config.validation import Problem
-
     for prefix, mt in _sections(cfg):
         if mt.recompute_granularity is None:
             unused = [k for k in ("recompute_method", "recompute_num_layers") if getattr(mt, k) is not None]

@@ -23,12 +23,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from services.common.config.loss_variants import loss_variant_rules
+from services.common.config.problems import Problem
 from services.common.config.statuses import DPO, PPO
 
 if TYPE_CHECKING:
     from services.common.config.resolved import RLFabricConfig
-    from services.common.config.validation import Problem
-
 GRPO, DAPO = "grpo", "dapo"
 ALGORITHMS = {"ray_grpo": GRPO, "ray_dapo": DAPO}
 # Stages of MindSpeed-RL that are not GRPO or DAPO: each names the feature it would need.
@@ -52,8 +51,6 @@ def stage_feature(stage: str | None) -> str | None:
 
 def algorithm_rules(cfg: RLFabricConfig) -> Iterable[Problem]:
     """Refuse what the selected algorithm would ignore upstream (see module docstring)."""
-    from services.common.config.validation import Problem
-
     stage, rl = cfg.actor_config.stage, cfg.rl_config
     yield from loss_variant_rules(cfg)
     algorithm = algorithm_of(stage)

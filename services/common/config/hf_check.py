@@ -16,8 +16,9 @@ other way round; the experts, the router's top-k (`moe_router_topk`, default 2 a
 (`moe_ffn_hidden_size`, Megatron's default ffn_hidden_size), `norm_topk_prob` (default false) and which
 layers are MoE layers (`moe_layer_freq`, Megatron's meaning: N is every N-th layer from layer 0, unset is
 every layer) are always compared, since upstream trains what their defaults say. `ffn_hidden_size` is
-compared only when the model has a dense MLP layer (in an all-MoE model it sizes nothing). A DeepSeek
-config.json is named as such (rlfabric trains Qwen3-MoE; DeepSeek-V3 is not supported yet).
+compared only when the model has a dense MLP layer (in an all-MoE model it sizes nothing). DeepSeek-V3's keys
+(multi-latent attention, shared experts, its router, dense first layers, YaRN) are compared by moe.py's
+`architecture_mismatches`; a DeepSeek config.json of another generation is named as such.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.common.config import moe as moe_rules
 from services.common.config.errors import ConfigError, ConfigIssue
 
 if TYPE_CHECKING:
@@ -105,7 +107,7 @@ def _mismatches(cfg: RLFabricConfig, spec: ModelSpec) -> Iterable[tuple[str, Any
         ("qk_layernorm", a.qk_layernorm, "model_type qwen3 (q/k norm)", spec.qk_norm),
         ("add_qkv_bias", a.add_qkv_bias, "attention_bias", spec.attention_bias),
         ("rope_scaling_type", a.rope_scaling_type, "rope_scaling.rope_type",
-         "llama3" if spec.rope_scaling_factor is not None else None),
+         "yarn" if spec.yarn is not None else "llama3" if spec.rope_scaling_factor is not None else None),
         ("position_embedding_type", a.position_embedding_type, "position embedding", "rope"),
         ("normalization", a.normalization, "normalization", "RMSNorm"),
         ("swiglu", a.swiglu, "MLP", True),
@@ -113,7 +115,7 @@ def _mismatches(cfg: RLFabricConfig, spec: ModelSpec) -> Iterable[tuple[str, Any
     ]
     if a.rope_scaling_type is not None:
         when_written.append(("rope_scaling_factor", a.rope_scaling_factor, "rope_scaling.factor",
-                             spec.rope_scaling_factor))
+                             spec.yarn.factor if spec.yarn is not None else spec.rope_scaling_factor))
     for key, ours, hf_key, theirs in always:
         if ours is not None and ours != theirs:
             yield key, ours, hf_key, theirs
@@ -124,6 +126,7 @@ def _mismatches(cfg: RLFabricConfig, spec: ModelSpec) -> Iterable[tuple[str, Any
         if key in written and ours != theirs:
             yield key, ours, hf_key, theirs
     yield from _moe_mismatches(cfg, spec)
+    yield from moe_rules.architecture_mismatches(a, spec)
     tp = a.tensor_model_parallel_size
     padded = a.padded_vocab_size or megatron_padded_vocab_size(spec.vocab_size, a.make_vocab_size_divisible_by, tp)
     if padded != spec.padded_vocab_size(tp):
@@ -145,7 +148,7 @@ def _moe_mismatches(cfg: RLFabricConfig, spec: ModelSpec) -> Iterable[tuple[str,
         return
     expert_ffn = a.moe_ffn_hidden_size if a.moe_ffn_hidden_size is not None else a.ffn_hidden_size
     ours_ffn = expert_ffn if a.moe_ffn_hidden_size is not None else f"unset, so ffn_hidden_size {expert_ffn}"
-    pattern = megatron_moe_layers(a.moe_layer_freq, spec.num_hidden_layers)
+    pattern = moe_rules.moe_layer_pattern(a, spec.num_hidden_layers)  # first_k_dense_replace included
     hf_pattern = [int(layer in moe.moe_layers) for layer in range(spec.num_hidden_layers)]
     pairs = [
         ("num_experts", a.num_experts, a.num_experts, "num_experts", moe.num_experts),
@@ -158,7 +161,8 @@ def _moe_mismatches(cfg: RLFabricConfig, spec: ModelSpec) -> Iterable[tuple[str,
             yield key, ours, hf_key, theirs
     if pattern != hf_pattern:
         yield ("moe_layer_freq", _describe_layers(a.moe_layer_freq, pattern),
-               "MoE layers (decoder_sparse_step, mlp_only_layers)", _describe_layers(None, hf_pattern))
+               "MoE layers (decoder_sparse_step, mlp_only_layers, first_k_dense_replace)",
+               _describe_layers(None, hf_pattern))
 
 
 def megatron_moe_layers(freq: int | str | list[int] | None, num_layers: int) -> list[int] | None:
@@ -208,8 +212,8 @@ def _deepseek_message(hf_dir: Path) -> str | None:
         model_type = str(json.loads((hf_dir / "config.json").read_text()).get("model_type", ""))
     except (OSError, ValueError, AttributeError):
         return None
-    if not model_type.startswith("deepseek"):
-        return None
-    return (f"cannot use this model: model_type {model_type} is a DeepSeek model (multi-latent attention, shared "
-            f"experts, group-limited routing, multi-token prediction); rlfabric trains Qwen3-MoE mixture-of-experts "
-            f"models, DeepSeek-V3 is not supported yet")
+    if not model_type.startswith("deepseek") or model_type == "deepseek_v3":
+        return None  # a DeepSeek-V3 config.json's refusal names its key (model_spec)
+    return (f"cannot use this model: model_type {model_type} is a DeepSeek model of another generation than "
+            f"DeepSeek-V3; rlfabric trains Qwen3-MoE and DeepSeek-V3 (model_type deepseek_v3) mixture-of-experts "
+            f"models")

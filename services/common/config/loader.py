@@ -25,6 +25,7 @@ from services.common.config.catalog import MEGATRON_SECTIONS, SECTIONS, TOP_LEVE
 from services.common.config.derived import compute_derived
 from services.common.config.errors import ConfigError, ConfigIssue
 from services.common.config.megatron import MegatronConfig
+from services.common.config.problems import Problem
 from services.common.config.raw_tree import apply_overrides, copy_tree, source_of
 from services.common.config.refusals import feature_issues, refused_values, section_refusals
 from services.common.config.resolved import Provenance, RLFabricConfig
@@ -34,7 +35,7 @@ from services.common.config.schema import (
     normalize_key,
     parse_section,
 )
-from services.common.config.validation import RULES, WARNINGS, Problem, run_rules
+from services.common.config.validation import RULES, WARNINGS, run_rules
 from services.common.config.yaml_io import SourcedDict, read_yaml
 
 logger = logging.getLogger(__name__)

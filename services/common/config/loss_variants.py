@@ -19,10 +19,10 @@ import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from services.common.config.problems import Problem
+
 if TYPE_CHECKING:
     from services.common.config.resolved import RLFabricConfig
-    from services.common.config.validation import Problem
-
 POLICY_LOSS_MODES = ("vanilla", "gspo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 IS_LEVELS = ("token", "sequence")
@@ -88,8 +88,6 @@ def _option(name: str, spec: str) -> RsOption:
 
 def loss_variant_rules(cfg: RLFabricConfig) -> Iterable[Problem]:
     """Refuse verl key combinations whose one key would do nothing, and bad values (module docstring)."""
-    from services.common.config.validation import Problem
-
     rl, fab, sources = cfg.rl_config, cfg.rlfabric, cfg.provenance.sources
     if rl.adv_estimator in WHITENED and rl.gamma != 1.0:
         yield Problem(("rl_config.gamma", "rl_config.adv_estimator"),
@@ -116,8 +114,6 @@ def loss_variant_rules(cfg: RLFabricConfig) -> Iterable[Problem]:
 
 
 def _correction_rules(fab, sources: dict) -> Iterable[Problem]:
-    from services.common.config.validation import Problem
-
     if not fab.rollout_is_threshold > 0:
         yield Problem(("rlfabric.rollout_is_threshold",),
                       f"rlfabric.rollout_is_threshold must be > 0, got {fab.rollout_is_threshold}")

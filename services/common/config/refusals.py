@@ -92,8 +92,8 @@ def feature_issues(cfg: RLFabricConfig, refusals: list[Refusal]) -> list[ConfigI
         first = _where(cfg, found[0].key)
         issues.append(ConfigIssue(
             first, f"rlfabric does not support {feature} ({found[0].reason}); this config asks for it with {keys}. "
-                   f"rlfabric trains GRPO and DAPO on dense and Qwen3-MoE text models: remove these keys, or run this "
-                   f"config with MindSpeed-RL", cfg.provenance.sources.get(first)))
+                   f"rlfabric trains GRPO and DAPO on dense, Qwen3-MoE and DeepSeek-V3 text models: remove these "
+                   f"keys, or run this config with MindSpeed-RL", cfg.provenance.sources.get(first)))
     return issues
 
 

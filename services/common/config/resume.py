@@ -15,10 +15,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.common.config.problems import Problem
+
 if TYPE_CHECKING:
     from services.common.config.resolved import RLFabricConfig
-    from services.common.config.validation import Problem
-
 # Megatron's checkpoint layout: the tracker names the latest iteration ("123" or "release").
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d+)$")
@@ -47,8 +47,6 @@ def checkpoint_iteration(load: str | Path | None) -> int | None:
 
 
 def resume_rule(cfg: RLFabricConfig) -> Iterable[Problem]:
-    from services.common.config.validation import Problem
-
     a, d = cfg.actor_config, cfg.derived
     if a.finetune or a.load is None or not d.use_kl_loss:
         return

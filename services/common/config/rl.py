@@ -19,7 +19,7 @@ from services.common.config.statuses import (
     DERIVED,
     DISPATCH,
     ITERATION,
-    MULTI_TURN,
+    MULTI_TURN_RULES,
     MULTIMODAL,
     PPO,
     RAY,
@@ -38,7 +38,7 @@ DEFAULT_VERIFIER_FUNCTION = ("base_acc",)
 DEFAULT_VERIFIER_WEIGHT = (1.0,)
 
 _PPO_ONLY = inert("GAE / critic (PPO) only; GRPO's group_norm advantages do not use it")
-_MULTI_TURN = refused("rlfabric generates one response per prompt", feature=MULTI_TURN)
+_MULTI_TURN = read(MULTI_TURN_RULES, COORDINATOR_SETTINGS, note="with multi_turn_enable (services/coordinator/multi_turn.py)")
 _MULTIMODAL = refused("rlfabric trains text-only models", feature=MULTIMODAL)
 _DYNAMIC_BSZ = read(TRAINER_OPTIONS, note="used with use_dynamic_bsz (services/trainer/packing.py)")
 _PER_PASS_DEFAULT_ONLY = inert(
@@ -218,14 +218,20 @@ class RLConfig:
     colocate_actor_and_vit: bool = setting(False, "Colocate actor and vision encoder (unsupported).", _MULTIMODAL)
     share_backbone: bool = setting(False, "LoRA: share the backbone between actor and reference.",
                                    refused("rlfabric trains full weights", feature="LoRA"))
-    multi_turn_enable: bool = setting(False, "Multi-turn tool use (unsupported).", _MULTI_TURN)
-    tool_config_path: str | None = setting(None, "Multi-turn tool configuration (unsupported).", _MULTI_TURN)
-    max_tool_calls: int = setting(0, "Multi-turn: most tool calls.", _MULTI_TURN)
-    max_parallel_calls: int = setting(0, "Multi-turn: most parallel tool calls.", _MULTI_TURN)
-    max_total_response_length: int = setting(0, "Multi-turn: most response tokens overall.", _MULTI_TURN)
-    max_tool_response_length: int = setting(0, "Multi-turn: most tokens per tool response.", _MULTI_TURN)
-    tool_response_truncate_side: str | None = setting(None, "Multi-turn: which side to truncate.", _MULTI_TURN)
-    tool_parser_format: str | None = setting(None, "Multi-turn: tool call format.", _MULTI_TURN)
+    multi_turn_enable: bool = setting(False, "Multi-turn tool use: the model's tool calls are answered by the tool "
+                                             "servers between turns.", _MULTI_TURN)
+    tool_config_path: str | None = setting(None, "Multi-turn: the tool YAML (MindSpeed-RL's format).", _MULTI_TURN)
+    max_tool_calls: int = setting(0, "Multi-turn: most tool calls answered per sample, over all its turns.",
+                                  _MULTI_TURN)
+    max_parallel_calls: int = setting(0, "Multi-turn: most calls answered per turn, at once.", _MULTI_TURN)
+    max_total_response_length: int = setting(0, "Multi-turn: most response tokens per sample (turns and tool "
+                                                "answers).", _MULTI_TURN)
+    max_tool_response_length: int = setting(0, "Multi-turn: most characters of one tool answer.", _MULTI_TURN)
+    tool_response_truncate_side: str | None = setting(None, "Multi-turn: which part of a long answer is kept: "
+                                                            "left (the head), right (the tail), middle (both "
+                                                            "ends; unset).", _MULTI_TURN)
+    tool_parser_format: str | None = setting(None, "Multi-turn: tool-call format (hermes; unset: hermes).",
+                                             _MULTI_TURN)
 
     # Dispatch sizes: samples handed to one data-parallel rank per call; unset means derived.
     actor_rollout_dispatch_size: int | None = setting(None, "Samples per rollout call; unset: gbs * n / rollout DP.",

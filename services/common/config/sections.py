@@ -23,7 +23,9 @@ from services.common.config.statuses import (
     COORDINATOR_VALIDATION,
     DERIVED,
     MULTIMODAL,
+    ROLLOUT_CLI,
     ROLLOUT_OPTIONS,
+    ROUTING_REPLAY,
     TRAINER_OPTIONS,
     VALIDATION,
 )
@@ -46,7 +48,8 @@ _MSPROBE_ONLY = inert("only read with msprobe: true (refused)")
 
 # The values of rlfabric.weight_transport (validated in validation.py, chosen in coordinator/weight_sync.py).
 WEIGHT_TRANSPORTS = ("auto", "grpc", "collective")
-# rlfabric.routing_replay: none, or replay the rollout's expert choices in training (MoE; not wired yet).
+# rlfabric.routing_replay: none, or replay the rollout's expert choices in training (MoE; rules in
+# config/routing_replay.py).
 RoutingReplay = Literal["none", "rollout"]
 # The verl keys' values (services/common/config/loss_variants.py holds the tuples and the rules).
 PolicyLossMode = Literal["vanilla", "gspo"]
@@ -236,7 +239,7 @@ class FabricConfig:
     routing_replay: RoutingReplay = setting(
         "none", "MoE routing in training: none (the trainer's router chooses the experts) or rollout (replay the "
                 "experts vLLM chose for each sampled token).",
-        refused("routing replay is not wired yet (issue 24)", allowed=("none",)))
+        read(ROLLOUT_CLI, ROUTING_REPLAY))
 
 
 @dataclass(kw_only=True)

@@ -29,13 +29,14 @@ COORDINATOR_APP = "services/coordinator/app.py"
 COORDINATOR_RUN = "services/coordinator/run.py"
 COORDINATOR_VALIDATION = "services/coordinator/validation.py"
 ROLLOUT_OPTIONS = "services/rollout/options.py"
+ROLLOUT_CLI = "services/rollout/cli.py"
+MULTI_TURN_RULES = "services/common/config/multi_turn.py"
+ROUTING_REPLAY = "services/common/config/routing_replay.py"
 
 # Features rlfabric does not have: a config using one is refused with one message naming it.
 PPO = "PPO (a critic and GAE)"
 DPO = "DPO (pairwise preference training)"
 LORA = "LoRA"
-MULTI_TURN = "multi-turn tool use"
-DEEPSEEK_V3 = "DeepSeek-V3 models"
 MULTIMODAL = "multimodal models"
 REWARD_MODEL = "reward models"
 

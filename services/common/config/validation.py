@@ -14,15 +14,17 @@ mixture-of-experts rules (moe.py) join them in `RULES`. `WARNINGS` lists rules w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from services.common.config.activations import activation_rules, activation_warnings
 from services.common.config.algorithm import algorithm_rules
 from services.common.config.moe import moe_rules
+from services.common.config.multi_turn import multi_turn_rules
+from services.common.config.problems import Problem, Rule
 from services.common.config.resume import resume_rule
 from services.common.config.rl import ADV_ESTIMATORS, KL_CTRL_TYPES, KL_PENALTIES
+from services.common.config.routing_replay import routing_replay_rules
 from services.common.config.sections import WEIGHT_TRANSPORTS
 
 if TYPE_CHECKING:
@@ -32,16 +34,6 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 DISTRIBUTED_BACKENDS = ("nccl", "hccl", "gloo")
 ROLLOUT_DTYPES = ("bfloat16", "float16", "float32", "auto")
 
-
-@dataclass(frozen=True)
-class Problem:
-    """A broken rule: the keys involved (first = the one to point at) and the message."""
-
-    keys: tuple[str, ...]
-    message: str
-
-
-Rule = Callable[["RLFabricConfig"], Iterable[Problem]]
 
 
 def _q(cfg: RLFabricConfig, key: str) -> str:
@@ -400,7 +392,7 @@ def refused_keys(cfg: RLFabricConfig) -> Iterable[Problem]:
 RULES: tuple[Rule, ...] = (
     required_training_keys, model_architecture, positive_sizes, sequence_lengths, device_layout, moe_rules,
     batch_divisibility, dispatch_sizes, algorithm_choices, algorithm_rules, rewards, sampling, placement,
-    pipelining, resume_rule, activation_rules, refused_keys,
+    pipelining, resume_rule, activation_rules, routing_replay_rules, multi_turn_rules, refused_keys,
 )
 WARNINGS: tuple[Rule, ...] = (precision_warnings, activation_warnings)
 

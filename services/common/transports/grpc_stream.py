@@ -11,7 +11,7 @@ its stream is cancelled; that receiver keeps serving its previous weights and ve
 (it applies buckets as they arrive but restores them unless the commit verifies: services/rollout/server.py),
 and the other targets go on.
 
-Limits: one tensor must fit in one gRPC message (services/common/server.py MAX_MESSAGE_BYTES). Same-host
+Limits: one tensor must fit in one gRPC message (services/common/wire_limits.py MAX_MESSAGE_BYTES). Same-host
 replicas get the shared-memory transport (shm.py), which reuses these streams for references only.
 """
 
@@ -29,10 +29,10 @@ import torch
 from rlfabric.v1 import common_pb2, rollout_pb2
 from services.common.checksum import combine_checksums
 from services.common.client import DEFAULT_DEADLINE_S, make_channel
-from services.common.server import MAX_MESSAGE_BYTES
 from services.common.tensors import dtype_code
 from services.common.transports.base import TargetFailure, WeightAck, WeightTransport, checked_targets
 from services.common.transports.wire import PackedChunk, serialize
+from services.common.wire_limits import MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
 

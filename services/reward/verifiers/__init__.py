@@ -16,6 +16,7 @@ comparison) are the `math/` sub-package.
 | `step` | step markers (`Step N:`, `N.`, list bullets, First/Second/Next/Finally) | min(1.0, markers / 3); label unused |
 | `acc_for_dapo` | last `Answer:` in the last 300 characters | +1.0 Minerva-normalised equal, else -1.0 |
 | `math_verify_reward` | whole response (format), then math-verify's extraction | 1.0 `format` holds and math-verify equal, else 0.0 |
+| `retool_reward` | last closed `\\boxed{}` in the last 100 characters; `<tool_response>` turns | +1.0 exactly equal, else min(0, -1.0 + 0.1 x tool turns) |
 
 Every rule returns a finite Python float for any pair of strings; a rule that raises, hangs or returns a
 non-finite value costs that sample a 0.0 with an error (the pool's doing, not the rule's).

@@ -15,6 +15,7 @@ from services.reward.verifiers import (
     math_17k_acc,
     math_equiv,
     math_verify_reward,
+    retool,
     step,
     strict_format,
 )
@@ -46,6 +47,7 @@ VERIFIERS: dict[str, VerifierEntry] = {
     "step": VerifierEntry(step.score, "min(1, step markers / 3)"),
     "acc_for_dapo": VerifierEntry(acc_for_dapo.score, "+1/-1: last Answer: line, Minerva-normalised (DAPO)"),
     "math_verify_reward": VerifierEntry(math_verify_reward.score, "1/0: format regex and HF math-verify"),
+    "retool_reward": VerifierEntry(retool.score, "+1 exact last \\boxed{} in the tail, else min(0, -1 + 0.1/tool round)"),
 }
 
 

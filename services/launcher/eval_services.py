@@ -11,6 +11,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
+from services.common.client import make_channel
+from services.common.redis_store import Registry, connect
+from services.coordinator.reward_pool import RewardClientPool
+from services.coordinator.weight_sync import Replica
 from services.launcher.stack import Expected, LocalStack, ServiceStartError
 
 
@@ -26,9 +31,6 @@ class EvalServices:
         self._pool: Any = None
 
     def _infos(self) -> list[Any]:
-        from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
-        from services.common.client import make_channel
-
         infos = []
         for address in self.stack.endpoints("rollout"):
             with make_channel(address) as channel:
@@ -59,16 +61,9 @@ class EvalServices:
                                       *stack.redis_args(), "--dtype", dtype, "--max-model-len", str(max_model_len)],
                         Expected("rollout-0 (vLLM)", "rollout"))
             stack.wait_ready()
-        from services.common.redis_store import Registry, connect
-        from services.coordinator.reward_pool import RewardClientPool
-
         self._pool = RewardClientPool(Registry(connect(url)))
 
     def replicas(self) -> list[Any]:
-        from rlfabric.v1 import rollout_pb2_grpc
-        from services.common.client import make_channel
-        from services.coordinator.weight_sync import Replica
-
         out = []
         for address in self.stack.endpoints("rollout"):
             channel = make_channel(address)

@@ -7,6 +7,9 @@ replica serving --model, custom verifiers), and stops them at the end; with --re
 replicas and reward workers registered there instead (for example those of a running `rlfabric up`: it then
 evaluates whatever weights the replicas hold). Writes to --out: `samples.jsonl` (every sample with its
 response and scores), `results.json` and `results.md` (the table, also printed).
+
+It lives with the launcher because it starts services; the evaluation itself (sampling, scoring, pass@k) is the
+coordinator's (services/coordinator/evaluation.py), which validation during training runs too.
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def _eval(args: argparse.Namespace) -> int:
         return 2
     out = args.out or Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S")
     from services.coordinator.errors import IterationError
-    from services.coordinator.eval_services import EvalServices
+    from services.launcher.eval_services import EvalServices
     from services.launcher.stack import ServiceStartError
 
     services = EvalServices(out / "services", redis_url=args.redis_url, verifiers=verifiers,
@@ -158,8 +161,8 @@ def _engine_length(problems: list, max_tokens: int, model: str) -> int:
 
 def _run(args: argparse.Namespace, settings: Any, services: Any, problems: list, left_out: dict[str, int],
          tokenizer: Any, out: Path) -> int:
-    from services.coordinator.eval_report import print_table, write_outputs
     from services.coordinator.evaluation import evaluate, summarize_samples
+    from services.launcher.eval_report import print_table, write_outputs
 
     def progress(done: int, total: int) -> None:
         print(f"eval: {done}/{total} problems sampled and scored", flush=True)

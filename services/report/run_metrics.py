@@ -1,33 +1,24 @@
-"""Charts of a run from its metrics JSONL: reward and accuracy, response length, KL / entropy / grad norm, and
-the per-iteration timeline of the phases (how rollout, reward, reference pass, update and weight sync overlap).
+"""A run's metrics JSONL, read, and the series the charts of `rlfabric plot` draw from it (no matplotlib here).
 
 The timeline uses the coordinator's `timeline/{phase}/start|end` metrics (seconds since the iteration's
 start) when the run logged them. Older runs only have the seed's `timing/*` spans; their timeline is then
 reconstructed from the parity rules the coordinator computes them with (see iteration_metrics.py): the
 rollout starts the iteration; reward and reference passes end `timing/non_overlap_*` after it (or after the
 old-log-prob pass), and last `timing/*`; old log-probs, advantages, the update and the weight sync follow
-one another. The chart says which of the two it shows. Rendering is matplotlib's Agg (no display needed).
+one another. `phase_spans` says which of the two it returns.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-Metrics = Sequence[Mapping[str, float]]
+from services.common.jsonl import json_lines
 
-# Colours of the phases a timeline shows; a phase not named here (a new one) gets one of OTHER_COLORS.
-PHASE_COLORS = {"rollout": "#4C72B0", "rule_reward": "#DD8452", "reward_model": "#DA8BC3",
-                "reference_model": "#55A868", "old_log_p": "#8172B3", "adv": "#937860", "update": "#C44E52",
-                "resharding_to_infer": "#64B5CD", "resharding_enter_infer": "#64B5CD",
-                "resharding_exit_infer": "#9BD0E0", "resharding_to_train": "#8C8C8C",
-                "resharding_enter_train": "#8C8C8C", "resharding_exit_train": "#B5B5B5", "ref_onload": "#A6D8A8",
-                "ref_offload": "#A6D8A8"}
-OTHER_COLORS = ("#CCB974", "#8EBA42", "#E24A33", "#348ABD")
+Metrics = Sequence[Mapping[str, float]]
 
 
 def find_metrics(path: str | Path) -> Path:
@@ -46,13 +37,7 @@ def find_metrics(path: str | Path) -> Path:
 def read_metrics(path: Path) -> list[dict[str, float]]:
     """The iterations of a metrics JSONL, in order; the last record of an iteration wins (a resumed run)."""
     by_iteration: dict[int, dict[str, float]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON: {e}") from e
+    for _, record in json_lines(path):
         by_iteration[int(record["iteration"])] = record
     if not by_iteration:
         raise ValueError(f"{path}: no iteration logged yet")
@@ -111,20 +96,7 @@ def representative_iterations(metrics: Metrics, count: int = 3) -> list[Mapping[
     return [pool[i] for i in picks]
 
 
-def plot_run(metrics: Metrics, out_dir: Path, title: str = "") -> list[Path]:
-    """Writes the four PNGs to `out_dir`; returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from services.report import figures
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return [figures.reward(metrics, out_dir / "reward.png", title),
-            figures.response_length(metrics, out_dir / "response_length.png", title),
-            figures.training(metrics, out_dir / "kl_entropy_grad_norm.png", title),
-            figures.timeline(metrics, out_dir / "timeline.png", title)]
-
-
 def load(path: str | Path) -> tuple[Path, list[dict[str, Any]]]:
+    """The metrics file `find_metrics` finds for `path`, and its iterations."""
     found = find_metrics(path)
     return found, read_metrics(found)

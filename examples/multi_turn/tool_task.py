@@ -1,0 +1,304 @@
+"""The multi-turn demo's task and its supervised warm-up: "What is A*B?" (A, B in 100..999), solvable with a tool.
+
+A tiny Qwen2 (hidden 128, 2 layers, digit tokenizer) cannot multiply two 3-digit numbers; it can learn to copy
+them into a call of the code interpreter and to copy the tool's answer into `\\boxed{}`. The conversation the
+warm-up teaches, in the `qwen` chat template (configs/model/templates.json), token for token what the
+coordinator builds during the run (services/coordinator/multi_turn.py):
+
+    <|im_start|>system ... <|im_start|>user\\nWhat is 123*456?<|im_end|>\\n<|im_start|>assistant\\n
+    <tool_call>\\n{"name": "code_interpreter", "arguments": {"code": "123*456"}}\\n</tool_call><|im_end|>
+    \\n<|im_start|>tool\\n<tool_response>\\n56088\\n\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n
+    \\boxed{56088}<|im_end|>
+
+The loss covers the model's two turns (the call, the answer), never the prompt or the tool's answer. A share of
+the problems (`direct_fraction`, default 0.4) is taught as a direct answer `\\boxed{N}` instead, so the warmed-up
+policy calls the tool on about 60% of its samples: GRPO then has room to learn to call it (`tool/calls_per_sample`),
+to write the call right (`tool/success_rate`), and so to score (`retool_reward`: +1 right, -1 wrong, -0.9 wrong
+after a tool turn). The warm-up stops early, when the call and the answer are right (teacher-forced, greedy) on
+`stop_at` of a slice of the training problems, so that sampled calls still go wrong at times.
+
+Used by examples/multi_turn/multi_turn_demo_cpu.sh (`python examples/multi_turn/tool_task.py WORK`) and, in
+process, by tests/e2e/test_multi_turn_up.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+TEMPLATE = "qwen"
+TOOL_NAME = "code_interpreter"
+IGNORE_INDEX = -100
+
+
+def multiplication_rows(count: int, *, seed: int, low: int = 317, high: int = 999) -> list[dict[str, str]]:
+    """`count` rows {"problem": "What is A*B?", "answer": "A*B's value"} (DeepScaleR's keys), A, B in low..high."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        rows.append({"problem": f"What is {a}*{b}?", "answer": str(a * b)})
+    return rows
+
+
+def operands(problem: str) -> tuple[int, int]:
+    a, b = problem.removeprefix("What is ").removesuffix("?").split("*")
+    return int(a), int(b)
+
+
+def write_task(out_dir: str | Path, *, train: int = 4000, held_out: int = 200) -> tuple[Path, Path]:
+    """`train.jsonl` and `heldout.jsonl` (distinct seeds; a repeated pair is one in 800,000) under `out_dir`."""
+    from services.data.synthetic import write_rows_jsonl
+
+    out = Path(out_dir)
+    return (write_rows_jsonl(out / "train.jsonl", multiplication_rows(train, seed=0)),
+            write_rows_jsonl(out / "heldout.jsonl", multiplication_rows(held_out, seed=1)))
+
+
+def call_text(problem: str) -> str:
+    """The tool call the warm-up teaches (hermes format, as `tool_parser_format: hermes` parses it)."""
+    a, b = operands(problem)
+    arguments = {"code": f"{a}*{b}"}  # ReTool prints a last line's value
+    return f"<tool_call>\n{json.dumps({'name': TOOL_NAME, 'arguments': arguments})}\n</tool_call>"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One problem as the warm-up trains on it: token ids, and which of them the model writes (the loss)."""
+
+    ids: list[int]
+    written: list[bool]
+
+    @property
+    def first_written(self) -> int:
+        return self.written.index(True)
+
+
+def conversation(tokenizer: Any, template: Any, problem: str, answer: str, *, direct: bool) -> Conversation:
+    """The prompt and the turns the model writes for one problem: the call, the tool's answer (the sandbox's
+    stdout, `print`'s line, wrapped as the coordinator wraps it: not written by the model), the boxed answer;
+    or, `direct`, the boxed answer at once."""
+    from services.coordinator.multi_turn import wrap_answers
+
+    eos = int(tokenizer.eos_token_id)
+    prompt = template.encode_prompt(tokenizer, problem)
+    boxed = tokenizer.encode(f"\\boxed{{{answer}}}", add_special_tokens=False) + [eos]
+    if direct:
+        return Conversation(prompt + boxed, [False] * len(prompt) + [True] * len(boxed))
+    call = tokenizer.encode(call_text(problem), add_special_tokens=False) + [eos]
+    observation = template.encode_observation(tokenizer, wrap_answers([f"{answer}\n"]))
+    return Conversation(prompt + call + observation + boxed,
+                        [False] * len(prompt) + [True] * len(call) + [False] * len(observation) + [True] * len(boxed))
+
+
+STOP_ON = ("tool_path", "frame")
+
+
+@dataclass(frozen=True)
+class WarmupSettings:
+    """The warm-up's hyper-parameters (AdamW, linear warm-up then constant; batches drawn with replacement).
+
+    Measured (2-core machine, seed 0, batch 32, lr 3e-3): the frame of the call and answer is right after ~50
+    steps; copying the digits (into the call, out of the tool's answer) starts near step 250 and is ~95% per digit
+    by step 350, where about half the checked problems are right whole (`stop_at` 0.5): ~1.2 CPU s per step.
+    """
+
+    steps: int = 1000  # a cap: the warm-up stops once `stop_at` is reached
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    clip_grad: float = 1.0
+    direct_fraction: float = 0.4
+    # What `stop_at` measures (see `accuracies`): "tool_path", the share of checked problems greedy decoding
+    # solves; "frame", the probability that sampling writes a call and an answer that parse (digits aside): a
+    # quick warm-up whose calls run, with wrong numbers.
+    stop_on: str = "tool_path"
+    stop_at: float = 0.5
+    check_every: int = 50
+    check_rows: int = 200
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.stop_on not in STOP_ON:
+            raise ValueError(f"stop_on {self.stop_on!r}: expected one of {', '.join(STOP_ON)}")
+
+
+def _batch(conversations: Sequence[Conversation], pad_id: int, skip_first: bool = False) -> tuple[Any, Any, Any]:
+    """Right-padded (ids, attention mask, labels), labels on the written tokens (without the first one when
+    `skip_first`: the call-or-answer choice, which a mixed warm-up leaves open on purpose)."""
+    import torch
+
+    width = max(len(c.ids) for c in conversations)
+    ids = torch.full((len(conversations), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(conversations), width), dtype=torch.long)
+    labels = torch.full((len(conversations), width), IGNORE_INDEX, dtype=torch.long)
+    for i, c in enumerate(conversations):
+        ids[i, :len(c.ids)] = torch.tensor(c.ids)
+        mask[i, :len(c.ids)] = 1
+        for j, written in enumerate(c.written):
+            if written and not (skip_first and j == c.first_written):
+                labels[i, j] = c.ids[j]
+    return ids, mask, labels
+
+
+def _forward(model: Any, ids: Any, mask: Any, labels: Any) -> tuple[Any, Any, Any]:
+    """Per position: the labels' negative log-likelihood (0 where nothing is labelled), whether the argmax is
+    the label (True where nothing is labelled), and the labels, all aligned to the logits' positions."""
+    import torch
+
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    target = labels[:, 1:]
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=IGNORE_INDEX,
+                                            reduction="none")
+    return nll, (logits.argmax(-1) == target) | (target == IGNORE_INDEX), target
+
+
+def accuracies(model: Any, conversations: Sequence[Conversation], pad_id: int, digit_ids: Sequence[int],
+               batch: int = 64) -> tuple[float, float]:
+    """(frame, tool path) over tool conversations, the first written token (see `_batch`) left out:
+    - frame: the mean probability that sampling (temperature 1) writes everything but the digits right, the JSON
+      of the call and the `\\boxed{}` around the answer, each token given the right ones before it;
+    - tool path: the share that greedy decoding writes exactly, digits included.
+    Teacher-forced: one forward pass per batch."""
+    import torch
+
+    frame = 0.0
+    paths = 0
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(conversations), batch):
+            nll, right, target = _forward(model, *_batch(conversations[i:i + batch], pad_id, skip_first=True))
+            digit = torch.isin(target, torch.tensor(list(digit_ids)))
+            frame += float(torch.exp(-(nll * ~digit).sum(dim=1)).sum())
+            paths += int(right.all(dim=1).sum())
+    model.train()
+    n = max(1, len(conversations))
+    return frame / n, paths / n
+
+
+def warm_up(base_dir: str | Path, train_rows: Sequence[dict[str, str]], held_out_rows: Sequence[dict[str, str]],
+            out_dir: str | Path, settings: WarmupSettings = WarmupSettings(), quiet: bool = True) -> dict[str, Any]:
+    """Fine-tunes the model in `base_dir` (see module doc) and saves it with `warmup_summary.json` to `out_dir`."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.data.templates import get_template
+
+    started = time.perf_counter()
+    torch.manual_seed(settings.seed)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    template = get_template(TEMPLATE)
+    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    rng = random.Random(settings.seed)
+    directs = [rng.random() < settings.direct_fraction for _ in train_rows]
+    examples = [conversation(tokenizer, template, r["problem"], r["answer"], direct=d)
+                for r, d in zip(train_rows, directs, strict=True)]
+    direct = sum(directs)
+    check = [conversation(tokenizer, template, r["problem"], r["answer"], direct=False)
+             for r in train_rows[:settings.check_rows]]
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(settings.seed)
+    digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    checked, step, loss = (0.0, 0.0), 0, float("nan")
+    while step < settings.steps:
+        step += 1
+        for group in optimizer.param_groups:
+            group["lr"] = settings.lr * min(1.0, step / max(1, settings.warmup_steps))
+        picks = torch.randint(len(examples), (settings.batch_size,), generator=generator).tolist()
+        ids, mask, labels = _batch([examples[i] for i in picks], pad_id)
+        nll, _, target = _forward(model, ids, mask, labels)
+        batch_loss = nll.sum() / (target != IGNORE_INDEX).sum()
+        optimizer.zero_grad(set_to_none=True)
+        batch_loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip_grad)
+        optimizer.step()
+        loss = float(batch_loss.detach())
+        if step % settings.check_every == 0 or step == settings.steps:
+            checked = accuracies(model, check, pad_id, digits)
+            if not quiet:
+                print(f"  step {step}: loss {loss:.3f}; on {len(check)} training problems, sampling writes the frame "
+                      f"of call and answer right with probability {checked[0]:.2f}, greedy solves {checked[1]:.0%}",
+                      flush=True)
+            if checked[1 if settings.stop_on == "tool_path" else 0] >= settings.stop_at:
+                break
+    held_out = [conversation(tokenizer, template, r["problem"], r["answer"], direct=False) for r in held_out_rows]
+    held = accuracies(model, held_out, pad_id, digits) if held_out else (None, None)
+    summary = {"settings": asdict(settings), "train_rows": len(train_rows), "direct_rows": direct, "steps_run": step,
+               "final_loss": loss, "train_check_frame_probability": checked[0],
+               "train_check_tool_path_accuracy": checked[1], "held_out_frame_probability": held[0],
+               "held_out_tool_path_accuracy": held[1], "seconds": time.perf_counter() - started}
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.copyfile(Path(base_dir) / "tokenizer_config.json", tmp / "tokenizer_config.json")  # the pinned class
+    (tmp / "warmup_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return summary
+
+
+def prepare(work: str | Path, settings: WarmupSettings = WarmupSettings(), *, train: int = 4000,
+            held_out: int = 200, quiet: bool = True) -> Path:
+    """The demo's files under `work` (each made once; a second call finds them): base_model (a tiny Qwen2),
+    task/{train,heldout}.jsonl, dataset/{train,heldout} (preprocessed with the `qwen` template), sft_model."""
+    from services.common.tiny_model import write_tiny_model
+    from services.data.dataset_config import load_dataset_config
+    from services.data.preprocess import preprocess
+
+    work = Path(work)
+    base = work / "base_model"
+    if not (base / "config.json").is_file():
+        write_tiny_model(base, vocab_size=512, split_digits=True)
+    train_path, held_out_path = work / "task" / "train.jsonl", work / "task" / "heldout.jsonl"
+    if not held_out_path.is_file():
+        write_task(work / "task", train=train, held_out=held_out)
+    for split, path in (("train", train_path), ("heldout", held_out_path)):
+        if not (work / "dataset" / f"{split}_packed_input_ids_document.idx").is_file():
+            preprocess(load_dataset_config(REPO / "configs" / "datasets" / "deepscaler.yaml", [
+                f"input={path}", f"tokenizer_name_or_path={base}", f"output_prefix={work / 'dataset' / split}",
+                f"prompt_type={TEMPLATE}", "workers=1"]))
+    if not (work / "sft_model" / "warmup_summary.json").is_file():
+        rows = [json.loads(line) for line in train_path.read_text().splitlines()]
+        held = [json.loads(line) for line in held_out_path.read_text().splitlines()]
+        warm_up(base, rows, held, work / "sft_model", settings, quiet=quiet)
+    return work
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("work", type=Path, help="folder for the model, the task, the data and the warmed-up model")
+    p.add_argument("--steps", type=int, default=WarmupSettings.steps, help="most warm-up steps")
+    p.add_argument("--stop-at", type=float, default=WarmupSettings.stop_at,
+                   help="stop once this share of checked training problems is right (see --stop-on)")
+    p.add_argument("--stop-on", choices=STOP_ON, default=WarmupSettings.stop_on,
+                   help="what --stop-at measures: greedy solves the problem (tool_path), or sampling writes the "
+                        "frame of call and answer right (frame)")
+    p.add_argument("--direct-fraction", type=float, default=WarmupSettings.direct_fraction,
+                   help="share of problems taught as a direct answer instead of a tool call")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    prepare(args.work, WarmupSettings(steps=args.steps, stop_at=args.stop_at, stop_on=args.stop_on,
+                                      direct_fraction=args.direct_fraction), quiet=False)
+    print(json.dumps(json.loads((args.work / "sft_model" / "warmup_summary.json").read_text()), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    sys.exit(main())
