@@ -117,6 +117,8 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+# In the soak until a CI run of it is on record: it landed as the session ended, not yet run from a clean clone.
+@pytest.mark.slow
 def test_tool_calls_run_through_up_and_a_killed_sandbox_costs_no_run(format_warmup: Path, repo_root: Path,
                                                                       tmp_path: Path) -> None:
     iterations = 3
