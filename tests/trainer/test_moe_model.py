@@ -176,9 +176,10 @@ def test_moe_options_follow_the_yaml_keys() -> None:
     from services.trainer.options import moe_options_from_config
 
     mt = SimpleNamespace(moe_aux_loss_coeff=0.02, moe_router_load_balancing_type="seq_aux_loss",
-                         moe_token_dispatcher_type=None)
+                         moe_token_dispatcher_type=None, moe_router_enable_expert_bias=True)
     opts = moe_options_from_config(mt)
     assert (opts.moe_aux_loss_coeff, opts.moe_router_load_balancing_type) == (0.02, "seq_aux_loss")
+    assert opts.moe_router_enable_expert_bias is True
     assert opts.moe_token_dispatcher_type == "allgather"  # unset: Megatron's default
     mt.moe_token_dispatcher_type = "alltoall_seq"  # MindSpeed's; megatron-core's alltoall replaced it
     assert moe_options_from_config(mt).moe_token_dispatcher_type == "alltoall"
