@@ -137,6 +137,13 @@ class RequestStream:
                 self._clock.record(self.name, first, time.perf_counter())
 
 
+def _with_max_tokens(sampling: common_pb2.SamplingParams, max_tokens: int) -> common_pb2.SamplingParams:
+    own = common_pb2.SamplingParams()
+    own.CopyFrom(sampling)
+    own.max_tokens = max_tokens
+    return own
+
+
 def sequences_of(samples: Sequence[common_pb2.Sample], prompts: Sequence[np.ndarray],
                  weights_version: int) -> Sequences:
     """Each sample's prompt followed by its response, as one flat batch (with the rollout's routing, if any)."""
@@ -279,12 +286,16 @@ class Generator:
                                              top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                                              seed=s.seed or 0, has_seed=s.seed is not None)
         self._sampling = sampling
-        groups = [common_pb2.PromptGroup(group_id=p.group_id, prompt_token_ids=to_proto(np.asarray(p.prompt, np.int32)),
-                                         n=s.n_samples_per_prompt) for p in prompts]
+        requests = []
+        for p in prompts:
+            group = common_pb2.PromptGroup(group_id=p.group_id, prompt_token_ids=to_proto(np.asarray(p.prompt, np.int32)),
+                                           n=s.n_samples_per_prompt)
+            budget = s.response_budget(len(p.prompt))
+            own = sampling if budget == s.max_tokens else _with_max_tokens(sampling, budget)
+            requests.append(rollout_pb2.GenerateRequest(group=group, expected_weights_version=version, sampling=own))
         if not self.replicas:
             raise IterationError("no rollout replica left (every one was lost and none has joined)")
-        self._deal([rollout_pb2.GenerateRequest(group=g, expected_weights_version=version, sampling=sampling)
-                    for g in groups], list(self.replicas), clock, out)
+        self._deal(requests, list(self.replicas), clock, out)
 
     def _deal(self, requests: list[rollout_pb2.GenerateRequest], replicas: list[Replica], clock: PhaseClock,
               out: queue.Queue) -> None:
@@ -394,9 +405,8 @@ class Generator:
             out.put(_Finished(trajectory))
             return
         group_id = f"{trajectory.first.sample_id}@{trajectory.turns}"
-        sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(self._sampling)
-        sampling.max_tokens = min(sampling.max_tokens, self.multi_turn.remaining_tokens(trajectory))
+        sampling = _with_max_tokens(self._sampling, min(self._sampling.max_tokens,
+                                                        self.multi_turn.remaining_tokens(trajectory)))
         request = rollout_pb2.GenerateRequest(
             group=common_pb2.PromptGroup(group_id=group_id, prompt_token_ids=to_proto(context), n=1),
             expected_weights_version=version, sampling=sampling)

@@ -72,6 +72,15 @@ class IterationSettings:
     norm_adv_by_std_in_grpo: bool = True
     # rlfabric.rollout_is / rollout_rs set: the rollout's log-probs travel with the batch in every mode.
     rollout_correction: bool = False
+    # generate_config.max_model_len: a prompt's response gets at most what is left of it (see response_budget).
+    max_model_len: int | None = None
+
+    def response_budget(self, prompt_length: int) -> int:
+        """max_tokens for a prompt of `prompt_length` tokens: what max_model_len leaves, if less (upstream's vLLM
+        stops there; the rollout service refuses a request that asks for more, so the coordinator asks for it)."""
+        if self.max_model_len is None or prompt_length >= self.max_model_len:
+            return self.max_tokens  # no room at all: the rollout fails that sample, naming max_model_len
+        return min(self.max_tokens, self.max_model_len - prompt_length)
 
 
 def settings_from_config(cfg: Any) -> IterationSettings:
@@ -80,6 +89,7 @@ def settings_from_config(cfg: Any) -> IterationSettings:
     return IterationSettings(
         n_samples_per_prompt=rl.n_samples_per_prompt,
         max_tokens=sampling.max_tokens,
+        max_model_len=cfg.generate_config.max_model_len,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k,

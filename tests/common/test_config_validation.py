@@ -18,8 +18,8 @@ CASES = [
     # (id, overrides, key of the reported issue, substrings of its message)
     ("max_model_len<seq_length", ["megatron_training.seq_length=8192"], "generate_config.max_model_len",
      ["max_model_len (4096) is smaller than seq_length (8192)", "raise max_model_len to at least 8192"]),
-    ("prompt+response>max_model_len", ["rl_config.max_prompt_length=3000"], "generate_config.max_model_len",
-     ["max_prompt_length - 1 = 2999", "max_tokens (2048) is 5047 tokens", "raise max_model_len to 5047"]),
+    ("prompt>=max_model_len", ["rl_config.max_prompt_length=4097"], "generate_config.max_model_len",
+     ["max_prompt_length - 1 = 4096", "leaves no room for a response", "raise max_model_len above 4096"]),
     ("devices%(tp*pp*cp)", ["rl_config.actor_resource.num_npus=6"], "rl_config.actor_resource.num_npus",
      ["num_npus (6) must be divisible by tensor x pipeline x context parallel size (2 x 2 x 1 = 4)"]),
     ("(gbs*n)%micro", ["actor_config.micro_batch_size=3"], "actor_config.micro_batch_size",
@@ -186,3 +186,19 @@ def test_reward_config_is_refused(upstream_7b: Path):
         load_config(upstream_7b, overrides=["reward_config.micro_batch_size=1"])
     assert [i.key for i in exc.value.issues] == ["reward_config"]
     assert "rlfabric does not support reward models" in str(exc.value)
+
+
+def test_prompts_without_room_for_max_tokens_are_a_warning_and_get_what_max_model_len_leaves(repo_root: Path) -> None:
+    """Upstream's vLLM stops at max_model_len (grpo_deepseek_r1_671b_A2: prompts to 8195 tokens, max_tokens 2048,
+    max_model_len 10240); the coordinator asks the rollout for what is left, which the rollout then honours."""
+    from services.coordinator.settings import settings_from_config
+
+    cfg = load_config(repo_root / "configs" / "grpo_qwen25_7b_A3.yaml", overrides=["rl_config.max_prompt_length=3000"])
+    (warning,) = [w for w in cfg.warnings if "max_model_len" in w]
+    assert "prompts of more than 2048 tokens (max_model_len 4096 - max_tokens 2048; max_prompt_length allows 2999)" \
+        in warning and "finish reason length" in warning
+    s = settings_from_config(cfg)
+    assert [s.response_budget(n) for n in (1, 2048, 2049, 2999, 4095)] == [2048, 2048, 2047, 1097, 1]
+    assert s.response_budget(4096) == 2048  # no room at all: the rollout fails the sample, naming max_model_len
+    assert not [w for w in load_config(repo_root / "configs" / "grpo_qwen25_7b_A3.yaml").warnings
+                if "max_model_len" in w]

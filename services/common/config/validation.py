@@ -124,15 +124,27 @@ def sequence_lengths(cfg: RLFabricConfig) -> Iterable[Problem]:
         yield Problem(("generate_config.max_model_len", "seq_length"),
                       f"generate_config.max_model_len ({gen.max_model_len}) is smaller than seq_length "
                       f"({a.seq_length}); raise max_model_len to at least {a.seq_length} or lower seq_length")
-    max_tokens = gen.sampling_config.max_tokens
     # Prompts of max_prompt_length tokens or more are dropped, so the longest kept is one shorter.
-    longest = rl.max_prompt_length - 1 + max_tokens
-    if longest > gen.max_model_len:
+    if rl.max_prompt_length - 1 >= gen.max_model_len:
+        yield Problem(("generate_config.max_model_len", "rl_config.max_prompt_length"),
+                      f"the longest prompt kept (max_prompt_length - 1 = {rl.max_prompt_length - 1}) leaves no room "
+                      f"for a response within generate_config.max_model_len ({gen.max_model_len}); raise "
+                      f"max_model_len above {rl.max_prompt_length - 1} or lower max_prompt_length")
+
+
+def response_room_warnings(cfg: RLFabricConfig) -> Iterable[Problem]:
+    """Upstream's vLLM stops a response at max_model_len; the coordinator asks for no more than that leaves
+    (services/coordinator/generation.py), so a config whose longest prompts lack room for max_tokens means there
+    what it means upstream: their responses are shorter."""
+    rl, gen = cfg.rl_config, cfg.generate_config
+    max_tokens = gen.sampling_config.max_tokens
+    room = gen.max_model_len - max_tokens
+    if rl.max_prompt_length - 1 > room >= 0:
         yield Problem(("generate_config.max_model_len", "rl_config.max_prompt_length",
                        "generate_config.sampling_config.max_tokens"),
-                      f"the longest prompt kept (max_prompt_length - 1 = {rl.max_prompt_length - 1}) plus "
-                      f"max_tokens ({max_tokens}) is {longest} tokens, more than generate_config.max_model_len "
-                      f"({gen.max_model_len}); raise max_model_len to {longest} or lower max_prompt_length/max_tokens")
+                      f"prompts of more than {room} tokens (max_model_len {gen.max_model_len} - max_tokens "
+                      f"{max_tokens}; max_prompt_length allows {rl.max_prompt_length - 1}) get fewer than max_tokens "
+                      f"response tokens: generation stops at max_model_len (finish reason length), as upstream")
 
 
 def device_layout(cfg: RLFabricConfig) -> Iterable[Problem]:
@@ -394,7 +406,7 @@ RULES: tuple[Rule, ...] = (
     batch_divisibility, dispatch_sizes, algorithm_choices, algorithm_rules, rewards, sampling, placement,
     pipelining, resume_rule, activation_rules, routing_replay_rules, multi_turn_rules, refused_keys,
 )
-WARNINGS: tuple[Rule, ...] = (precision_warnings, activation_warnings)
+WARNINGS: tuple[Rule, ...] = (precision_warnings, activation_warnings, response_room_warnings)
 
 
 def run_rules(cfg: RLFabricConfig, rules: Iterable[Rule]) -> list[Problem]:
