@@ -114,6 +114,44 @@ def moe_engine(moe_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFac
     engine.close()
 
 
+@pytest.fixture(scope="session")
+def deepseek_dirs(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The tiny DeepSeek-V3 (seed 0) and a copy with other weights (seed 1, expert bias drawn as write_tiny_model's)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    second = Path(shutil.copytree(tiny_deepseek_dir, tmp_path_factory.mktemp("deepseek_seed1") / "model"))
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_deepseek_dir)).float()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.02 * torch.randn(buf.shape))
+    model.save_pretrained(second)
+    shutil.copy(tiny_deepseek_dir / "config.json", second / "config.json")  # keep the routing keys vLLM reads
+    return tiny_deepseek_dir, second
+
+
+@pytest.fixture(scope="session")
+def deepseek_engine(deepseek_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
+    """The one DeepSeek-V3 vLLM engine of a test run (slow tests only: about two minutes to build on CPU), serving
+    `deepseek_dirs[0]` with routed-experts capture on. As with `moe_engine`, a test that pushes weights puts seed 0's
+    back and uses `weights_version + 1`."""
+    pytest.importorskip("vllm")
+    from services.rollout.engine import RolloutEngine
+    from services.rollout.options import EngineOptions
+
+    engine = RolloutEngine(EngineOptions(
+        model=str(deepseek_dirs[0]), dtype="float32", max_model_len=256, max_num_seqs=16, num_threads=1,
+        cpu_kv_cache_gib=1, cache_root=str(tmp_path_factory.mktemp("vllm_deepseek_cache")),
+        return_routed_experts=True))
+    yield engine
+    engine.close()
+
+
 # --- the one vLLM engine of a test run (tests/rollout and tests/weight_sync share it) ----------------------
 # Building it is the slow part. A test that changes its state (weights, sleep) puts it back before it
 # returns: every test may assume the weights of `tiny_model_dir` (at some version) and an awake engine.
@@ -188,7 +226,9 @@ def start_trainer(tmp_path_factory: pytest.TempPathFactory):
         return group, address
 
     yield start
-    stop_all(started, grace_s=30)
+    # A trainer rank gets 10 s (its server's drain) after SIGTERM; one still there then is killed rather than
+    # waited for: 30 s here once cost the session's teardown that much, waiting on a rank stuck in a fuzzed call.
+    stop_all(started, grace_s=12)
 
 
 # --- the prompt set of whole-system runs (tests/e2e, tests/reliability) --------------------------------

@@ -154,16 +154,18 @@ class ReshardPlan(_message.Message):
     def __init__(self, trainer_tensor_parallel_size: _Optional[int] = ..., trainer_pipeline_parallel_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., tensors: _Optional[_Iterable[_Union[PlannedTensor, _Mapping]]] = ..., trainer_expert_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PlannedTensor(_message.Message):
-    __slots__ = ("name", "shape", "concat_dim", "sources")
+    __slots__ = ("name", "shape", "concat_dim", "sources", "dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     CONCAT_DIM_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     concat_dim: int
     sources: _containers.RepeatedCompositeFieldContainer[ShardSlice]
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., concat_dim: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[ShardSlice, _Mapping]]] = ...) -> None: ...
+    dtype: _common_pb2.DType
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., concat_dim: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[ShardSlice, _Mapping]]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
 
 class ShardSlice(_message.Message):
     __slots__ = ("name", "tp_rank", "pp_rank", "shard_shape", "groups", "start", "stop", "ep_rank")

@@ -12,6 +12,7 @@ INVALID_ARGUMENT, never a rank blocked in a send.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from rlfabric.v1 import common_pb2, trainer_pb2
 from services.common.status import echo
@@ -34,27 +35,25 @@ class ReshardPlan:
     tensors: tuple[TensorRecipe, ...]
     dtype: str = ""  # dtype to send ("float32", "bfloat16", ...); "" keeps the trainer's
     trainer_ep: int = 1  # expert-parallel size (MoE); the slices' ep_rank is below it
+    # HF name -> dtype to send that tensor in, where the replica keeps it in another dtype than `dtype` (vLLM's
+    # float32 e_score_correction_bias in a bf16 engine); a tensor not named here goes in `dtype`.
+    tensor_dtypes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def shards_of(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> list[str]:
         """Stage-local names of the shards this rank must contribute (first use order, no repeats)."""
         names = {s.name: None for r in self.tensors for s in r.sources if s.key == (tp_rank, pp_rank, ep_rank)}
         return list(names)
 
-    def num_elements(self) -> int:
-        total = 0
-        for r in self.tensors:
-            n = 1
-            for d in r.hf_shape:
-                n *= d
-            total += n
-        return total
+    def dtype_of(self, hf_name: str) -> str:
+        """The dtype tensor `hf_name` is sent in ("" keeps the trainer's)."""
+        return self.tensor_dtypes.get(hf_name, self.dtype)
 
     def to_proto(self) -> trainer_pb2.ReshardPlan:
         return trainer_pb2.ReshardPlan(
             trainer_tensor_parallel_size=self.trainer_tp,
             trainer_pipeline_parallel_size=self.trainer_pp,
             dtype=dtype_code(self.dtype) if self.dtype else common_pb2.DTYPE_UNSPECIFIED,
-            tensors=[_tensor_to_proto(r) for r in self.tensors],
+            tensors=[_tensor_to_proto(r, self.tensor_dtypes.get(r.hf_name, "")) for r in self.tensors],
             trainer_expert_parallel_size=self.trainer_ep,
         )
 
@@ -68,17 +67,27 @@ class ReshardPlan:
                                "plan_resharding (services/coordinator/resharding.py)")
         if not msg.tensors:
             raise ReshardError("plan: no tensors")
-        dtype = ""
-        if msg.dtype != common_pb2.DTYPE_UNSPECIFIED:
-            dtype = dtype_name(msg.dtype) if msg.dtype in common_pb2.DType.values() else ""
-            if dtype not in _FLOAT_DTYPES:
-                raise ReshardError(f"plan: dtype {msg.dtype} is not a float type ({', '.join(_FLOAT_DTYPES)})")
-        return cls(tp, pp, tuple(_tensor_from_proto(t, tp, pp, ep) for t in msg.tensors), dtype, ep)
+        dtype = _float_dtype(msg.dtype, "plan")
+        tensors = tuple(_tensor_from_proto(t, tp, pp, ep) for t in msg.tensors)
+        tensor_dtypes = {t.name: _float_dtype(t.dtype, f"plan tensor {echo(t.name)}")
+                         for t in msg.tensors if t.dtype != common_pb2.DTYPE_UNSPECIFIED}
+        return cls(tp, pp, tensors, dtype, ep, tensor_dtypes)
 
 
-def _tensor_to_proto(r: TensorRecipe) -> trainer_pb2.PlannedTensor:
+def _float_dtype(code: int, where: str) -> str:
+    """The float dtype name of a `DType` ("" for DTYPE_UNSPECIFIED); ReshardError for any other type."""
+    if code == common_pb2.DTYPE_UNSPECIFIED:
+        return ""
+    dtype = dtype_name(code) if code in common_pb2.DType.values() else ""
+    if dtype not in _FLOAT_DTYPES:
+        raise ReshardError(f"{where}: dtype {code} is not a float type ({', '.join(_FLOAT_DTYPES)})")
+    return dtype
+
+
+def _tensor_to_proto(r: TensorRecipe, dtype: str) -> trainer_pb2.PlannedTensor:
     return trainer_pb2.PlannedTensor(
         name=r.hf_name, shape=r.hf_shape, concat_dim=r.concat_dim,
+        dtype=dtype_code(dtype) if dtype else common_pb2.DTYPE_UNSPECIFIED,
         sources=[trainer_pb2.ShardSlice(name=s.name, tp_rank=s.tp_rank, pp_rank=s.pp_rank, ep_rank=s.ep_rank,
                                         shard_shape=s.shard_shape, groups=s.groups, start=s.start, stop=s.stop)
                  for s in r.sources],

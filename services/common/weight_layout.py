@@ -38,8 +38,9 @@ Facts encoded here:
 - Fused fc1: TP rank r holds [gate rows of r; up rows of r].
 - Vocabulary: padded with zero rows to a multiple of TP (`padded_vocab_size`); the pad sits at the end of
   the last TP ranks' shards and never reaches HF.
-- Pipeline: stage p holds layers [p * L/pp, (p + 1) * L/pp) renumbered from 0 (`local_layer_name`,
-  `global_layer_name`).
+- Pipeline: stage p holds its layers (`stage_layer_counts`: L/pp each, or the uneven layout of MindSpeed's
+  num_layer_list / noop_layers, services/common/pipeline_layout.py) renumbered from 0 (`local_layer_name`,
+  `global_layer_name`); no-op layers have no weights and no number, HF layer k is model layer k.
 - Tied embeddings: no lm_head in HF; with PP > 1 the last stage keeps its own copy of the embedding as
   output_layer.weight (Megatron keeps the two in sync), a *mirror* of the embedding's shards.
 - Multi-latent attention: Megatron's local spec builds the down projections as ColumnParallelLinear, so they
@@ -62,10 +63,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from services.common import pipeline_layout
 from services.common.model_spec import ModelSpec, check_expert_parallel, check_tensor_parallel
 
 ShardKey = tuple[int, int, int]  # (tp_rank, pp_rank, ep_rank); ep_rank is 0 without expert parallelism
@@ -92,26 +94,58 @@ def padded_vocab_size(spec: ModelSpec, tp: int) -> int:
     return -(-spec.vocab_size // tp) * tp
 
 
-def layers_of_stage(spec: ModelSpec, pp: int, pp_rank: int) -> range:
-    per = spec.num_hidden_layers // pp
-    return range(pp_rank * per, (pp_rank + 1) * per)
+StageLayers = Sequence[int]  # model layers on each pipeline stage
 
 
-def local_layer_name(global_name: str, layers_per_stage: int) -> tuple[str, int | None]:
-    """Model-wide `decoder.layers.L.X` -> (stage-local name, stage); (name, None) for non-layer names."""
+def stage_layer_counts(spec: ModelSpec, pp: int, stages: StageLayers | None = None) -> tuple[int, ...]:
+    """The model layers on each of `pp` pipeline stages: `stages` when given (checked against the model), else
+    Megatron's even split. The one statement of the layout for the trainer, conversion and weight sync; a config's
+    num_layer_list / noop_layers become `stages` through pipeline_layout.stage_layers."""
+    try:
+        if stages is None:
+            return pipeline_layout.stage_slots(spec.num_hidden_layers, pp)
+        return pipeline_layout.check_stage_layers(stages, spec.num_hidden_layers, pp)
+    except pipeline_layout.StageLayoutError as e:
+        raise ValueError(f"num_hidden_layers={spec.num_hidden_layers} at pipeline size {pp}: {e}") from None
+
+
+def layers_of_stage(spec: ModelSpec, pp: int, pp_rank: int, stages: StageLayers | None = None) -> range:
+    return pipeline_layout.stage_range(stage_layer_counts(spec, pp, stages), pp_rank)
+
+
+def _stage_sizes(stages: int | StageLayers, stage_hint: int) -> StageLayers:
+    """`stages` as per-stage counts; an int is the even split's layers per stage (enough stages for `stage_hint`)."""
+    return (stages,) * (stage_hint + 1) if isinstance(stages, int) else stages
+
+
+def local_layer_name(global_name: str, stages: int | StageLayers) -> tuple[str, int | None]:
+    """Model-wide `decoder.layers.L.X` -> (stage-local name, stage); (name, None) for non-layer names.
+
+    `stages`: the layers of each stage (`stage_layer_counts`), or of every stage (an even split)."""
     m = _LAYER.match(global_name)
     if not m:
         return global_name, None
     layer = int(m.group(1))
-    return f"decoder.layers.{layer % layers_per_stage}.{global_name[m.end():]}", layer // layers_per_stage
+    if isinstance(stages, int):
+        stage, local = divmod(layer, stages)
+    else:
+        stage, local = pipeline_layout.stage_of_layer(stages, layer)
+    return f"decoder.layers.{local}.{global_name[m.end():]}", stage
 
 
-def global_layer_name(local_name: str, pp_rank: int, layers_per_stage: int) -> str:
+def global_layer_name(local_name: str, pp_rank: int, stages: int | StageLayers) -> str:
     """Stage-local `decoder.layers.l.X` of stage `pp_rank` -> model-wide name (the inverse of local_layer_name)."""
     m = _LAYER.match(local_name)
     if not m:
         return local_name
-    return f"decoder.layers.{int(m.group(1)) + pp_rank * layers_per_stage}.{local_name[m.end():]}"
+    first = sum(_stage_sizes(stages, pp_rank)[:pp_rank])
+    return f"decoder.layers.{int(m.group(1)) + first}.{local_name[m.end():]}"
+
+
+def stage_layers_of_names(names_by_stage: Sequence[Iterable[str]]) -> tuple[int, ...]:
+    """The layers each stage holds, counted from its parameter names (stage-local or model-wide numbers): how a
+    checkpoint or a trainer's report says its layout."""
+    return tuple(len({int(m.group(1)) for m in map(_LAYER.match, names) if m}) for names in names_by_stage)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,10 +228,10 @@ def split(recipe: TensorRecipe, hf: torch.Tensor) -> list[torch.Tensor]:
     return list(hf.split(sizes, dim=recipe.concat_dim))
 
 
-def recipes(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> list[TensorRecipe]:
-    """Every HF tensor of the model in HF order, with the shard slices of a TP x PP x EP Megatron layout."""
-    if spec.num_hidden_layers % pp:
-        raise ValueError(f"num_hidden_layers={spec.num_hidden_layers} is not divisible by pipeline size {pp}")
+def recipes(spec: ModelSpec, tp: int, pp: int, ep: int = 1, stages: StageLayers | None = None) -> list[TensorRecipe]:
+    """Every HF tensor of the model in HF order, with the shard slices of a TP x PP x EP Megatron layout (`stages`:
+    the layers of each pipeline stage, `stage_layer_counts`; None: an even split)."""
+    stages = stage_layer_counts(spec, pp, stages)
     check_tensor_parallel(spec, tp)
     check_expert_parallel(spec, ep=ep, etp=tp)  # the layout splits each expert over TP
     h, d, f = spec.hidden_size, spec.head_dim, spec.intermediate_size
@@ -298,7 +332,7 @@ def recipes(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> list[TensorRecipe
         embed = dataclasses.replace(embed, mirrors=(tied,))
     out.append(embed)
     for p in range(pp):
-        for local, layer in enumerate(layers_of_stage(spec, pp, p)):
+        for local, layer in enumerate(pipeline_layout.stage_range(stages, p)):
             src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
             out.append(replicated(src + "input_layernorm.weight", (h,), dst + "input_layernorm.weight", p, layer))
             if spec.mla is not None:
@@ -333,11 +367,12 @@ def _mirror_over_ep(r: TensorRecipe, ep: int) -> TensorRecipe:
     return dataclasses.replace(r, mirrors=(*r.mirrors, *copies))
 
 
-def shard_shapes(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> dict[ShardKey, dict[str, tuple[int, ...]]]:
+def shard_shapes(spec: ModelSpec, tp: int, pp: int, ep: int = 1, stages: StageLayers | None = None
+                 ) -> dict[ShardKey, dict[str, tuple[int, ...]]]:
     """Every rank's Megatron parameter names (stage-local) and shapes, as the layout implies them."""
     out: dict[ShardKey, dict[str, tuple[int, ...]]] = {
         (t, p, e): {} for t in range(tp) for p in range(pp) for e in range(ep)}
-    for r in recipes(spec, tp, pp, ep):
+    for r in recipes(spec, tp, pp, ep, stages):
         for s in _all_slices(r):
             out[s.key][s.name] = s.shard_shape
     return out

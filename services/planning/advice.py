@@ -51,7 +51,7 @@ def _double_pp(inputs: PlanInputs) -> PlanInputs | None:
     pp = a.pp * 2
     if m.num_layers % pp or a.dp % 2:
         return None
-    doubled = dataclasses.replace(a, pp=pp, dp=a.dp // 2)
+    doubled = dataclasses.replace(a, pp=pp, dp=a.dp // 2, stages=None)  # twice the stages, evenly
     return dataclasses.replace(inputs, actor=doubled) if _experts_fit(m, doubled) else None
 
 

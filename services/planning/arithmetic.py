@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 from services.planning.experts import ExpertLayout, Experts, expert_mlp_bytes, moe_dispatch_bytes
 
@@ -98,23 +99,34 @@ class ModelShape:
         return dense + moe + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
 
-def stage_layers(num_layers: int, pp: int) -> int:
-    """Layers per pipeline stage: rlfabric splits evenly (num_layer_list is inert)."""
+Stages = Sequence[int] | None  # the model's layers on each pipeline stage (num_layer_list, noop_layers); None: even
+
+
+def stage_span(num_layers: int, pp: int, stage: int, stages: Stages = None) -> tuple[int, int]:
+    """(first layer, layer count) of pipeline stage `stage`: the trainer's layout `stages` (the model's layers on
+    each stage, services/common/pipeline_layout.py), else an even split."""
+    if stages is not None:
+        if len(stages) != pp or sum(stages) != num_layers:
+            raise ValueError(f"stage layers {list(stages)} do not place {num_layers} layers on {pp} pipeline stages")
+        return sum(stages[:stage]), stages[stage]
     if num_layers % pp:
         raise ValueError(f"num_layers {num_layers} does not divide by pipeline_model_parallel_size {pp}")
-    return num_layers // pp
+    per = num_layers // pp
+    return stage * per, per
 
 
-def rank_params(shape: ModelShape, *, tp: int, pp: int, stage: int, experts: ExpertLayout | None = None) -> int:
+def rank_params(shape: ModelShape, *, tp: int, pp: int, stage: int, experts: ExpertLayout | None = None,
+                stages: Stages = None) -> int:
     """Parameters one TP rank of pipeline stage `stage` holds, its experts (`rank_expert_params`) included.
 
-    `experts`: the expert layout (default Megatron's without expert parallelism: ep 1, etp = tp).
+    `experts`: the expert layout (default Megatron's without expert parallelism: ep 1, etp = tp). `stages`: the
+    layers of each stage (`stage_span`).
     """
-    per_stage = stage_layers(shape.num_layers, pp)
-    n_moe = shape.moe_layers(stage * per_stage, per_stage)
+    first, per_stage = stage_span(shape.num_layers, pp, stage, stages)
+    n_moe = shape.moe_layers(first, per_stage)
     n = (per_stage - n_moe) * (shape.layer_split_params() // tp + shape.layer_replicated_params())
     n += n_moe * (shape.layer_split_params(True) // tp + shape.layer_replicated_params(True))
-    n += rank_expert_params(shape, pp=pp, stage=stage, experts=experts or ExpertLayout(ep=1, etp=tp))
+    n += rank_expert_params(shape, pp=pp, stage=stage, experts=experts or ExpertLayout(ep=1, etp=tp), stages=stages)
     vocab_shard = ceil_div(shape.vocab, tp) * shape.hidden
     if stage == 0:
         n += vocab_shard
@@ -125,12 +137,13 @@ def rank_params(shape: ModelShape, *, tp: int, pp: int, stage: int, experts: Exp
     return n
 
 
-def rank_expert_params(shape: ModelShape, *, pp: int, stage: int, experts: ExpertLayout) -> int:
+def rank_expert_params(shape: ModelShape, *, pp: int, stage: int, experts: ExpertLayout, stages: Stages = None
+                       ) -> int:
     """Expert parameters one rank of pipeline stage `stage` holds (0 for a dense model)."""
     if shape.experts is None:
         return 0
-    per_stage = stage_layers(shape.num_layers, pp)
-    return shape.moe_layers(stage * per_stage, per_stage) * experts.params_per_layer(shape.experts, shape.hidden)
+    first, per_stage = stage_span(shape.num_layers, pp, stage, stages)
+    return shape.moe_layers(first, per_stage) * experts.params_per_layer(shape.experts, shape.hidden)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,22 +311,23 @@ class StageActivations:
         return max(self.saved_peak, others + self.held + self.head + self.logits_saved + self.logits_transient)
 
 
-def _stage_kinds(m: ModelShape, pp: int, stage: int, first: int = 0, count: int | None = None
+def _stage_kinds(m: ModelShape, pp: int, stage: int, first: int = 0, count: int | None = None, stages: Stages = None
                  ) -> list[tuple[bool, int]]:
     """(MoE?, how many) of the stage's layers first .. first + count - 1 (default all), kinds present only."""
-    n_layers = stage_layers(m.num_layers, pp)
+    start, n_layers = stage_span(m.num_layers, pp, stage, stages)
     count = n_layers - first if count is None else count
-    n_moe = m.moe_layers(stage * n_layers + first, count)
+    n_moe = m.moe_layers(start + first, count)
     return [(moe, n) for moe, n in ((False, count - n_moe), (True, n_moe)) if n]
 
 
 def stage_activations(m: ModelShape, mb: MicroBatch, ts: TrainShape, *, pp: int = 1, stage: int = 0,
-                      micro_batches: int = 1) -> StageActivations:
+                      micro_batches: int = 1, stages: Stages = None) -> StageActivations:
     """Activations of pipeline stage `stage` of `pp` while it trains `micro_batches` micro-batches (1F1B).
 
     A stage of dense and MoE layers sums each kind's layers; what backward rebuilds on top is the larger kind's.
+    `stages`: the layers of each stage (`stage_span`).
     """
-    n_layers = stage_layers(m.num_layers, pp)
+    _, n_layers = stage_span(m.num_layers, pp, stage, stages)
     rc, t, b, k, tok = ts.recompute, ts.tp, ts.act_bytes, ts.kernels, mb.n_tokens
     rep = t if ts.sequence_parallel else 1
     heads, kv, d = m.heads // t, max(m.kv_heads // t, 1), m.head_dim
@@ -327,7 +341,7 @@ def stage_activations(m: ModelShape, mb: MicroBatch, ts: TrainShape, *, pp: int 
             # SwiGLU keeps silu(gate) while it does).
             mlp_redo[moe] = _mlp_bytes(m, mb, ts, moe, 1 if k.fused_swiglu else 2)
             parts[moe]["mlp"] = _mlp_bytes(m, mb, ts, moe, 2)
-    kinds = _stage_kinds(m, pp, stage)
+    kinds = _stage_kinds(m, pp, stage, stages=stages)
     shared = tok * 8 if stage == 0 else 0  # token ids kept by the embedding
     if not k.flash_attention:
         shared += mb.seq * mb.seq  # the bool causal mask, kept once for every layer
@@ -339,9 +353,10 @@ def stage_activations(m: ModelShape, mb: MicroBatch, ts: TrainShape, *, pp: int 
         dup = unit_input if (k.fused_norm or b == 4) else 0
         n = max(1, min(rc.num_layers, n_layers))
         per_layer = unit_input
-        rebuilt = max(full[moe] for moe, _ in _stage_kinds(m, pp, stage, 0, n))
+        rebuilt = max(full[moe] for moe, _ in _stage_kinds(m, pp, stage, 0, n, stages))
         if rc.method == "block":  # the first n layers of the stage are checkpointed one by one
-            plain = sum(c * full[moe] for moe, c in _stage_kinds(m, pp, stage, n)) if n < n_layers else 0
+            plain = sum(c * full[moe] for moe, c in _stage_kinds(m, pp, stage, n, stages=stages)) \
+                if n < n_layers else 0
             layers = n * unit_input + plain
             backward = n * unit_input + rebuilt - dup  # the plain layers are freed before the checkpointed ones
         else:  # uniform: units of n layers
@@ -375,14 +390,15 @@ def stage_activations(m: ModelShape, mb: MicroBatch, ts: TrainShape, *, pp: int 
                             in_flight=max(1, min(pp - stage, micro_batches)))
 
 
-def forward_only_peak(m: ModelShape, mb: MicroBatch, ts: TrainShape, *, pp: int = 1, stage: int = 0) -> int:
+def forward_only_peak(m: ModelShape, mb: MicroBatch, ts: TrainShape, *, pp: int = 1, stage: int = 0,
+                      stages: Stages = None) -> int:
     """Estimated peak of a no-grad forward (log-probs): the residual stream, one layer's working set, logits.
 
     Nothing is kept between layers; a layer's temporaries are bounded by what it would keep for backward (of the
     stage's larger layer kind, dense or MoE). The last stage holds the response logits in the model dtype, their
     fp32 upcast and the scaled copy.
     """
-    layer = max(sum(_layer_parts(m, mb, ts, moe).values()) for moe, _ in _stage_kinds(m, pp, stage))
+    layer = max(sum(_layer_parts(m, mb, ts, moe).values()) for moe, _ in _stage_kinds(m, pp, stage, stages=stages))
     peak = 2 * mb.n_tokens * m.hidden * ts.act_bytes + layer
     if stage == pp - 1:
         peak += mb.rows * mb.response * m.vocab * (ts.act_bytes + 8)

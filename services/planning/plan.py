@@ -15,6 +15,10 @@ services/planning/arithmetic.py phase by phase:
 
 services/planning/advice.py says what to change when a placement does not fit.
 
+Pipeline stages: each stage of a role is evaluated with the layers it holds (an even split, or the uneven one of
+num_layer_list / noop_layers, services/common/pipeline_layout.py; num_layers counts no-op layers, the model
+does not) and the plan takes the stage that peaks highest.
+
 MoE models (Qwen3-MoE): the actor's expert layout is the config's (`cfg.derived.actor_expert_parallel_size`
 and `actor_expert_tensor_parallel_size`), the reference's follows the same rule from its own section.
 """
@@ -25,6 +29,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.common import pipeline_layout
 from services.planning.arithmetic import (
     DTYPE_BYTES,
     UNFUSED,
@@ -68,6 +73,7 @@ class TrainerLayout:
     forward: MicroBatch = MicroBatch(1, 1, 1)
     experts: ExpertLayout | None = None  # MoE: megatron-core's expert layout (None: ep 1, etp = tp)
     tp_extend_ep: bool = False  # MindSpeed's moe_tp_extend_ep: the layout follows TP as EP x TP, 1
+    stages: tuple[int, ...] | None = None  # the model's layers on each pipeline stage (None: an even split)
 
     def shape(self, recompute: Recompute | None = None) -> TrainShape:
         return TrainShape(tp=self.tp, sequence_parallel=self.sequence_parallel, act_bytes=self.params_bytes,
@@ -197,31 +203,35 @@ def model_shape(cfg: Any) -> ModelShape:
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if getattr(a, k) is None]
     if missing:
         raise PlanError(f"{block} sets no {', '.join(missing)}: the plan needs the model's shape")
+    # The model's layers: num_layers counts MindSpeed's no-op layers, which hold nothing.
+    slots = pipeline_layout.model_layer_slots(a.num_layers, a.noop_layers)
     heads = a.num_attention_heads
     vocab = a.padded_vocab_size or _hf_vocab(cfg)
     if vocab is None:
         raise PlanError(f"{block}.padded_vocab_size is unset and no config.json was found next to the tokenizer "
                         "or load path: set it")
     ffn = a.ffn_hidden_size or 4 * a.hidden_size
-    return ModelShape(num_layers=a.num_layers, hidden=a.hidden_size, ffn=ffn,
+    return ModelShape(num_layers=len(slots), hidden=a.hidden_size, ffn=ffn,
                       heads=heads, kv_heads=a.num_query_groups if a.group_query_attention else heads,
                       head_dim=a.kv_channels or a.hidden_size // heads, vocab=vocab,
                       tied=not a.untie_embeddings_and_output_weights, qkv_bias=a.add_qkv_bias,
-                      qk_norm=a.qk_layernorm, experts=_experts(a, block, ffn))
+                      qk_norm=a.qk_layernorm, experts=_experts(a, block, ffn, slots))
 
 
-def _experts(a: Any, block: str, ffn: int) -> Experts | None:
-    """The block's routed experts (Megatron's defaults: moe_ffn_hidden_size = ffn_hidden_size, every layer MoE)."""
-    from services.common.config.hf_check import megatron_moe_layers
+def _experts(a: Any, block: str, ffn: int, slots: tuple[int, ...]) -> Experts | None:
+    """The block's routed experts (Megatron's defaults: moe_ffn_hidden_size = ffn_hidden_size, every layer MoE);
+    `slots`: where each model layer sits among num_layers (moe_layer_freq counts no-op layers too). DeepSeek's
+    first_k_dense_replace layers are dense whatever moe_layer_freq says."""
+    from services.common.config.moe import moe_layer_pattern
 
     if a.num_experts is None:
         return None
-    pattern = megatron_moe_layers(a.moe_layer_freq, a.num_layers)
+    pattern = moe_layer_pattern(a, a.num_layers)
     if pattern is None or len(pattern) != a.num_layers:
         raise PlanError(f"{block}.moe_layer_freq {a.moe_layer_freq!r} does not give one 0/1 entry per layer "
                         f"({a.num_layers}): the plan needs to know which layers are MoE layers")
     return Experts(num_experts=a.num_experts, ffn=a.moe_ffn_hidden_size or ffn, topk=a.moe_router_topk,
-                   layers=tuple(i for i, v in enumerate(pattern) if v))
+                   layers=tuple(k for k, slot in enumerate(slots) if pattern[slot]))
 
 
 def _hf_vocab(cfg: Any) -> int | None:
@@ -287,7 +297,9 @@ def inputs_from_config(cfg: Any, device_memory: int, *, cpu: bool = False) -> Pl
             update=batch(mt.micro_batch_size or 1, rl.update_max_packing_token_size) if update else None,
             micro_batches=(mt.pipeline_model_parallel_size if dyn else d.micro_batches_per_mini_batch or 1),
             forward=batch(fwd_rows or 1, fwd_budget), experts=experts if shape.experts is not None else None,
-            tp_extend_ep=mt.moe_tp_extend_ep)
+            tp_extend_ep=mt.moe_tp_extend_ep,
+            stages=pipeline_layout.stage_layers(mt.num_layers, mt.pipeline_model_parallel_size, mt.num_layer_list,
+                                                mt.noop_layers))
 
     actor_experts = ExpertLayout(ep=d.actor_expert_parallel_size or 1, etp=d.actor_expert_tensor_parallel_size)
     actor = layout(a, d.actor_data_parallel_size, d.actor_forward_micro_batch_size, rl.actor_max_packing_token_size,
@@ -325,8 +337,6 @@ def _notes(cfg: Any) -> list[str]:
         notes.append("swap_attention / swap_optimizer (Ascend) are not modelled: the figures are an upper bound")
     if a.context_parallel_size > 1:
         notes.append("context_parallel_size > 1 is not modelled: rlfabric's trainer does not split sequences")
-    if a.num_layer_list:
-        notes.append("num_layer_list is inert in rlfabric: layers are split evenly over pipeline stages")
     if a.num_experts is not None and cfg.generate_config.infer_expert_parallel_size > 1:
         notes.append(f"generate_config.infer_expert_parallel_size ({cfg.generate_config.infer_expert_parallel_size})"
                      " is inert in rlfabric: each rollout engine holds every expert, over its "
@@ -340,15 +350,16 @@ def _notes(cfg: Any) -> list[str]:
 
 
 def _actor_stage(m: ModelShape, a: TrainerLayout, stage: int) -> ActorPlan:
-    n = rank_params(m, tp=a.tp, pp=a.pp, stage=stage, experts=a.expert_layout)
-    e = rank_expert_params(m, pp=a.pp, stage=stage, experts=a.expert_layout)
+    n = rank_params(m, tp=a.tp, pp=a.pp, stage=stage, experts=a.expert_layout, stages=a.stages)
+    e = rank_expert_params(m, pp=a.pp, stage=stage, experts=a.expert_layout, stages=a.stages)
     state = training_state(n, params_bytes=a.params_bytes, distributed_optimizer=a.distributed_optimizer, dp=a.dp,
                            expert_params=e, expert_dp=a.expert_dp or 1)
     assert a.update is not None
 
     def acts(granularity: str | None):
         rc = dataclasses.replace(a.recompute, granularity=granularity)
-        return stage_activations(m, a.update, a.shape(rc), pp=a.pp, stage=stage, micro_batches=a.micro_batches)
+        return stage_activations(m, a.update, a.shape(rc), pp=a.pp, stage=stage, micro_batches=a.micro_batches,
+                                 stages=a.stages)
 
     mine = acts(a.recompute.granularity)
     return ActorPlan(stage=stage, n_params=n, n_expert_params=e, state=state,
@@ -356,15 +367,15 @@ def _actor_stage(m: ModelShape, a: TrainerLayout, stage: int) -> ActorPlan:
                                   for mode, g in (("none", None), ("selective", "selective"), ("full", "full"))},
                      activations_configured=mine.saved_peak, logits_saved=mine.logits_saved,
                      logits_transient=mine.logits_transient, update_peak=state.total + mine.peak,
-                     forward_peak=forward_only_peak(m, a.forward, a.shape(), pp=a.pp, stage=stage))
+                     forward_peak=forward_only_peak(m, a.forward, a.shape(), pp=a.pp, stage=stage, stages=a.stages))
 
 
 def _reference(m: ModelShape, r: TrainerLayout | None) -> tuple[int, int]:
     """(weights, forward) bytes of the reference's worst stage; (0, 0) without a reference."""
     if r is None:
         return 0, 0
-    return max(((rank_params(m, tp=r.tp, pp=r.pp, stage=s, experts=r.expert_layout) * r.params_bytes,
-                 forward_only_peak(m, r.forward, r.shape(), pp=r.pp, stage=s)) for s in range(r.pp)),
+    return max(((rank_params(m, tp=r.tp, pp=r.pp, stage=s, experts=r.expert_layout, stages=r.stages) * r.params_bytes,
+                 forward_only_peak(m, r.forward, r.shape(), pp=r.pp, stage=s, stages=r.stages)) for s in range(r.pp)),
                key=sum)
 
 

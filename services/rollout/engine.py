@@ -32,6 +32,9 @@ Choices:
 - MoE models: with `return_routed_experts` each finished sample carries the experts every MoE layer chose per
   token (routed_experts.py), fetched from the worker once per step for the samples that finished in it.
   `read_weights` reads HF-named tensors back out of vLLM's fused parameters (moe_weights.py).
+- Each HF tensor is expected (and listed by Info) in the dtype of the vLLM parameter it loads into, read once
+  after the build (`held_dtypes`), not the model dtype for all: vLLM keeps some in float32 whatever the model
+  dtype (DeepSeek-V3's e_score_correction_bias), and a push must reach those unrounded.
 - A weight update never takes the served version backwards (checked here, where updates are applied,
   because several servicers may share one engine).
 
@@ -41,6 +44,7 @@ Knows nothing of gRPC (see server.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import queue
@@ -53,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from services.rollout import metrics, routed_experts, worker_ops
+from services.rollout import metrics, moe_weights, routed_experts, worker_ops
 from services.rollout.options import EngineOptions
 from services.rollout.samples import (
     FINISH_ABORT,
@@ -145,8 +149,11 @@ class RolloutEngine:
         self.dtype = str(self._engine.model_config.dtype).removeprefix("torch.")
         self.max_model_len = int(self._engine.model_config.max_model_len)
         self.build_seconds = time.monotonic() - started
-        # What UpdateWeights accepts, and what Info lists: the HF checkpoint's names and full shapes.
-        self.expected_weights = read_checkpoint_specs(options.model, self._engine.model_config.dtype)
+        # What UpdateWeights accepts, and what Info lists: the HF checkpoint's names and full shapes, each in the
+        # dtype the engine really keeps it in.
+        specs = read_checkpoint_specs(options.model, self._engine.model_config.dtype)
+        held = self._engine.apply_model(functools.partial(held_dtypes, list(specs)))[0]
+        self.expected_weights = {n: dataclasses.replace(s, dtype=held.get(n, s.dtype)) for n, s in specs.items()}
         # With return_routed_experts: the MoE layer indices and top_k of SampleResult.routed_experts.
         self.routed_expert_layers: list[int] = []
         self.routed_experts_top_k = 0
@@ -506,6 +513,23 @@ class RolloutEngine:
         seconds = time.monotonic() - started
         logger.info("awake in %.3f s", seconds)
         return seconds
+
+
+def held_dtypes(hf_names: list[str], model: Any) -> dict[str, Any]:
+    """(Runs in the worker.) HF name -> dtype of the vLLM parameter loading it writes into (the fused one for
+    q/k/v, gate/up and the experts: moe_weights.target), for the names it places in a float dtype the wire carries;
+    the others (a model's own renaming, quantized storage) stay at the model dtype."""
+    import torch
+
+    carried = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules_mapping", {})
+    out = {}
+    for name in hf_names:
+        target = moe_weights.target(name, params, packed)
+        if target is not None and params[target].dtype in carried:
+            out[name] = params[target].dtype
+    return out
 
 
 def _log_failure(future: Future) -> None:

@@ -1,13 +1,13 @@
 """Where an HF-named tensor lives among vLLM's parameters, MoE experts included (runs inside the worker).
 
-vLLM fuses what HF keeps apart: q/k/v into `qkv_proj`, a dense MLP's gate/up into `gate_up_proj`
-(`packed_modules_mapping`), and the experts of a MoE layer into two parameters of its FusedMoE,
-`w13_weight` [E, 2I, H] (expert e: gate rows 0..I, up rows I..2I, vLLM's w1 and w3) and `w2_weight`
-[E, H, I] (down, w2), under a module path that need not match HF's (`mlp.experts.routed_experts.` in
-vLLM 0.32). This module answers, per HF name, which parameter loading it writes into (`target`: what a
-gRPC push backs up, worker_ops._Backup) and which view of it holds the tensor (`view`: the read-back of
-`RolloutEngine.read_weights`). TP 1 and unpadded, unpacked layouts only (on CPU, patches.py patch 4
-keeps the experts so); anything else answers None rather than guess.
+vLLM fuses what HF keeps apart: q/k/v into `qkv_proj`, a dense MLP's gate/up into `gate_up_proj`, DeepSeek's
+MLA down projections q_a_proj / kv_a_proj_with_mqa into `fused_qkv_a_proj` (all three `packed_modules_mapping`),
+and the experts of a MoE layer into two parameters of its FusedMoE, `w13_weight` [E, 2I, H] (expert e: gate rows
+0..I, up rows I..2I, vLLM's w1 and w3) and `w2_weight` [E, H, I] (down, w2), under a module path that need not
+match HF's (`mlp.experts.routed_experts.` in vLLM 0.32). This module answers, per HF name, which parameter loading
+it writes into (`target`: what a gRPC push backs up, worker_ops._Backup) and which view of it holds the tensor
+(`view`: the read-back of `RolloutEngine.read_weights`). TP 1 and unpadded, unpacked layouts only (on CPU,
+patches.py patch 4 keeps the experts so); anything else answers None rather than guess.
 """
 
 from __future__ import annotations

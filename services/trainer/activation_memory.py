@@ -9,7 +9,10 @@ applies it), and the pieces Megatron-core does not have:
   (`uniform`: every `recompute_num_layers` layers form a unit; `block`: the first `recompute_num_layers`
   layers of each pipeline stage are recomputed one by one, the rest keep their activations) and runs the
   unit's forward again in backward; `selective` recomputes the core attention (softmax(QK^T)V) of every
-  layer. Training passes only: a forward-only pass (log-probs) saves nothing either way.
+  layer. Training passes only: a forward-only pass (log-probs) saves nothing either way. With uneven pipeline
+  stages (num_layer_list, noop_layers) the config bounds recompute_num_layers by each stage's layers counting its
+  no-op layers, as upstream; the trainer builds no no-op layers, so a `uniform` unit may run past a stage's last
+  layer: those places are identities, as the no-op layers they stand for (`apply_to_model`).
 - `recompute_activation_function`: MindSpeed's feature, written here on megatron-core's MLP
   (`recompute_activation_mlp`): the MLP keeps fc1's output, frees the SwiGLU output as soon as fc2 has used
   it, and computes it again in backward right before fc2's backward needs it (Megatron's
@@ -56,8 +59,9 @@ class ActivationMemory:
             raise ValueError(problem[1])
 
 
-def transformer_config_kwargs(memory: ActivationMemory, *, tp: int, layers_per_stage: int) -> dict:
-    """TransformerConfig's fields for `memory` at tensor-parallel size `tp`."""
+def transformer_config_kwargs(memory: ActivationMemory, *, tp: int, layers_per_stage: int | None) -> dict:
+    """TransformerConfig's fields for `memory` at tensor-parallel size `tp` (`layers_per_stage`: every stage's layers,
+    which bound recompute_num_layers; None for uneven stages, whose bound the config checked)."""
     problem = recompute_problem(memory.recompute_granularity, memory.recompute_method, memory.recompute_num_layers,
                                 layers_per_stage)
     if problem:
@@ -72,11 +76,14 @@ def transformer_config_kwargs(memory: ActivationMemory, *, tp: int, layers_per_s
 
 
 def apply_to_model(model, memory: ActivationMemory) -> None:
-    """Gives the model's dense MLPs the activation recompute, when asked.
+    """Gives the model's dense MLPs the activation recompute, when asked, and lets `uniform` units run past the
+    stage's last layer.
 
     The built MLPs change class (the layer spec keeps naming MLP): TransformerLayer passes the TP group only
     to a spec whose module is exactly MLP. The subclass adds no state, only its forward.
     """
+    if memory.recompute_granularity == "full" and memory.recompute_method == "uniform":
+        _pad_uniform_units(model.decoder, memory.recompute_num_layers)
     if not memory.recompute_activation_function:
         return
     from megatron.core.transformer.mlp import MLP
@@ -86,6 +93,24 @@ def apply_to_model(model, memory: ActivationMemory) -> None:
     for mlp in mlps:
         _check_recomputable(mlp.config)
         mlp.__class__ = recompute_mlp
+
+
+def _pad_uniform_units(block, unit: int) -> None:
+    """Megatron's uniform recompute runs units [k * unit, (k + 1) * unit) of the stage's layers; a stage whose
+    layers a unit does not divide (no-op layers left out of it) gets identities past its last layer."""
+    layers = block.layers
+    if len(layers) % unit == 0:
+        return
+
+    def layer_or_identity(index: int):
+        return layers[index] if index < len(layers) else _identity_layer
+
+    block._get_layer = layer_or_identity
+
+
+def _identity_layer(*, hidden_states, context=None, **_):
+    """A no-op layer as TransformerBlock calls its layers: (hidden states, context) unchanged."""
+    return hidden_states, context
 
 
 def _check_recomputable(config) -> None:

@@ -8,7 +8,7 @@ Owns what goes into `iter_XXXXXXX/mp_rank_*/model_optim_rng.pt` and how it is re
     rng_state             [{random_rng_state, np_rng_state, torch_rng_state, cuda_rng_state?,
                             rng_tracker_states}] as Megatron names them
     args                  argparse.Namespace with consumed_train_samples, iteration, TP/PP/EP sizes
-    iteration, checkpoint_version (3.0), rlfabric {hf_config, tp, pp, ep}
+    iteration, checkpoint_version (3.0), rlfabric {hf_config, tp, pp, ep, stage_layers}
 
 Semantics as Megatron's `load_checkpoint`: `finetune` loads weights only and restarts at iteration 0
 with fresh optimizer and RNG; a `release` checkpoint (converted weights) also starts at 0; otherwise
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from services.trainer import ckpt_layout
-from services.trainer.model import canonical_name, canonical_state_dict
+from services.trainer.model import canonical_name, canonical_state_dict, config_stage_layers, unwrap
 from services.trainer.weights_export import check_expert_layout
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,9 @@ def save_checkpoint(
             "checkpoint_version": 3.0,
             "args": argparse.Namespace(consumed_train_samples=consumed_samples, iteration=iteration, **sizes),
             "rng_state": [rng_state()],
-            "rlfabric": {"hf_config": hf_config, **sizes},
+            # The layers of each pipeline stage (uneven under num_layer_list / noop_layers): layer numbers are local.
+            "rlfabric": {"hf_config": hf_config, **sizes,
+                         "stage_layers": list(config_stage_layers(unwrap(model).config))},
         }
         if optimizer_state is not None:
             payload["optimizer"] = optimizer_state
@@ -202,6 +204,7 @@ def load_checkpoint(
     # Checked before any state is touched: a checkpoint written elsewhere (or by a trainer that took any
     # number) must neither make an absurd iteration the trainer's own nor leave half-loaded weights behind.
     release = it == ckpt_layout.RELEASE
+    _check_stage_layers(model, payload, path)
     iteration_read = check_counter(f"{path}: iteration", int(payload.get("iteration", 0 if release else it)))
     consumed = check_counter(f"{path}: consumed_train_samples",
                              int(getattr(args, "consumed_train_samples", 0)) if args is not None else 0)
@@ -225,6 +228,19 @@ def load_checkpoint(
         set_rng_state(payload["rng_state"][0])
         loaded_rng = True
     return LoadResult(iter_dir, iteration_read, consumed, loaded_optim, loaded_rng)
+
+
+def _check_stage_layers(model, payload: dict, path: Path) -> None:
+    """Refuse a checkpoint whose pipeline stages hold other layers than this model's: its stage-local layer numbers
+    would name other layers (a checkpoint without the record is an even split, all rlfabric wrote before)."""
+    own = config_stage_layers(unwrap(model).config)
+    saved = (payload.get("rlfabric") or {}).get("stage_layers")
+    if (len(set(own)) == 1) if saved is None else tuple(saved) == own:
+        return
+    held = "an even split" if saved is None else f"{list(saved)} layers"
+    raise ValueError(f"{path}: its pipeline stages hold {held}, this trainer's {list(own)} (num_layer_list / "
+                     f"noop_layers); convert it first (`rlfabric convert mcore2hf`, then `rlfabric convert hf2mcore` "
+                     f"with this layout's --num-layer-list / --noop-layers)")
 
 
 def _writes_checkpoint(ep: int) -> bool:

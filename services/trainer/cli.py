@@ -26,6 +26,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     h2m.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1,
                      help="expert_model_parallel_size: experts split over EP ranks, one mp_rank_*_EEE folder each "
                           "(MoE models; default: 1)")
+    add_stage_layout_arguments(h2m)
     h2m.add_argument("--quiet", action="store_true", help="no progress output")
     h2m.set_defaults(func=_convert)
 
@@ -37,6 +38,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
         "--hf-assets", default=None,
         help="HF folder to take config/tokenizer files from (default: MCORE_DIR/hf_assets)",
     )
+    add_stage_layout_arguments(m2h, checked=True)
     m2h.add_argument("--quiet", action="store_true", help="no progress output")
     m2h.set_defaults(func=_convert)
 
@@ -53,6 +55,16 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                                           "environment, as `trainer serve` or torchrun set them)")
     add_group_arguments(rank)
     rank.set_defaults(func=_rank)
+
+
+def add_stage_layout_arguments(p: argparse.ArgumentParser, *, checked: bool = False) -> None:
+    """MindSpeed's uneven pipeline stages, as its converter and the YAML keys num_layer_list / noop_layers say them."""
+    why = " (checked against what the checkpoint holds)" if checked else ""
+    p.add_argument("--num-layer-list", default=None, metavar="A,B,...",
+                   help=f"layers of each pipeline stage, no-op layers counted (num_layer_list){why}")
+    p.add_argument("--noop-layers", default=None, metavar="I,J,...",
+                   help="global indices of identity layers, counted among the layers (noop_layers): the model's "
+                        f"layers are placed as if they were layers{why}")
 
 
 def add_multi_host_arguments(p: argparse.ArgumentParser) -> None:
@@ -124,10 +136,12 @@ def _convert(args: argparse.Namespace) -> int:
     try:
         if args.convert_command == "hf2mcore":
             out = convert_hf_to_mcore(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep,
-                                      progress=progress)
+                                      progress=progress, num_layer_list=args.num_layer_list,
+                                      noop_layers=args.noop_layers)
         else:
             out = convert_mcore_to_hf(args.mcore_dir, args.out_dir, iteration=args.iteration,
-                                      hf_assets=args.hf_assets, progress=progress)
+                                      hf_assets=args.hf_assets, progress=progress,
+                                      num_layer_list=args.num_layer_list, noop_layers=args.noop_layers)
     except (FileNotFoundError, ValueError, KeyError) as e:  # an input that is not there or not what it should be
         print(f"error: {e}", file=sys.stderr)
         return 2

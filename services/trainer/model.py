@@ -13,6 +13,9 @@ Choices:
   also under sequence parallelism). On Ascend, MindSpeed patches Megatron when imported
   (`mindspeed.megatron_adaptor`, which reads its feature switches from sys.argv then), so the same
   local/TE call sites apply.
+- Pipeline stages: an even split, or the layers per stage that MindSpeed's num_layer_list / noop_layers give
+  (services/common/pipeline_layout.py) as megatron-core's `pipeline_model_parallel_layout`, which sets each
+  stage's layer count and its layers' model-wide numbers. No-op layers are not built: they compute nothing.
 - Activation memory (recompute, sequence parallelism, swap_attention): `ActivationMemory`
   (services/trainer/activation_memory.py) into TransformerConfig and the built model; the hooks that
   sequence parallelism needs are services/trainer/sequence_parallel.py's.
@@ -31,6 +34,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from services.common import pipeline_layout, weight_layout
 from services.common.model_spec import ModelSpec, check_expert_parallel, check_tensor_parallel
 from services.trainer import activation_memory, megatron_compat, mla, moe, sequence_parallel
 from services.trainer.activation_memory import ActivationMemory
@@ -59,14 +63,13 @@ def _maybe_import_mindspeed(memory: ActivationMemory) -> None:
 
 def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
                        memory: ActivationMemory = ActivationMemory(), ep: int = 1, etp: int | None = None,
-                       moe_opts: MoeOptions = MoeOptions()):
+                       moe_opts: MoeOptions = MoeOptions(), stages: weight_layout.StageLayers | None = None):
     """Megatron TransformerConfig for `spec` at this TP/PP (and EP / expert TP, for a MoE model; etp None: TP);
-    MLATransformerConfig for multi-latent attention."""
+    MLATransformerConfig for multi-latent attention. `stages`: the layers of each pipeline stage (None: an even
+    split; `weight_layout.stage_layer_counts`)."""
     on_accel = megatron_compat.accelerator_present()
-    if spec.num_hidden_layers % pp:
-        raise ValueError(
-            f"num_hidden_layers={spec.num_hidden_layers} is not divisible by pipeline_model_parallel_size={pp}"
-        )
+    stages = weight_layout.stage_layer_counts(spec, pp, stages)
+    uneven = len(set(stages)) > 1
     check_tensor_parallel(spec, tp)
     check_expert_parallel(spec, ep=ep, etp=tp if etp is None else etp)
     return mla.config_class(spec)(
@@ -101,10 +104,34 @@ def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=on_accel,
-        **activation_memory.transformer_config_kwargs(memory, tp=tp, layers_per_stage=spec.num_hidden_layers // pp),
+        # Uneven stages: the config's rule (services/common/config/activations.py) bounded recompute_num_layers by
+        # the stages' slots, no-op layers counted, as upstream does; the trainer runs any bound (activation_memory).
+        **activation_memory.transformer_config_kwargs(memory, tp=tp, layers_per_stage=None if uneven else stages[0]),
+        # megatron-core's own uneven pipeline: the decoder layers of each stage, embedding first and loss last.
+        pipeline_model_parallel_layout=_pipeline_layout(stages) if uneven else None,
         **moe.transformer_config_kwargs(spec, moe_opts, ep=ep, etp=etp),
         **mla.transformer_config_kwargs(spec),
     )
+
+
+def _pipeline_layout(stages: tuple[int, ...]) -> list[list[str]]:
+    """megatron-core's `pipeline_model_parallel_layout` placing `stages[p]` decoder layers on stage p."""
+    layout = [["decoder"] * n for n in stages]
+    layout[0].insert(0, "embedding")
+    layout[-1].append("loss")
+    return layout
+
+
+def config_stage_layers(config) -> tuple[int, ...]:
+    """The layers of each pipeline stage of a built model's TransformerConfig (the inverse of `transformer_config`'s
+    layout): what weight export and checkpoints number layers by."""
+    from megatron.core.transformer.enums import LayerType
+
+    pp = config.pipeline_model_parallel_size
+    layout = config.pipeline_model_parallel_layout
+    if layout is None:
+        return pipeline_layout.stage_slots(config.num_layers, pp)
+    return tuple(stage[0].count(LayerType.decoder) for stage in layout.layout)
 
 
 def layer_spec(spec: ModelSpec, memory: ActivationMemory = ActivationMemory(), *, num_experts: int | None = None):
@@ -153,9 +180,10 @@ def build_gpt_model(
     params_dtype: torch.dtype = torch.float32,
     memory: ActivationMemory = ActivationMemory(),
     moe_opts: MoeOptions = MoeOptions(),
+    stages: weight_layout.StageLayers | None = None,
 ):
-    """This rank's GPTModel (parallel_state must be initialised; EP and expert TP are read from it). Weights are
-    uninitialised."""
+    """This rank's GPTModel (parallel_state must be initialised; EP and expert TP are read from it), with `stages`
+    layers on each pipeline stage (None: an even split). Weights are uninitialised."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -164,7 +192,8 @@ def build_gpt_model(
         megatron_compat.apply_moe_patches()
     config = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, memory=memory,
                                 ep=parallel_state.get_expert_model_parallel_world_size(),
-                                etp=parallel_state.get_expert_tensor_parallel_world_size(), moe_opts=moe_opts)
+                                etp=parallel_state.get_expert_tensor_parallel_world_size(), moe_opts=moe_opts,
+                                stages=stages)
     # With tied embeddings and PP > 1 Megatron moves the embedding to "cuda" to all-reduce it
     # between the first and last stage (see megatron_compat.cpu_device_mode).
     with megatron_compat.cpu_device_mode():
@@ -192,7 +221,8 @@ def _gpt_model(gpt_model_class, spec: ModelSpec, config, tp: int, memory: Activa
         per_layer = [layers] * n
         if spec.moe is not None:
             moe_layer = layer_spec(spec, memory, num_experts=spec.moe.num_experts)
-            stage = moe.moe_layer_pattern(spec)[pp_rank * n:(pp_rank + 1) * n]
+            pattern = moe.moe_layer_pattern(spec)
+            stage = [pattern[layer] for layer in pipeline_layout.stage_range(config_stage_layers(config), pp_rank)]
             per_layer = [moe_layer if is_moe else layers for is_moe in stage]
         # The block's final norm too: TransformerBlock picks WrappedTorchNorm for a bare layer spec.
         layers = TransformerBlockSubmodules(layer_specs=per_layer, layer_norm=megatron_compat.TorchNorm)

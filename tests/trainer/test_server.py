@@ -37,7 +37,7 @@ def group(start_trainer, tiny_model_dir: Path):
                "work": launcher.log_path.parent, "hf": tiny_model_dir, "launcher": launcher}
     finally:
         channel.close()
-        launcher.stop(grace_s=30)
+        launcher.stop(grace_s=12)
 
 
 def _batch(n: int, plen: int = 5, rlen: int = 4, version: int = 0, seed: int = 0) -> Sequences:

@@ -25,5 +25,5 @@ def trainer(request, start_trainer, tiny_model_dir: Path, rollout_server) -> Ite
                "address": address, "rollout_address": server.address}
     finally:
         channel.close()
-        group.stop(grace_s=30)
+        group.stop(grace_s=12)
         restore_checkpoint_weights(server.address, tiny_model_dir)  # the trained weights must not leak out

@@ -43,7 +43,7 @@ def ep2_trainer(start_trainer, moe_dirs) -> Iterator:
     channel = grpc.insecure_channel(address)
     yield trainer_pb2_grpc.TrainerStub(channel)
     channel.close()
-    group.stop(grace_s=30)
+    group.stop(grace_s=12)
 
 
 def _checkpoint(path: Path) -> dict[str, torch.Tensor]:

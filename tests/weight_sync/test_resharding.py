@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -192,3 +194,69 @@ def _broken(edit) -> trainer_pb2.ReshardPlan:
 def test_malformed_plans_are_refused_naming_the_problem(edit, words) -> None:
     with pytest.raises(ReshardError, match=words):
         ReshardPlan.from_proto(_broken(edit))
+
+
+# A small DeepSeek-V3 (MLA, layer 0 dense, layers 1-2 MoE with the router's expert bias), as config.json gives it.
+DEEPSEEK = dict(model_type="deepseek_v3", vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=8, n_routed_experts=4,
+                n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, norm_topk_prob=True,
+                first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                v_head_dim=8, tie_word_embeddings=False, scoring_func="sigmoid", topk_method="noaux_tc")
+BIASES = {f"model.layers.{layer}.mlp.gate.e_score_correction_bias" for layer in (1, 2)}
+
+
+def _bf16_replica_parameters(spec) -> list:
+    """Rollout.Info's parameter list of a bf16 vLLM replica: every tensor bf16 but the expert bias, which vLLM keeps
+    in float32 whatever the model dtype."""
+    from rlfabric.v1 import rollout_pb2
+
+    return [rollout_pb2.ParameterInfo(name=r.hf_name, shape=r.hf_shape, dtype=common_pb2.DTYPE_FLOAT32
+                                      if r.hf_name in BIASES else common_pb2.DTYPE_BFLOAT16)
+            for r in weight_layout.recipes(spec, 1, 1)]
+
+
+@pytest.mark.parametrize(("tp", "pp", "ep"), [(1, 1, 1), (2, 1, 2)])
+def test_a_bf16_replica_gets_the_expert_bias_in_float32(tp: int, pp: int, ep: int) -> None:
+    spec = spec_from_hf_config(DEEPSEEK)
+    hf = {r.hf_name: torch.randn(r.hf_shape, generator=torch.Generator().manual_seed(i))
+          for i, r in enumerate(weight_layout.recipes(spec, 1, 1))}
+    shards = hf_to_mcore(hf, spec, tp, pp, ep=ep)
+    plan = plan_resharding(trainer_shards(shards, spec, pp), _bf16_replica_parameters(spec), DEEPSEEK)
+    assert plan.dtype == "bfloat16" and dict(plan.tensor_dtypes) == dict.fromkeys(BIASES, "float32")
+    msg = plan.to_proto()
+    assert msg.dtype == common_pb2.DTYPE_BFLOAT16
+    assert {t.name: t.dtype for t in msg.tensors if t.dtype} == dict.fromkeys(BIASES, common_pb2.DTYPE_FLOAT32)
+    decoded = ReshardPlan.from_proto(trainer_pb2.ReshardPlan.FromString(msg.SerializeToString()))
+    assert decoded == plan
+
+    # What the trainer sends for it (one rank holding every shard): the bias as it holds it, the rest cast to bf16.
+    from services.trainer.weight_sync import hf_tensors, plan_dtypes
+
+    held = {name: x for sd in shards.values() for name, x in sd.items()}
+    assert all(x.dtype == torch.float32 for x in held.values())
+    if (tp, pp, ep) != (1, 1, 1):
+        return  # hf_tensors gathers from other ranks over torch.distributed
+    owners = {(weight_layout.is_expert_shard(s.name), s.key): 0 for r in decoded.tensors for s in r.sources}
+    sent = dict(hf_tensors(decoded, held, owners, plan_dtypes(decoded, held)))
+    assert set(sent) == set(hf)
+    for name, tensor in sent.items():
+        want = hf[name] if name in BIASES else hf[name].to(torch.bfloat16)
+        assert tensor.dtype == want.dtype and torch.equal(tensor, want), name
+
+
+def test_one_dtype_replica_plans_no_tensor_dtypes() -> None:
+    spec = spec_from_hf_config(DEEPSEEK)
+    shards = hf_to_mcore(random_hf_state(spec), spec, 1, 1)
+    params = _bf16_replica_parameters(spec)
+    for p in params:
+        p.dtype = common_pb2.DTYPE_FLOAT32
+    plan = plan_resharding(trainer_shards(shards, spec, 1), params, DEEPSEEK)
+    assert plan.dtype == "float32" and not plan.tensor_dtypes
+    assert all(t.dtype == common_pb2.DTYPE_UNSPECIFIED for t in plan.to_proto().tensors)
+
+
+def test_a_tensor_dtype_that_is_no_float_type_is_refused_naming_the_tensor() -> None:
+    msg = _plan_message()
+    msg.tensors[1].dtype = common_pb2.DTYPE_INT32
+    with pytest.raises(ReshardError, match=f"plan tensor '{re.escape(msg.tensors[1].name)}': dtype 8 is not a float"):
+        ReshardPlan.from_proto(msg)

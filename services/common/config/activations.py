@@ -5,15 +5,18 @@ here name the key and its section, and the trainer (services/trainer/activation_
 rule on what it is given. Megatron-LM's arguments.py refuses a method with `selective`; TransformerConfig
 refuses an unknown granularity or method, `full` without a method or a layer count, and `selective` with
 a layer count; `uniform` must also divide a pipeline stage's layers (Megatron's uniform loop indexes past the
-stage's last layer otherwise, transformer_block.py `_checkpointed_forward`). Settings Megatron accepts
-and ignores are warnings: a method or layer count without a granularity, sequence_parallel at TP 1.
+stage's last layer otherwise, transformer_block.py `_checkpointed_forward`). Uneven stages (num_layer_list,
+noop_layers; services/common/pipeline_layout.py) are counted as upstream builds them, no-op layers included:
+`uniform` must divide every stage's, and `block` recomputes at most the largest stage's layers. Settings Megatron
+accepts and ignores are warnings: a method or layer count without a granularity, sequence_parallel at TP 1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from services.common import pipeline_layout
 from services.common.config.problems import Problem
 
 if TYPE_CHECKING:
@@ -23,8 +26,10 @@ METHODS = ("uniform", "block")
 
 
 def recompute_problem(granularity: str | None, method: str | None, num_layers: int | None,
-                      layers_per_stage: int | None = None) -> tuple[str, str] | None:
-    """(key, message) of what is wrong with a recompute combination; None when Megatron runs it."""
+                      layers_per_stage: int | Sequence[int] | None = None) -> tuple[str, str] | None:
+    """(key, message) of what is wrong with a recompute combination; None when Megatron runs it.
+
+    `layers_per_stage`: every pipeline stage's layers, or each stage's (uneven stages, no-op layers counted)."""
     if granularity is None:
         return None
     if granularity not in GRANULARITIES:
@@ -48,15 +53,18 @@ def recompute_problem(granularity: str | None, method: str | None, num_layers: i
             + ("layers per recomputed unit)" if method == "uniform" else "layers recomputed per pipeline stage)"))
     if num_layers < 1:
         return "recompute_num_layers", f"recompute_num_layers must be at least 1, got {num_layers}"
-    if layers_per_stage is not None:
-        if num_layers > layers_per_stage:
-            return "recompute_num_layers", (
-                f"recompute_num_layers ({num_layers}) must be between 1 and the layers of one pipeline stage "
-                f"({layers_per_stage})")
-        if method == "uniform" and layers_per_stage % num_layers:
-            return "recompute_num_layers", (
-                f"recompute_num_layers ({num_layers}) must divide the layers of one pipeline stage "
-                f"({layers_per_stage}) with recompute_method: uniform")
+    if layers_per_stage is None:
+        return None
+    stages = (layers_per_stage,) if isinstance(layers_per_stage, int) else tuple(layers_per_stage)
+    what = "one pipeline stage" if len(set(stages)) == 1 else "the largest pipeline stage"
+    if num_layers > max(stages):
+        return "recompute_num_layers", (
+            f"recompute_num_layers ({num_layers}) must be between 1 and the layers of {what} ({max(stages)})")
+    if method == "uniform" and any(n % num_layers for n in stages):
+        sizes = str(stages[0]) if len(set(stages)) == 1 else ", ".join(map(str, stages))
+        return "recompute_num_layers", (
+            f"recompute_num_layers ({num_layers}) must divide the layers of every pipeline stage ({sizes}) with "
+            f"recompute_method: uniform")
     return None
 
 
@@ -67,11 +75,16 @@ def _sections(cfg: RLFabricConfig):
         yield "ref_config.", cfg.ref_config
 
 
-def _layers_per_stage(mt) -> int | None:
-    layers, pp = mt.num_layers, mt.pipeline_model_parallel_size
-    if layers is None or pp is None or pp < 1 or layers % pp:
-        return None  # other rules report these
-    return layers // pp
+def _layers_per_stage(mt) -> tuple[int, ...] | None:
+    """Each pipeline stage's layers as upstream builds them (num_layer_list, no-op layers counted)."""
+    if mt.num_layers is None:
+        return None
+    try:
+        pipeline_layout.stage_layers(mt.num_layers, mt.pipeline_model_parallel_size, mt.num_layer_list,
+                                     mt.noop_layers)
+        return pipeline_layout.stage_slots(mt.num_layers, mt.pipeline_model_parallel_size, mt.num_layer_list)
+    except pipeline_layout.StageLayoutError:
+        return None  # validation.py's pipeline rule reports it
 
 
 def activation_rules(cfg: RLFabricConfig) -> Iterable[Problem]:

@@ -9,7 +9,9 @@ Vocabulary: Megatron pads the vocabulary to a multiple of `make_vocab_size_divis
 `padded_vocab_size` is given; the result must equal the rows the weights have (`vocab_size` of config.json,
 rounded up to a multiple of TP as rlfabric's trainer does). Keys that default rather than being written
 (rotary_base, norm_epsilon, ...) are compared only when the YAML writes them; the tie of the embeddings is
-always compared (its default, tied, is a statement about the model).
+always compared (its default, tied, is a statement about the model). `num_layers` counts MindSpeed's
+`noop_layers` (identity layers without weights) and config.json's num_hidden_layers does not: the block's layers
+less its no-ops are compared, and its MoE pattern (which counts the no-ops' slots) is compared at the real layers.
 
 Mixture of experts (Qwen3-MoE): a block with `num_experts` must meet a config.json with experts and the
 other way round; the experts, the router's top-k (`moe_router_topk`, default 2 as upstream), their MLP size
@@ -29,10 +31,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.common import pipeline_layout
 from services.common.config import moe as moe_rules
 from services.common.config.errors import ConfigError, ConfigIssue
 
 if TYPE_CHECKING:
+    from services.common.config.architecture import ModelConfig
     from services.common.config.resolved import RLFabricConfig
     from services.common.model_spec import ModelSpec
 
@@ -85,8 +89,8 @@ def _mismatches(cfg: RLFabricConfig, spec: ModelSpec) -> Iterable[tuple[str, Any
     a = cfg.actor_config
     written = cfg.provenance.megatron_origin
     kv_heads = a.num_query_groups if a.group_query_attention else a.num_attention_heads
+    yield from _layer_count_mismatch(a, spec.num_hidden_layers)
     always = [
-        ("num_layers", a.num_layers, "num_hidden_layers", spec.num_hidden_layers),
         ("hidden_size", a.hidden_size, "hidden_size", spec.hidden_size),
         ("num_attention_heads", a.num_attention_heads, "num_attention_heads", spec.num_attention_heads),
         ("num_query_groups" if a.group_query_attention else "group_query_attention", kv_heads,
@@ -148,7 +152,7 @@ def _moe_mismatches(cfg: RLFabricConfig, spec: ModelSpec) -> Iterable[tuple[str,
         return
     expert_ffn = a.moe_ffn_hidden_size if a.moe_ffn_hidden_size is not None else a.ffn_hidden_size
     ours_ffn = expert_ffn if a.moe_ffn_hidden_size is not None else f"unset, so ffn_hidden_size {expert_ffn}"
-    pattern = moe_rules.moe_layer_pattern(a, spec.num_hidden_layers)  # first_k_dense_replace included
+    pattern = _model_moe_pattern(a, spec.num_hidden_layers)
     hf_pattern = [int(layer in moe.moe_layers) for layer in range(spec.num_hidden_layers)]
     pairs = [
         ("num_experts", a.num_experts, a.num_experts, "num_experts", moe.num_experts),
@@ -163,6 +167,39 @@ def _moe_mismatches(cfg: RLFabricConfig, spec: ModelSpec) -> Iterable[tuple[str,
         yield ("moe_layer_freq", _describe_layers(a.moe_layer_freq, pattern),
                "MoE layers (decoder_sparse_step, mlp_only_layers, first_k_dense_replace)",
                _describe_layers(None, hf_pattern))
+
+
+def _model_slots(a: ModelConfig) -> tuple[int, ...] | None:
+    """Where each model layer sits among num_layers when the block has no-op layers (MindSpeed counts them in
+    num_layers, config.json does not: Qwen3-235B's num_layers 96 with noop_layers "5,95" is its 94 layers); None
+    without no-op layers, or with ones validation refuses."""
+    if a.num_layers is None or a.noop_layers is None:
+        return None
+    try:
+        return pipeline_layout.model_layer_slots(a.num_layers, a.noop_layers)
+    except pipeline_layout.StageLayoutError:
+        return None
+
+
+def _layer_count_mismatch(a: ModelConfig, hf_layers: int) -> Iterable[tuple[str, Any, str, Any]]:
+    """num_layers (less its no-op layers) against config.json's num_hidden_layers."""
+    slots = _model_slots(a)
+    ours = a.num_layers if slots is None else len(slots)
+    if ours is not None and ours != hf_layers:
+        yield "num_layers", (ours if slots is None else
+                             f"{a.num_layers} with noop_layers {a.noop_layers!r}, so {ours} layers"), \
+            "num_hidden_layers", hf_layers
+
+
+def _model_moe_pattern(a: ModelConfig, hf_layers: int) -> list[int] | None:
+    """One 0/1 entry per model layer (1: MoE; first_k_dense_replace included). moe_layer_freq and
+    first_k_dense_replace count num_layers' slots, no-op layers among them: the pattern is built over the slots
+    and the no-ops dropped."""
+    slots = _model_slots(a)
+    if slots is None or len(slots) != hf_layers:  # a layer count that differs is reported as num_layers
+        return moe_rules.moe_layer_pattern(a, hf_layers)
+    pattern = moe_rules.moe_layer_pattern(a, a.num_layers)
+    return None if pattern is None else [pattern[slot] for slot in slots]
 
 
 def megatron_moe_layers(freq: int | str | list[int] | None, num_layers: int) -> list[int] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.common import pipeline_layout
 from services.common.config.errors import ConfigError, ConfigIssue
 
 if TYPE_CHECKING:
@@ -51,9 +52,21 @@ def _how_to_make_model(cfg: RLFabricConfig, key: str, path: str) -> str:
     hf = cfg.actor_config.tokenizer_name_or_path
     if key.endswith("tokenizer_name_or_path") or not hf or hf == path:
         return "put the Hugging Face model folder there (config.json, tokenizer files, *.safetensors)"
-    a = cfg.actor_config
-    return (f"convert the Hugging Face model with `rlfabric convert hf2mcore --tp {a.tensor_model_parallel_size} "
-            f"--pp {a.pipeline_model_parallel_size} {hf} {path}` (or point it at a Hugging Face model folder)")
+    return (f"convert the Hugging Face model with `rlfabric convert hf2mcore {_hf2mcore_flags(cfg, key)} {hf} {path}` "
+            f"(or point it at a Hugging Face model folder)")
+
+
+def _hf2mcore_flags(cfg: RLFabricConfig, key: str) -> str:
+    """The converter's flags for the layout the trainer of `key`'s role loads: TP, PP, EP and uneven stages."""
+    mt = cfg.ref_config if key.startswith("ref_config.") else cfg.actor_config
+    flags = [f"--tp {mt.tensor_model_parallel_size}", f"--pp {mt.pipeline_model_parallel_size}"]
+    if mt.num_experts is not None and mt.expert_model_parallel_size > 1:
+        flags.append(f"--ep {mt.expert_model_parallel_size}")
+    for flag, name in (("--num-layer-list", "num_layer_list"), ("--noop-layers", "noop_layers")):
+        value = getattr(mt, name)
+        if value is not None:  # the YAML's spelling ("7,7,8", a list, one integer) as the flag's "7,7,8"
+            flags.append(f"{flag} {','.join(map(str, pipeline_layout.layer_numbers(value, name)))}")
+    return " ".join(flags)
 
 
 def missing_input_paths(cfg: RLFabricConfig) -> list[ConfigIssue]:

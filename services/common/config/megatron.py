@@ -21,6 +21,7 @@ from services.common.config.statuses import (
     COORDINATOR_RUN,
     DERIVED,
     DPO,
+    HF_CHECK,
     KERNEL,
     LOADER,
     LORA,
@@ -39,6 +40,7 @@ _LOADER_ONLY = inert("worker processes of the data loader: no effect on which pr
 _TEMPLATE = inert("the chat template is applied when the dataset is preprocessed (`rlfabric preprocess`, with the "
                   "dataset YAML's prompt_type / prompt_type_path); training reads token ids")
 _RECOMPUTE = "Megatron's, in the trainer's TransformerConfig; combinations checked as Megatron does"
+_PLAN = "services/planning/plan.py"
 _SAVES_ALL = inert("rlfabric always saves the optimizer and RNG state, so any checkpoint can resume a run")
 
 
@@ -125,11 +127,16 @@ class MegatronConfig(ModelConfig):
                                               read(DERIVED, MOE_RULES))
     num_layers_per_virtual_pipeline_stage: int | None = setting(None, "Layers per virtual pipeline stage.", refused(
         "interleaved (virtual) pipeline stages are not implemented by rlfabric's trainer"))
-    num_layer_list: _Layers = setting(None, "Layers per pipeline stage, e.g. \"4,4,4,4\".", inert(
-        "balance of layers over pipeline stages (speed only); rlfabric splits layers evenly, so num_layers must "
-        "divide by pipeline_model_parallel_size"))
-    noop_layers: _Layers = setting(None, "Indices of no-op layers.",
-                                   refused("no-op layers change the model; rlfabric runs every layer"))
+    num_layer_list: _Layers = setting(None, "Layers per pipeline stage, e.g. \"7,7,8,8\" (one entry per stage, "
+                                            "summing to num_layers, no-op layers counted).", read(
+        TRAINER_OPTIONS, VALIDATION, ACTIVATIONS, _PLAN,
+        note="the trainer's stages hold these layers (megatron-core's pipeline layout); conversion, checkpoints and "
+             "weight sync follow them"))
+    noop_layers: _Layers = setting(None, "Global indices of identity layers, counted in num_layers, e.g. \"5,95\": "
+                                         "the model has num_layers minus these, placed as if they were layers.", read(
+        TRAINER_OPTIONS, VALIDATION, ACTIVATIONS, _PLAN, HF_CHECK,
+        note="MindSpeed's identity layers: they only move the other layers' pipeline stages; the trainer builds "
+             "each stage's real layers (one fewer for each no-op layer on it)"))
     use_tp_pp_dp_mapping: bool = setting(False, "Order ranks TP-PP-DP instead of TP-DP-PP.",
                                          inert("rank order only: the same math"))
     distributed_backend: str = setting("nccl", "torch.distributed backend: nccl, hccl or gloo (CPU).", inert(

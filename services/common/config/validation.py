@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from services.common import pipeline_layout
 from services.common.config.activations import activation_rules, activation_warnings
 from services.common.config.algorithm import algorithm_rules
 from services.common.config.moe import moe_rules
@@ -77,16 +78,30 @@ def model_architecture(cfg: RLFabricConfig) -> Iterable[Problem]:
             yield Problem(("tensor_model_parallel_size", "num_query_groups"),
                           f"num_query_groups ({groups}) must be divisible by tensor_model_parallel_size ({tp}); "
                           f"choose a TP that divides {groups}")
-    pp = actor.pipeline_model_parallel_size
-    if pp >= 1 and actor.num_layers % pp != 0:
-        yield Problem(("pipeline_model_parallel_size", "num_layers"),
-                      f"num_layers ({actor.num_layers}) must be divisible by pipeline_model_parallel_size ({pp}): "
-                      f"rlfabric's trainer gives every pipeline stage the same number of layers")
+    yield from pipeline_stages(cfg)
     itp = cfg.generate_config.infer_tensor_parallel_size
     if itp >= 1 and heads % itp != 0:
         yield Problem(("generate_config.infer_tensor_parallel_size", "num_attention_heads"),
                       f"num_attention_heads ({heads}) must be divisible by "
                       f"generate_config.infer_tensor_parallel_size ({itp}) for vLLM")
+
+
+def pipeline_stages(cfg: RLFabricConfig) -> Iterable[Problem]:
+    """Each role's layers placed on its pipeline stages as Megatron / MindSpeed place them: evenly, or by
+    num_layer_list, with noop_layers counted among num_layers (services/common/pipeline_layout.py)."""
+    sections = [("", cfg.actor_config)]
+    if cfg.ref_config is not cfg.actor_config:
+        sections.append(("ref_config.", cfg.ref_config))
+    for prefix, mt in sections:
+        if mt.num_layers is None or mt.pipeline_model_parallel_size < 1:
+            continue  # model_architecture / positive_sizes report these
+        try:
+            pipeline_layout.stage_layers(mt.num_layers, mt.pipeline_model_parallel_size, mt.num_layer_list,
+                                         mt.noop_layers)
+        except pipeline_layout.StageLayoutError as e:
+            keys = ("pipeline_model_parallel_size", "num_layers") if e.key == "pipeline_model_parallel_size" \
+                else (e.key,)
+            yield Problem(tuple(prefix + k for k in keys), str(e))
 
 
 def positive_sizes(cfg: RLFabricConfig) -> Iterable[Problem]:
