@@ -1,21 +1,25 @@
-"""The multi-turn demo's task and its supervised warm-up: "What is A*B?" (A, B in 100..999), solvable with a tool.
+"""The multi-turn demo's task and its supervised warm-up: "What is A*B?" (A, B in 317..999), solvable with a tool.
 
 A tiny Qwen2 (hidden 128, 2 layers, digit tokenizer) cannot multiply two 3-digit numbers; it can learn to copy
-them into a call of the code interpreter and to copy the tool's answer into `\\boxed{}`. The conversation the
-warm-up teaches, in the `qwen` chat template (configs/model/templates.json), token for token what the
-coordinator builds during the run (services/coordinator/multi_turn.py):
+them into a call of the code interpreter and to copy the tool's answer into `\\boxed{}` (A, B from 317: every
+product has 6 digits, so every conversation has the same layout). The conversation the warm-up teaches, in the
+`qwen` chat template (configs/model/templates.json), token for token what the coordinator builds during the run
+(services/coordinator/multi_turn.py; ReTool prints the value of the code's last line):
 
-    <|im_start|>system ... <|im_start|>user\\nWhat is 123*456?<|im_end|>\\n<|im_start|>assistant\\n
-    <tool_call>\\n{"name": "code_interpreter", "arguments": {"code": "123*456"}}\\n</tool_call><|im_end|>
-    \\n<|im_start|>tool\\n<tool_response>\\n56088\\n\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n
-    \\boxed{56088}<|im_end|>
+    <|im_start|>system ... <|im_start|>user\\nWhat is 412*733?<|im_end|>\\n<|im_start|>assistant\\n
+    <tool_call>\\n{"name": "code_interpreter", "arguments": {"code": "412*733"}}\\n</tool_call><|im_end|>
+    \\n<|im_start|>tool\\n<tool_response>\\n301996\\n\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n
+    \\boxed{301996}<|im_end|>
 
-The loss covers the model's two turns (the call, the answer), never the prompt or the tool's answer. A share of
-the problems (`direct_fraction`, default 0.4) is taught as a direct answer `\\boxed{N}` instead, so the warmed-up
-policy calls the tool on about 60% of its samples: GRPO then has room to learn to call it (`tool/calls_per_sample`),
-to write the call right (`tool/success_rate`), and so to score (`retool_reward`: +1 right, -1 wrong, -0.9 wrong
-after a tool turn). The warm-up stops early, when the call and the answer are right (teacher-forced, greedy) on
-`stop_at` of a slice of the training problems, so that sampled calls still go wrong at times.
+The loss covers the model's two turns (the call, the answer), never the prompt or the tool's answer. The warm-up
+imitates an imperfect teacher, so that GRPO has room to improve on each thing the must-show watches: a share of
+the problems (`direct_fraction`, 0.4) is answered at once (`\\boxed{N}`, a number the model cannot know), so the
+warmed-up policy calls the tool on about 60-70% of its samples (`tool/calls_per_sample`); a share of the calls
+(`malformed_fraction`, 0.25) lacks its last closing brace, which the hermes parser refuses (the conversation shows
+the parse error the coordinator answers with), so about a quarter of the calls fail (`tool/success_rate`); and the
+warm-up stops once greedy decoding solves half of a slice of the training problems (`stop_at`), so that sampled
+calls and answers still go wrong at times. GRPO's reward (`retool_reward`: +1 right, -1 wrong, -0.9 wrong after a
+tool turn) favours a well-formed call with the right numbers, copied back right.
 
 Used by examples/multi_turn/multi_turn_demo_cpu.sh (`python examples/multi_turn/tool_task.py WORK`) and, in
 process, by tests/e2e/test_multi_turn_up.py.
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+CONFIG = "configs/grpo_multi_turn_demo_cpu.yaml"
 TEMPLATE = "qwen"
 TOOL_NAME = "code_interpreter"
 IGNORE_INDEX = -100
@@ -63,11 +68,21 @@ def write_task(out_dir: str | Path, *, train: int = 4000, held_out: int = 200) -
             write_rows_jsonl(out / "heldout.jsonl", multiplication_rows(held_out, seed=1)))
 
 
-def call_text(problem: str) -> str:
-    """The tool call the warm-up teaches (hermes format, as `tool_parser_format: hermes` parses it)."""
+def call_text(problem: str, *, malformed: bool = False) -> str:
+    """The tool call the warm-up teaches (hermes format, as `tool_parser_format: hermes` parses it); `malformed`,
+    the same call without its last closing brace (one token's difference), which hermes refuses as invalid JSON."""
     a, b = operands(problem)
-    arguments = {"code": f"{a}*{b}"}  # ReTool prints a last line's value
-    return f"<tool_call>\n{json.dumps({'name': TOOL_NAME, 'arguments': arguments})}\n</tool_call>"
+    call = json.dumps({"name": TOOL_NAME, "arguments": {"code": f"{a}*{b}"}})  # ReTool prints a last line's value
+    return f"<tool_call>\n{call[:-1] if malformed else call}\n</tool_call>"
+
+
+def tool_answer_limits() -> tuple[int, str]:
+    """(max_tool_response_length, tool_response_truncate_side) of the demo config: how the coordinator cuts a
+    tool's answer, which the warm-up's conversations must show as the run will."""
+    import yaml
+
+    rl = yaml.safe_load((REPO / CONFIG).read_text())["rl_config"]
+    return int(rl["max_tool_response_length"]), str(rl["tool_response_truncate_side"])
 
 
 @dataclass(frozen=True)
@@ -82,19 +97,34 @@ class Conversation:
         return self.written.index(True)
 
 
-def conversation(tokenizer: Any, template: Any, problem: str, answer: str, *, direct: bool) -> Conversation:
-    """The prompt and the turns the model writes for one problem: the call, the tool's answer (the sandbox's
-    stdout, `print`'s line, wrapped as the coordinator wraps it: not written by the model), the boxed answer;
-    or, `direct`, the boxed answer at once."""
-    from services.coordinator.multi_turn import wrap_answers
+KINDS = ("tool", "direct", "malformed")
 
+
+def conversation(tokenizer: Any, template: Any, problem: str, answer: str, kind: str = "tool") -> Conversation:
+    """The prompt and the turns the model writes for one problem (`kind`):
+    - tool: the call, the tool's answer (the sandbox's stdout, `print`'s line, wrapped as the coordinator wraps
+      it; context, not written by the model), the boxed answer;
+    - malformed: the call without its last brace, the parse error the coordinator answers it with (cut as it
+      cuts answers), the boxed answer all the same (which the model cannot know);
+    - direct: the boxed answer at once."""
+    from services.coordinator.multi_turn import truncate, wrap_answers
+    from services.coordinator.tool_parsers import get_tool_parser
+
+    if kind not in KINDS:
+        raise ValueError(f"kind {kind!r}: expected one of {', '.join(KINDS)}")
     eos = int(tokenizer.eos_token_id)
     prompt = template.encode_prompt(tokenizer, problem)
     boxed = tokenizer.encode(f"\\boxed{{{answer}}}", add_special_tokens=False) + [eos]
-    if direct:
+    if kind == "direct":
         return Conversation(prompt + boxed, [False] * len(prompt) + [True] * len(boxed))
-    call = tokenizer.encode(call_text(problem), add_special_tokens=False) + [eos]
-    observation = template.encode_observation(tokenizer, wrap_answers([f"{answer}\n"]))
+    text = call_text(problem, malformed=kind == "malformed")
+    reply = f"{answer}\n"
+    if kind == "malformed":
+        limit, side = tool_answer_limits()
+        (error,) = get_tool_parser("hermes")(text)
+        reply = truncate(error.message, limit, side)
+    call = tokenizer.encode(text, add_special_tokens=False) + [eos]
+    observation = template.encode_observation(tokenizer, wrap_answers([reply]))
     return Conversation(prompt + call + observation + boxed,
                         [False] * len(prompt) + [True] * len(call) + [False] * len(observation) + [True] * len(boxed))
 
@@ -116,7 +146,8 @@ class WarmupSettings:
     lr: float = 3e-3
     warmup_steps: int = 50
     clip_grad: float = 1.0
-    direct_fraction: float = 0.4
+    direct_fraction: float = 0.4  # of the problems: taught as a direct answer
+    malformed_fraction: float = 0.25  # of the other problems: the call's last brace left out (a parse error)
     # What `stop_at` measures (see `accuracies`): "tool_path", the share of checked problems greedy decoding
     # solves; "frame", the probability that sampling writes a call and an answer that parse (digits aside): a
     # quick warm-up whose calls run, with wrong numbers.
@@ -200,12 +231,11 @@ def warm_up(base_dir: str | Path, train_rows: Sequence[dict[str, str]], held_out
     template = get_template(TEMPLATE)
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     rng = random.Random(settings.seed)
-    directs = [rng.random() < settings.direct_fraction for _ in train_rows]
-    examples = [conversation(tokenizer, template, r["problem"], r["answer"], direct=d)
-                for r, d in zip(train_rows, directs, strict=True)]
-    direct = sum(directs)
-    check = [conversation(tokenizer, template, r["problem"], r["answer"], direct=False)
-             for r in train_rows[:settings.check_rows]]
+    kinds = ["direct" if rng.random() < settings.direct_fraction else
+             "malformed" if rng.random() < settings.malformed_fraction else "tool" for _ in train_rows]
+    examples = [conversation(tokenizer, template, r["problem"], r["answer"], k)
+                for r, k in zip(train_rows, kinds, strict=True)]
+    check = [conversation(tokenizer, template, r["problem"], r["answer"]) for r in train_rows[:settings.check_rows]]
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
@@ -233,9 +263,10 @@ def warm_up(base_dir: str | Path, train_rows: Sequence[dict[str, str]], held_out
                       flush=True)
             if checked[1 if settings.stop_on == "tool_path" else 0] >= settings.stop_at:
                 break
-    held_out = [conversation(tokenizer, template, r["problem"], r["answer"], direct=False) for r in held_out_rows]
+    held_out = [conversation(tokenizer, template, r["problem"], r["answer"]) for r in held_out_rows]
     held = accuracies(model, held_out, pad_id, digits) if held_out else (None, None)
-    summary = {"settings": asdict(settings), "train_rows": len(train_rows), "direct_rows": direct, "steps_run": step,
+    summary = {"settings": asdict(settings), "train_rows": len(train_rows), "direct_rows": kinds.count("direct"),
+               "malformed_rows": kinds.count("malformed"), "steps_run": step,
                "final_loss": loss, "train_check_frame_probability": checked[0],
                "train_check_tool_path_accuracy": checked[1], "held_out_frame_probability": held[0],
                "held_out_tool_path_accuracy": held[1], "seconds": time.perf_counter() - started}
@@ -289,12 +320,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "frame of call and answer right (frame)")
     p.add_argument("--direct-fraction", type=float, default=WarmupSettings.direct_fraction,
                    help="share of problems taught as a direct answer instead of a tool call")
+    p.add_argument("--malformed-fraction", type=float, default=WarmupSettings.malformed_fraction,
+                   help="share of the tool calls taught without their last brace (a parse error)")
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
     prepare(args.work, WarmupSettings(steps=args.steps, stop_at=args.stop_at, stop_on=args.stop_on,
-                                      direct_fraction=args.direct_fraction), quiet=False)
+                                      direct_fraction=args.direct_fraction,
+                                      malformed_fraction=args.malformed_fraction), quiet=False)
     print(json.dumps(json.loads((args.work / "sft_model" / "warmup_summary.json").read_text()), indent=1))
     return 0
 

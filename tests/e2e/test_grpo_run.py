@@ -134,7 +134,7 @@ def test_no_service_outlives_the_run(two_iterations: tuple) -> None:
     assert out.stdout.strip() == ""
 
 
-@pytest.mark.slow  # CI: tests/reliability/test_crash_resume_short.py and test_dapo_run.py's resume cover resuming
+@pytest.mark.slow  # CI: tests/reliability/test_crash_resume_short.py covers resuming
 def test_killed_run_resumes_from_its_checkpoint_with_the_same_data(repo_root: Path, tiny_model_dir: Path,
                                                                     arith_prefix: Path, tmp_path: Path) -> None:
     """Two iterations, a stop, then `--resume` to three: the third iteration continues the data cursor and

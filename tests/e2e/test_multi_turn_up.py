@@ -117,8 +117,67 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-# In the soak until a CI run of it is on record: it landed as the session ended, not yet run from a clean clone.
-@pytest.mark.slow
+def test_a_local_sandbox_url_gets_the_runs_sandbox_and_another_host_is_used_as_written(repo_root: Path,
+                                                                                       tmp_path: Path) -> None:
+    import yaml
+
+    from services.common.config import load_config
+    from services.common.config.tools import load_tool_config
+    from services.launcher.tools import plan_tools
+
+    def plan(tool_yaml: Path):
+        cfg = load_config(repo_root / CONFIG, [f"rl_config.tool_config_path={tool_yaml}"])
+        return plan_tools(cfg, tmp_path / "run")
+
+    source = repo_root / "configs" / "tools" / "retool_tiny.yaml"
+    local = plan(source)
+    assert local.source == source and local.tool_config == tmp_path / "run" / "tools" / "retool_tiny.yaml"
+    (sandbox,) = local.sandboxes
+    assert sandbox.yaml_url == "http://localhost:8080/run_code" and 1024 < sandbox.port < 65536
+    copied, original = load_tool_config(local.tool_config).tools[0], load_tool_config(source).tools[0]
+    assert copied.config.sandbox_fusion_url == f"http://127.0.0.1:{sandbox.port}/run_code"
+    assert copied.schema == original.schema and copied.config.num_workers == original.config.num_workers
+
+    raw = yaml.safe_load(source.read_text())
+    raw["tools"][0]["config"]["sandbox_fusion_url"] = "http://sandbox.example:8080/run_code"
+    (tmp_path / "remote.yaml").write_text(yaml.safe_dump(raw))
+    remote = plan(tmp_path / "remote.yaml")
+    assert remote.tool_config == remote.source == tmp_path / "remote.yaml" and remote.sandboxes == ()
+    assert plan_tools(load_config(repo_root / "configs" / "grpo_demo_cpu.yaml"), tmp_path / "run") is None
+
+
+def test_a_dead_tool_server_or_sandbox_is_restarted_even_as_the_last_of_its_kind(tmp_path: Path) -> None:
+    """services/launcher/supervision.py: tools and sandbox are expendable; the coordinator's death stays fatal."""
+    from io import StringIO
+
+    from services.common.processes import ServiceProcess, ServiceStartError
+    from services.launcher.stack import LocalStack
+    from services.launcher.supervision import Supervisor
+
+    out = StringIO()
+    stack = LocalStack(tmp_path, out=out)
+    for name in ("sandbox-0", "tools-0", "coordinator"):
+        stack.processes.append(ServiceProcess(name, [], tmp_path / f"{name}.log", command=["sleep", "60"]).start())
+    supervisor = Supervisor(stack)
+    try:
+        for index, name in enumerate(("sandbox-0", "tools-0")):
+            old = stack.processes[index]
+            os.kill(old.pid, signal.SIGKILL)
+            old.proc.wait()
+            supervisor.check()
+            new = stack.processes[index]
+            assert new.name == name and new.alive() and new.pid != old.pid and new.command == old.command
+            assert (f"{name} (pid {old.pid}) exited with code -9 (killed by SIGKILL); the run goes on (calls it would "
+                    f"answer are tool errors until it is back); restarted it as pid {new.pid}") in out.getvalue()
+        coordinator = stack.processes[2]
+        os.kill(coordinator.pid, signal.SIGKILL)
+        coordinator.proc.wait()
+        with pytest.raises(ServiceStartError, match=rf"coordinator \(pid {coordinator.pid}\) exited with code -9"):
+            supervisor.check()
+    finally:
+        stack.stop()
+
+
 def test_tool_calls_run_through_up_and_a_killed_sandbox_costs_no_run(format_warmup: Path, repo_root: Path,
                                                                       tmp_path: Path) -> None:
     iterations = 3
