@@ -3,7 +3,8 @@
 task of the demo ("A+B=", A, B in 0..99), from the demo's supervised warm-up, with a fixed sampling seed.
 
 The warm-up (`rlfabric sft --recipe addition`, in process: ~1,300 steps, ~80 s on 2 cores) is a session
-fixture; the short test then runs 100 iterations of `configs/grpo_demo_cpu.yaml` (~60 s with start-up).
+fixture; the short test then runs `make demo`'s script (examples/grpo/grpo_demo_cpu.sh) on it, shortened to 100
+iterations of `configs/grpo_demo_cpu.yaml` (~60 s with start-up, then the script's convert, eval, plot, report).
 
 Margin, measured (2-core machine, shared): 10 runs of exactly this shape (100 iterations of the demo config from
 the same warm-up, sampling seed drawn per run, no validation) gave, for the mean training reward of the last 10
@@ -11,14 +12,14 @@ iterations minus that of the first 10: 0.066, 0.073, 0.080, 0.105, 0.106, 0.116,
 (mean 0.110, standard deviation 0.032; first-10 means 0.29-0.37, last-10 means 0.40-0.47). MARGIN = 0.04 is
 2.2 standard deviations below the mean and below every measured run; with learning broken the gain centres on 0
 and the test fails. The sampling seed is fixed, so a given machine repeats its verdict.
-The slow test (`make soak`) runs the demo's full length and asserts the demo's marks.
+The slow test (`make soak`) runs the demo script as written and asserts the demo's marks.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,6 @@ import pytest
 from services.report.run_metrics import find_metrics, read_metrics
 from services.report.seed_metrics import check_record
 
-CONFIG = "configs/grpo_demo_cpu.yaml"
 VERIFIER = "leading_number"
 SHORT_ITERATIONS = 100
 MARGIN = 0.04
@@ -59,29 +59,35 @@ def addition_warmup(tmp_path_factory: pytest.TempPathFactory, repo_root: Path) -
     return work
 
 
-def run_grpo(repo_root: Path, work: Path, run_dir: Path, iterations: int, *extra: str) -> subprocess.CompletedProcess:
-    verifier = f"{VERIFIER}={sys.executable} examples/grpo/leading_number_verifier.py --port {{port}}"
-    args = [sys.executable, "-m", "services.cli", "up", CONFIG,
-            "-o", f"megatron_training.tokenizer_name_or_path={work / 'sft_model'}",
-            "-o", f"megatron_training.data_path={work / 'dataset' / 'train'}",
-            "-o", f"rlfabric.val_data_path={work / 'dataset' / 'heldout'}",
-            "-o", f"actor_config.load={work / 'sft_model'}", "-o", f"actor_config.save={run_dir / 'ckpt'}",
-            "-o", f"megatron_training.train_iters={iterations}",
-            "--run-dir", str(run_dir), "--verifier-command", verifier, *extra]
-    return subprocess.run(args, cwd=repo_root, capture_output=True, text=True, timeout=1800)
-
-
 def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def test_reward_goes_up(addition_warmup: Path, repo_root: Path, tmp_path: Path) -> None:
+def run_demo_script(repo_root: Path, work: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`make demo`'s script on a work folder that already holds the warm-up (which the script then keeps)."""
+    return subprocess.run(["bash", "examples/grpo/grpo_demo_cpu.sh", str(work), *extra], cwd=repo_root,
+                          capture_output=True, text=True, timeout=1800)
+
+
+def test_reward_goes_up(addition_warmup: Path, repo_root: Path) -> None:
+    """Through `make demo`'s own script (its steps after the warm-up: up, convert, eval, plot, report), shortened
+    to SHORT_ITERATIONS: the report's marks are the full demo's (the soak's), so at this length it may exit 1 on
+    them; every other step must succeed."""
     sft = json.loads((addition_warmup / "sft_model" / "sft_summary.json").read_text())
     assert 0.4 <= sft["held_out_greedy_accuracy"] <= 0.7, sft  # the warm-up lands where GRPO has room to learn
-    proc = run_grpo(repo_root, addition_warmup, tmp_path, SHORT_ITERATIONS,
-                    "-o", "generate_config.sampling_config.seed=1", "-o", f"rlfabric.val_interval={SHORT_ITERATIONS}")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = read_metrics(find_metrics(tmp_path))
+    proc = run_demo_script(repo_root, addition_warmup, "-o", f"megatron_training.train_iters={SHORT_ITERATIONS}",
+                           "-o", "generate_config.sampling_config.seed=1",
+                           "-o", f"rlfabric.val_interval={SHORT_ITERATIONS}")
+    assert "== [" in proc.stdout and "7/7 what GRPO did" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    marks = re.findall(r"(?m)^\[(ok|FAILED)\] (.*)$", proc.stdout)
+    assert len(marks) == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert marks[-1][0] == "ok", marks  # every iteration's record holds the seed's metric table
+    assert proc.returncode == (0 if all(ok == "ok" for ok, _ in marks) else 1), proc.stderr[-3000:]
+    run_dir = addition_warmup / "run"
+    assert list((run_dir / "runs").glob("*/plots/*.png")), "rlfabric plot wrote no chart"
+    sampled = json.loads((addition_warmup / "eval_final" / "results.json").read_text())["results"]["heldout"]
+    assert sampled["problems"] == 500
+    records = read_metrics(find_metrics(run_dir))
     train = [r for r in records if r["iteration"] >= 1]
     assert [int(r["iteration"]) for r in train] == list(range(1, SHORT_ITERATIONS + 1))
     rewards = [r["grpo/score/mean"] for r in train]
@@ -104,25 +110,10 @@ def test_reward_goes_up(addition_warmup: Path, repo_root: Path, tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_demo_length_run_learns(addition_warmup: Path, repo_root: Path, tmp_path: Path) -> None:
-    """The demo's marks at the demo's length (its config as written): reward +0.15 (last 5 vs first 5
-    iterations), greedy held-out accuracy up, the final model sampled independently within 0.05 of the
-    training reward of the last 50 iterations (see examples/grpo/demo_report.py for why 50)."""
-    proc = run_grpo(repo_root, addition_warmup, tmp_path, 500)
+def test_demo_length_run_learns(addition_warmup: Path, repo_root: Path) -> None:
+    """`make demo` as written, from the warm-up: its report's marks all hold (examples/grpo/demo_report.py: reward
+    +0.15 last 5 vs first 5 iterations, greedy held-out accuracy up, the final model sampled independently within
+    0.05 of the training reward of the last 50 iterations, the seed's metric table every iteration)."""
+    proc = run_demo_script(repo_root, addition_warmup)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = read_metrics(find_metrics(tmp_path))
-    rewards = [r["grpo/score/mean"] for r in records if r["iteration"] >= 1]
-    assert mean(rewards[-5:]) - mean(rewards[:5]) >= 0.15
-    val = [r["val/pass@1"] for r in records if "val/pass@1" in r]
-    assert len(val) == 6 and val[-1] > val[0]
-    final = tmp_path / "final_model"
-    subprocess.run([sys.executable, "-m", "services.cli", "convert", "mcore2hf", str(tmp_path / "ckpt"), str(final),
-                    "--quiet"], cwd=repo_root, check=True, timeout=600)
-    verifier = f"{VERIFIER}={sys.executable} examples/grpo/leading_number_verifier.py --port {{port}}"
-    out = tmp_path / "eval"
-    subprocess.run([sys.executable, "-m", "services.cli", "eval", "--model", str(final), "--dataset",
-                    str(addition_warmup / "task" / "heldout.jsonl"), "--template", "empty", "--max-tokens", "8",
-                    "-n", "8", "--temperature", "1", "--verifier-function", VERIFIER, "--verifier-command", verifier,
-                    "--out", str(out)], cwd=repo_root, check=True, timeout=900, capture_output=True)
-    sampled = json.loads((out / "results.json").read_text())["results"]["heldout"]["pass@1"]
-    assert abs(sampled - mean(rewards[-50:])) <= 0.05
+    assert len(re.findall(r"(?m)^\[ok\] ", proc.stdout)) == 4, proc.stdout[-3000:]
