@@ -54,3 +54,20 @@ def test_bad_multi_turn_values_are_refused_naming_the_key(override: str, key: st
 def test_without_multi_turn_enable_the_companions_are_inert() -> None:
     cfg = load_config(BASE, overrides=["rl_config.max_tool_calls=0", "rl_config.tool_parser_format=json"])
     assert multi_turn_settings(cfg) is None
+
+
+def test_the_upstream_multi_turn_config_loads_unchanged(repo_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MindSpeed-RL's dapo_qwen25_7b_A2_multi_turn.yaml as it is (tests/common/upstream_configs/); its tool YAML path
+    is relative to where upstream runs from, the repository root, where configs/tools/ holds upstream's bytes."""
+    from services.common.config.multi_turn import tool_config_file
+    from services.common.config.tools import load_tool_config
+
+    monkeypatch.chdir(repo_root)
+    cfg = load_config(Path(__file__).parent / "upstream_configs" / "dapo_qwen25_7b_A2_multi_turn.yaml")
+    assert cfg.rl_config.multi_turn_enable and cfg.derived.algorithm == "dapo"
+    settings = multi_turn_settings(cfg)
+    assert (settings.max_tool_calls, settings.max_parallel_calls, settings.max_total_response_length,
+            settings.max_tool_response_length, settings.truncate_side, settings.tool_parser_format) == \
+        (1, 1, 2048, 256, "middle", "hermes")  # as MULTI_TURN above copies them
+    (tool,) = load_tool_config(tool_config_file(cfg)).tools
+    assert tool.config.sandbox_fusion_url.endswith("/run_code")
