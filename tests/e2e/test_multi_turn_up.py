@@ -216,6 +216,7 @@ def test_tool_calls_run_through_up_and_a_killed_sandbox_costs_no_run(format_warm
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the warm-up (a fixture, counted here: ~350 steps, 10-15 min on 2 cores) and 60 iterations
 def test_grpo_with_the_tool_raises_reward_calls_and_success(tool_warmup: Path, repo_root: Path,
                                                            tmp_path: Path) -> None:
     """Margins measured: see the module's MARGINS note (filled from measured runs)."""
