@@ -12,6 +12,9 @@ are re-sent to the surviving replicas. A re-sent group samples all n again; samp
 so a sample that had already arrived keeps its first copy, the re-sent copy is dropped, and every sample
 is scored exactly once. Only with no replica left does the iteration fail.
 
+Multi-turn (`rl_config.multi_turn_enable`): each sample that streams back is one turn; continuations.py sends
+its trajectory's continuations, and the trajectory, once finished, is scored as one sample.
+
 `RequestStream` is the one helper behind both streams: a streaming RPC fed from a queue by this thread and
 drained on its own, timed as one phase from its first request to its last reply.
 """
@@ -29,12 +32,13 @@ import grpc
 import numpy as np
 
 from rlfabric.v1 import common_pb2, reward_pb2, rollout_pb2, trainer_pb2
-from services.common.sequences import Sequences, split_response_values
 from services.common.tensors import to_numpy, to_proto
+from services.coordinator.continuations import Continuations, Finished, with_max_tokens
 from services.coordinator.errors import IterationError
 from services.coordinator.iteration_metrics import PhaseClock
-from services.coordinator.multi_turn import MultiTurn, Trajectory
+from services.coordinator.multi_turn import MultiTurn
 from services.coordinator.settings import IterationSettings
+from services.coordinator.trainer_requests import collect_log_probs, sequences_of
 from services.coordinator.weight_sync import Replica
 
 _DONE = object()
@@ -47,13 +51,6 @@ class _Lost:
     replica: Replica
     pending: list[rollout_pb2.GenerateRequest]
     error: str
-
-
-@dataclass
-class _Finished:
-    """A multi-turn trajectory that made its last turn (multi_turn.py), for the receiving loop."""
-
-    trajectory: Trajectory
 
 
 @dataclass(frozen=True)
@@ -137,38 +134,6 @@ class RequestStream:
                 self._clock.record(self.name, first, time.perf_counter())
 
 
-def _with_max_tokens(sampling: common_pb2.SamplingParams, max_tokens: int) -> common_pb2.SamplingParams:
-    own = common_pb2.SamplingParams()
-    own.CopyFrom(sampling)
-    own.max_tokens = max_tokens
-    return own
-
-
-def sequences_of(samples: Sequence[common_pb2.Sample], prompts: Sequence[np.ndarray],
-                 weights_version: int) -> Sequences:
-    """Each sample's prompt followed by its response, as one flat batch (with the rollout's routing, if any)."""
-    captured = [x.HasField("routed_experts") for x in samples]
-    if any(captured) and not all(captured):
-        missing = [x.sample_id for x, c in zip(samples, captured, strict=True) if not c]
-        raise IterationError(f"routing replay: {len(missing)} samples came without routed_experts (first: "
-                             f"{missing[:3]}); every rollout replica must be built with routing capture")
-    routed = [to_numpy(x.routed_experts) for x in samples] if all(captured) and samples else None
-    masks = None
-    if any(x.HasField("response_mask") for x in samples):  # multi-turn: tool answers are context, not trained on
-        masks = [to_numpy(x.response_mask).reshape(-1) if x.HasField("response_mask")
-                 else np.ones(x.response_length, np.bool_) for x in samples]
-    return Sequences.from_lists([x.sample_id for x in samples], prompts,
-                                [to_numpy(x.response_token_ids) for x in samples], weights_version, routed, masks)
-
-
-def collect_log_probs(reply: trainer_pb2.LogProbResponse, lengths: dict[str, int],
-                      out: dict[str, np.ndarray]) -> None:
-    """Splits a reply's flat log-probs per sample; the lengths are those of the request, by sample id."""
-    ids = list(reply.sample_ids)
-    parts = split_response_values(to_numpy(reply.log_probs), [lengths[x] for x in ids])
-    out.update(zip(ids, parts, strict=True))
-
-
 class LogProbStream:
     """Sends samples to a trainer's `ComputeLogProbs` in micro-batches as they come; log-probs by sample id."""
 
@@ -234,11 +199,8 @@ class Generator:
         self.failover = {"rollout/replicas_lost": 0.0, "rollout/groups_resent": 0.0,
                          "rollout/duplicate_samples_dropped": 0.0}
         self.multi_turn = multi_turn
-        self._continuing: dict[str, Trajectory] = {}  # continuation group id -> its trajectory
-        self._turns_seen: set[str] = set()
-        self._turn_lock = threading.Lock()
-        self._sampling = common_pb2.SamplingParams()
-        self._next_replica = 0
+        self._continuations = None if multi_turn is None else Continuations(
+            multi_turn, self.replicas, self._deal, self._count_duplicate)
 
     def take_failover_metrics(self) -> dict[str, float]:
         """What failover did since the last call (all zero when no replica was lost), and the tool use of the
@@ -258,7 +220,6 @@ class Generator:
         samples_q: queue.Queue = queue.Queue()
         reward = RequestStream("rule_reward", self.score, lambda r: scores.__setitem__(r.sample_id, r), clock)
         self._threads = []
-        self._continuing, self._turns_seen = {}, set()
         self._start_rollout(prompts, weights_version, clock, samples_q)
         try:
             samples = self._receive(prompts, samples_q, reward, reference, weights_version, clock)
@@ -285,13 +246,14 @@ class Generator:
         sampling = common_pb2.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, has_temperature=True,
                                              top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                                              seed=s.seed or 0, has_seed=s.seed is not None)
-        self._sampling = sampling
+        if self._continuations is not None:
+            self._continuations.start(sampling)
         requests = []
         for p in prompts:
             group = common_pb2.PromptGroup(group_id=p.group_id, prompt_token_ids=to_proto(np.asarray(p.prompt, np.int32)),
                                            n=s.n_samples_per_prompt)
             budget = s.response_budget(len(p.prompt))
-            own = sampling if budget == s.max_tokens else _with_max_tokens(sampling, budget)
+            own = sampling if budget == s.max_tokens else with_max_tokens(sampling, budget)
             requests.append(rollout_pb2.GenerateRequest(group=group, expected_weights_version=version, sampling=own))
         if not self.replicas:
             raise IterationError("no rollout replica left (every one was lost and none has joined)")
@@ -358,13 +320,13 @@ class Generator:
                 continue
             if isinstance(item, Exception):
                 raise item
-            if isinstance(item, _Finished):
+            if isinstance(item, Finished):
                 item = self.multi_turn.finish(item.trajectory)
-            elif self.multi_turn is not None:  # one turn of a trajectory: it continues or comes back _Finished
-                self._on_turn(item, by_group, version, clock, samples_q)
+            elif self._continuations is not None:  # one turn of a trajectory: it continues or comes back Finished
+                self._continuations.on_turn(item, by_group, version, clock, samples_q)
                 continue
             if item.sample_id in samples:
-                self.failover["rollout/duplicate_samples_dropped"] += 1
+                self._count_duplicate()
                 continue  # a re-sent group sampled again one we already hold: the first copy counts
             samples[item.sample_id] = item
             prompt = by_group[item.group_id]
@@ -378,43 +340,5 @@ class Generator:
             reference.flush(version)
         return samples
 
-    # -- multi-turn ---------------------------------------------------------------------------------------
-
-    def _on_turn(self, item: common_pb2.Sample, by_group: dict[str, GroupPrompt], version: int, clock: PhaseClock,
-                 out: queue.Queue) -> None:
-        """A turn arrived: its trajectory's next step runs on its own thread (tool calls block)."""
-        with self._turn_lock:
-            if item.sample_id in self._turns_seen:  # a re-sent group's second copy
-                self.failover["rollout/duplicate_samples_dropped"] += 1
-                return
-            self._turns_seen.add(item.sample_id)
-            trajectory = self._continuing.pop(item.group_id, None)
-        if trajectory is None:
-            trajectory = Trajectory(first=item, prompt=np.asarray(by_group[item.group_id].prompt, np.int32))
-        threading.Thread(target=self._advance, args=(trajectory, item, version, clock, out),
-                         name=f"turn-{item.sample_id}", daemon=True).start()
-
-    def _advance(self, trajectory: Trajectory, item: common_pb2.Sample, version: int, clock: PhaseClock,
-                 out: queue.Queue) -> None:
-        try:
-            context = self.multi_turn.next_step(trajectory, item)
-        except Exception as e:  # noqa: BLE001 - the iteration fails naming the sample, never a silent hang
-            out.put(IterationError(f"multi-turn: sample {trajectory.first.sample_id}: {type(e).__name__}: {e}"))
-            return
-        if context is None:
-            out.put(_Finished(trajectory))
-            return
-        group_id = f"{trajectory.first.sample_id}@{trajectory.turns}"
-        sampling = _with_max_tokens(self._sampling, min(self._sampling.max_tokens,
-                                                        self.multi_turn.remaining_tokens(trajectory)))
-        request = rollout_pb2.GenerateRequest(
-            group=common_pb2.PromptGroup(group_id=group_id, prompt_token_ids=to_proto(context), n=1),
-            expected_weights_version=version, sampling=sampling)
-        with self._turn_lock:
-            self._continuing[group_id] = trajectory
-            replicas = list(self.replicas)
-            self._next_replica += 1
-        if not replicas:
-            out.put(IterationError("no rollout replica left for a multi-turn continuation"))
-            return
-        self._deal([request], [replicas[self._next_replica % len(replicas)]], clock, out)
+    def _count_duplicate(self) -> None:
+        self.failover["rollout/duplicate_samples_dropped"] += 1

@@ -6,12 +6,12 @@
    (`generation.py`). With DAPO dynamic sampling (`filter_groups_enable`) further prompt batches are generated
    until `filter_groups_train_batch_size` groups with a spread in `filter_groups_metric` are kept
    (`dynamic_sampling.py`); only those train;
-2. score: final rewards (the verifiers' weighted sum, DAPO overlong shaping);
+2. score: final rewards (the verifiers' weighted sum, DAPO overlong shaping; `rewards.py`);
 3. advantages: group normalisation, or `rl_config.adv_estimator`'s (before the log-prob passes, as MindSpeed-RL
-   orders them);
+   orders them; `rewards.py`);
 4. reference and old log-probs: the reference's (streamed during the rollout, or in integrated mode one pass
    with its weights onloaded around it) and the actor's (skipped when fully on-policy);
-5. update: the actor's `Update` over the trained batch;
+5. update: the actor's `Update` over the trained batch (requests built by `trainer_requests.py`);
 6. sync: the actor pushes the new version to every replica, which acks it with a checksum;
 7. metrics: the seed's table, the iteration timeline, DAPO's counts.
 In integrated mode (`use_integrated_worker`) `placement.py` moves the services' memory between the phases.
@@ -37,28 +37,16 @@ from typing import Any
 import grpc
 import numpy as np
 
-from rlfabric.v1 import reward_pb2, trainer_pb2
+from rlfabric.v1 import reward_pb2
 from services.common.sequences import Sequences
-from services.common.tensors import to_proto
-from services.coordinator.advantages import (
-    apply_overlong_penalty,
-    compute_advantages,
-    make_kl_controller,
-)
+from services.coordinator.advantages import make_kl_controller
 from services.coordinator.dynamic_sampling import (
     DynamicSamplingExhaustedError,
     GroupAccumulator,
     select_metric,
 )
 from services.coordinator.errors import IterationError
-from services.coordinator.generation import (
-    Generator,
-    Group,
-    GroupPrompt,
-    LogProbStream,
-    collect_log_probs,
-    sequences_of,
-)
+from services.coordinator.generation import Generator, Group, GroupPrompt, LogProbStream
 from services.coordinator.iteration_metrics import (
     PhaseClock,
     batch_metrics,
@@ -69,7 +57,9 @@ from services.coordinator.iteration_metrics import (
 from services.coordinator.multi_turn import MultiTurn
 from services.coordinator.off_policy import behavior_log_probs, fence, rollout_mismatch
 from services.coordinator.placement import Placement
+from services.coordinator.rewards import TrainBatch, advantages_by_sample, score_groups, verifier_scores
 from services.coordinator.settings import IterationSettings
+from services.coordinator.trainer_requests import compute_log_probs, update_request
 from services.coordinator.weight_sync import Replica
 
 logger = logging.getLogger(__name__)
@@ -96,19 +86,6 @@ class _Generated:
 
 
 @dataclass
-class _Batch:
-    """The groups an iteration trains on, flattened: samples in group order, their final rewards."""
-
-    groups: list[Group]
-    rewards: np.ndarray  # float64 [groups * n]
-    seqs: Sequences  # the trainable samples
-
-    @property
-    def samples(self) -> list[Any]:
-        return [x for g in self.groups for x in g.samples]
-
-
-@dataclass
 class Rollout:
     """A generated iteration waiting to train: its groups, its clock (timings continue on it), the version
     it sampled with, and the reference stream that ran beside it."""
@@ -122,7 +99,7 @@ class Rollout:
 
 @dataclass
 class _Trained:
-    batch: _Batch
+    batch: TrainBatch
     metrics: dict[str, float]  # the actor's update metrics and the staleness
 
 
@@ -283,7 +260,7 @@ class GrpoIteration:
             groups = self.generator.generate(self._group_prompts(batch, iteration), version, clock, ref_stream)
             generated.extend(groups)
             try:
-                acc.add(groups, select_metric(self._verifier_scores(groups), s.filter_groups_metric))
+                acc.add(groups, select_metric(verifier_scores(groups, s.verifiers), s.filter_groups_metric))
             except DynamicSamplingExhaustedError as e:
                 raise IterationError(str(e)) from e
         if on_generated is not None:
@@ -304,26 +281,12 @@ class GrpoIteration:
         return LogProbStream("reference_model", self.reference, self.settings,
                              self.settings.ref_forward_micro_batch_size, clock)
 
-    def _score(self, groups: list[Group], weights_version: int) -> _Batch:
-        """Final rewards in group order: the verifiers' weighted sum (0 for a failed sample), then DAPO shaping."""
-        s = self.settings
-        samples = [x for g in groups for x in g.samples]
-        rewards = np.array([r.reward if not x.error else 0.0 for g in groups for x, r in zip(g.samples, g.scores,
-                                                                                             strict=True)])
-        if s.overlong_buffer_enable:
-            lengths = np.array([x.response_length for x in samples], dtype=np.int64)
-            rewards = apply_overlong_penalty(rewards, lengths, s.rollout_max_tokens, s.overlong_buffer,
-                                             s.overlong_buffer_penalty_factor)
-        trainable = [(x, g.prompt.prompt) for g in groups for x in g.trainable()]
-        seqs = sequences_of([x for x, _ in trainable], [p for _, p in trainable], weights_version)
-        return _Batch(groups, rewards, seqs)
+    def _score(self, groups: list[Group], weights_version: int) -> TrainBatch:
+        return score_groups(groups, weights_version, self.settings)
 
-    def _advantages(self, trained: _Batch, clock: PhaseClock) -> dict[str, float]:
-        start, s = time.perf_counter(), self.settings
-        lengths = [0 if x.error else x.response_length for x in trained.samples]  # tokens each sample trains
-        advantages = compute_advantages(s.adv_estimator, trained.rewards, s.n_samples_per_prompt, lengths,
-                                        norm_adv_by_std=s.norm_adv_by_std_in_grpo)
-        adv_of = {x.sample_id: float(a) for x, a in zip(trained.samples, advantages, strict=True)}
+    def _advantages(self, trained: TrainBatch, clock: PhaseClock) -> dict[str, float]:
+        start = time.perf_counter()
+        adv_of = advantages_by_sample(trained, self.settings)
         clock.record("adv", start, time.perf_counter())
         return adv_of
 
@@ -337,12 +300,12 @@ class GrpoIteration:
         s = self.settings
         ref_lp: dict[str, np.ndarray] = {}
         if s.use_reference and ref_stream is None and len(seqs):
-            ref_lp = self.placement.reference_pass(clock, lambda: self._timed_log_probs(
-                "reference_model", self.reference, seqs, s.ref_forward_micro_batch_size, clock))
+            ref_lp = self.placement.reference_pass(clock, lambda: compute_log_probs(
+                "reference_model", self.reference, seqs, s.ref_forward_micro_batch_size, s, clock))
         old_lp: dict[str, np.ndarray] = {}
         if not s.skip_old_log_probs and len(seqs):
             self.placement.enter_forward()
-            old_lp = self._timed_log_probs("old_log_p", self.actor, seqs, s.actor_forward_micro_batch_size, clock)
+            old_lp = compute_log_probs("old_log_p", self.actor, seqs, s.actor_forward_micro_batch_size, s, clock)
         if ref_stream is not None:
             ref_lp = ref_stream.join()
         return old_lp, ref_lp
@@ -354,8 +317,9 @@ class GrpoIteration:
             return {}
         s = self.settings
         kl_coef = self.kl_controller.value if s.use_reference else 0.0
-        requests = [self._update_request(seqs.take(i, i + s.update_chunk_size), adv_of, old_lp, ref_lp, iteration,
-                                         kl_coef, behavior) for i in range(0, len(seqs), s.update_chunk_size)]
+        requests = [update_request(seqs.take(i, i + s.update_chunk_size), adv_of, old_lp, ref_lp, behavior,
+                                   step=iteration, kl_coef=kl_coef, settings=s)
+                    for i in range(0, len(seqs), s.update_chunk_size)]
         self.placement.enter_train(clock)
         start = time.perf_counter()
         try:
@@ -370,13 +334,13 @@ class GrpoIteration:
             self.kl_controller.update(metrics.get("actor/kl_loss", 0.0), len(seqs))
         return metrics
 
-    def _metrics(self, gen: _Generated, trained: _Batch, timings: dict[str, float]) -> dict[str, float]:
+    def _metrics(self, gen: _Generated, trained: TrainBatch, timings: dict[str, float]) -> dict[str, float]:
         """As MindSpeed-RL's DAPO trainer: scores and lengths over the trained samples, the verifiers' means
         and the generation throughputs over everything generated."""
         s = self.settings
         samples = trained.samples
         metrics = batch_metrics(
-            rewards=trained.rewards, verifier_scores=self._verifier_scores(gen.generated),
+            rewards=trained.rewards, verifier_scores=verifier_scores(gen.generated, s.verifiers),
             prompt_lengths=[x.prompt_length for x in samples], response_lengths=[x.response_length for x in samples],
             global_batch_size=len(trained.groups), generated_prompts=len(gen.generated),
             n_samples_per_prompt=s.n_samples_per_prompt, world_size=s.world_size, timings=timings,
@@ -391,46 +355,3 @@ class GrpoIteration:
                             "dapo/num_groups_kept": float(gen.num_groups_kept),
                             "dapo/num_groups_trained": float(len(gen.trained))})
         return metrics
-
-    def _verifier_scores(self, groups: list[Group]) -> dict[str, list[float]]:
-        """Each verifier's unweighted score per sample, in group order (0 for a failed sample)."""
-        return {name: [0.0 if x.error else r.scores[i].score for g in groups
-                       for x, r in zip(g.samples, g.scores, strict=True)]
-                for i, (name, _w) in enumerate(self.settings.verifiers)}
-
-    # -- helpers ------------------------------------------------------------------------------------------
-
-    def _update_request(self, chunk: Sequences, adv_of: dict[str, float], old_lp: dict[str, np.ndarray],
-                        ref_lp: dict[str, np.ndarray], iteration: int, kl_coef: float,
-                        behavior: dict[str, np.ndarray]) -> trainer_pb2.UpdateRequest:
-        ids = chunk.sample_ids
-        req = trainer_pb2.UpdateRequest(
-            batch=chunk.to_proto(), advantages=to_proto(np.array([adv_of[x] for x in ids], dtype=np.float32)),
-            temperature=self.settings.temperature, step=iteration, kl_coef=kl_coef)
-        if behavior:
-            req.behavior_log_probs.CopyFrom(to_proto(np.concatenate([behavior[x] for x in ids]).astype(np.float32)))
-        if old_lp:
-            req.old_log_probs.CopyFrom(to_proto(np.concatenate([old_lp[x] for x in ids]).astype(np.float32)))
-        if self.settings.use_reference:
-            missing = [x for x in ids if x not in ref_lp]
-            if missing:
-                raise IterationError(f"reference: no log-probs for {len(missing)} samples (first: {missing[:3]})")
-            req.ref_log_probs.CopyFrom(to_proto(np.concatenate([ref_lp[x] for x in ids]).astype(np.float32)))
-        return req
-
-    def _timed_log_probs(self, phase: str, stub: Any, seqs: Sequences, micro: int,
-                         clock: PhaseClock) -> dict[str, np.ndarray]:
-        """`stub`'s log-probs of every sequence, `micro` rows per request, timed as `phase`."""
-        requests = [trainer_pb2.LogProbRequest(batch=seqs.take(i, i + micro).to_proto(),
-                                               temperature=self.settings.temperature)
-                    for i in range(0, len(seqs), micro)]
-        lengths = dict(zip(seqs.sample_ids, seqs.response_lengths.tolist(), strict=True))
-        out: dict[str, np.ndarray] = {}
-        start = time.perf_counter()
-        try:
-            for reply in stub.ComputeLogProbs(iter(requests), timeout=self.settings.deadline_s):
-                collect_log_probs(reply, lengths, out)
-        except grpc.RpcError as e:
-            raise IterationError(f"{phase} ComputeLogProbs: {e.code().name}: {e.details()}") from e
-        clock.record(phase, start, time.perf_counter())
-        return out

@@ -9,17 +9,9 @@ than the bound runs alone; `max_samples_per_group` (default 4 x max_num_seqs) re
 that they would hold the engine for many rounds. When the stream ends early (client cancel, deadline,
 error), the unfinished samples are aborted in the engine.
 
-`UpdateWeights` stages buckets (weights.py); updates are serialised per engine (`RolloutEngine.update_lock`).
-gRPC buckets (bytes kept as views of the message) are queued on the engine thread as they arrive, at most
-`_APPLIES_AHEAD` ahead of the stream, each checked as it is applied after saving the values it overwrites,
-so the copy into the engine overlaps the transfer and only a few received messages are alive at once (their
-memory is reused rather than faulted in afresh). A stream that fails before its commit completes (refused
-bucket, bad checksum, cancelled, no commit) gets the backup restored before its error is answered: the
-replica serves its previous weights bitwise, at its previous version; during the stream it refuses
-`Generate` (the coordinator never generates on a replica it is pushing to). Shared-memory buckets are
-applied the same way without a backup (a failed push leaves the replica refusing to generate until a
-complete one lands). Error codes follow protos/rlfabric/v1/rollout.proto; client values are quoted through
-services/common/status.py.
+`UpdateWeights` hands its stream to update_stream.py, which stages and applies the buckets as they arrive and,
+when the stream fails, restores the served weights before the error is answered. Error codes follow
+protos/rlfabric/v1/rollout.proto; client values are quoted through services/common/status.py.
 """
 
 from __future__ import annotations
@@ -30,8 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -45,17 +36,16 @@ from services.common.status import abort, echo
 from services.common.tensors import TensorDecodeError, dtype_code, to_numpy, to_proto
 from services.common.transports.wire import receiving_views
 from services.rollout import metrics
-from services.rollout.engine import EngineUnavailableError, RolloutEngine
+from services.rollout.engine import RolloutEngine
+from services.rollout.engine_thread import EngineUnavailableError
 from services.rollout.options import InvalidSamplingValueError, SamplingOptions
 from services.rollout.samples import FINISH_ERROR, SampleRequest, SampleResult
-from services.rollout.weights import COLLECTIVE, WeightStager, WeightUpdateError
+from services.rollout.update_stream import UpdateStream
+from services.rollout.weights import WeightUpdateError
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "rlfabric.v1.Rollout"
-# Streamed buckets (gRPC, shared memory) queued on the engine ahead of the one being read: enough to keep the engine busy while the next
-# message arrives, few enough that the received messages' memory is recycled.
-_APPLIES_AHEAD = 2
 
 _FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -294,96 +284,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             metrics.STREAMS.dec()
 
     def UpdateWeights(self, request_iterator, context):
-        engine = self.engine
-        stager = WeightStager(engine.expected_weights, held_version=engine.weights_version)
-        staged = None
-        # Buckets whose bytes the servicer keeps out of the message (gRPC views, shared memory) are applied as
-        # they arrive, under the engine's update lock for the rest of the stream; gRPC ones with a backup.
-        streamed: str | None = None  # "shm" or "grpc" once the first bucket was handed to the engine
-        pending: list[Future] = []  # streamed buckets queued on the engine thread, in order
-        groups: set[str] = set()  # the collective groups this stream's buckets named
         try:
-            try:
-                for chunk in request_iterator:
-                    kind = chunk.WhichOneof("kind")
-                    if kind == "bucket":
-                        if chunk.bucket.HasField("collective"):
-                            groups.add(chunk.bucket.collective.group_id)
-                        if chunk.bucket.version == 0:
-                            raise WeightUpdateError("bucket.version must be >= 1 (0 means 'as loaded from disk')")
-                        data = getattr(chunk, "data", None)
-                        stager.add_bucket(chunk.bucket, data)
-                        mode = "shm" if chunk.bucket.HasField("shm") else "grpc" if data is not None else None
-                        if mode is None:
-                            continue  # bytes inside the message or a collective's: applied at the commit
-                        if streamed is None:
-                            engine.update_lock.acquire()
-                        elif mode != streamed:
-                            raise WeightUpdateError("a stream carries shared-memory buckets or gRPC buckets, not both")
-                        first, streamed = streamed is None, mode
-                        taken = stager.take(chunk.bucket.index)
-                        self._apply(context, lambda u=taken, f=first, m=mode: pending.append(
-                            engine.update_weights_async(u, first=f, last=False, backup=m == "grpc")))
-                        self._settle(context, pending, _APPLIES_AHEAD)
-                    elif kind == "commit":
-                        # The engine first finishes the buckets it holds: their checks are its own (shared
-                        # memory), and those it has not claimed would otherwise be read here a second time.
-                        self._settle(context, pending, 0)
-                        staged = stager.commit(chunk.commit)
-                        break
-                    else:
-                        raise WeightUpdateError("a WeightUpdateChunk must carry a bucket or a commit")
-                if staged is None:
-                    raise WeightUpdateError("the stream ended without a WeightCommit: nothing was applied")
-                self._settle(context, pending, 0)
-                if streamed:
-                    # Tensors left for the commit (bytes inside their message) get the backup too.
-                    self._apply(context, lambda: engine.update_weights(staged, first=False, last=True,
-                                                                       backup=streamed == "grpc"))
-                else:
-                    with engine.update_lock:
-                        self._apply(context, lambda: engine.update_weights(staged, first=True, last=True))
-            except BaseException:
-                for group_id in groups:  # the sender drops the group of a failed push: left before answering
-                    COLLECTIVE.leave(group_id)
-                for future in pending:
-                    future.exception()  # every queued piece has run (or failed) before the lock is released
-                if streamed == "grpc":
-                    self._restore()  # before the caller hears of the failure
-                raise
-            finally:
-                if streamed:
-                    engine.update_lock.release()
+            staged = UpdateStream(self.engine).apply(request_iterator)
+        except EngineUnavailableError as e:
+            abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except WeightUpdateError as e:
             abort(context, getattr(grpc.StatusCode, e.code), str(e))
-        duration = time.monotonic() - stager.started_at
+        duration = time.monotonic() - staged.started_at
         metrics.WEIGHT_SYNC_SECONDS.observe(duration)
         return rollout_pb2.WeightUpdateAck(version=staged.version, checksum=staged.checksum,
                                            num_tensors=staged.num_tensors, num_bytes=staged.num_bytes,
                                            duration_s=duration)
-
-    def _settle(self, context, pending: list[Future], ahead: int) -> None:
-        """Waits for queued bucket applies until at most `ahead` remain (raising the first failure): the
-        received messages they hold stay few, so their memory is reused rather than faulted in afresh."""
-        while len(pending) > ahead:
-            self._apply(context, pending[0].result)
-            pending.pop(0)
-
-    def _restore(self) -> None:
-        try:
-            self.engine.restore_weights()
-        except Exception:  # the engine closed meanwhile: it serves nothing
-            logger.exception("restoring the weights after a failed update failed")
-
-    def _apply(self, context, apply: Callable[[], Any]) -> None:
-        try:
-            apply()
-        except EngineUnavailableError as e:
-            abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except WeightUpdateError:
-            raise
-        except Exception as e:  # noqa: BLE001 - reported to the caller; the engine refuses to serve
-            abort(context, grpc.StatusCode.INTERNAL, f"applying the weight update failed: {e}")
 
     def Sleep(self, request, context):
         level = request.level or 1

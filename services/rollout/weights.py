@@ -22,7 +22,7 @@ applies the bucket.
 Names are the HF checkpoint names the engine's `load_weights` accepts (`model.layers.0.self_attn.q_proj
 .weight`, ...), with full (unsharded) shapes; the engine fuses and shards them itself.
 `read_checkpoint_specs` reads them from the model folder (the engine then gives each the dtype of the vLLM
-parameter it loads into, engine.py `held_dtypes`): they are what Rollout.Info lists.
+parameter it loads into, worker_ops.py `held_dtypes`): they are what Rollout.Info lists.
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ def _from_segment(segment: np.ndarray, offset: int, t: common_pb2.Tensor) -> tor
 
 def read_checkpoint_specs(model_dir: str, dtype: Any) -> dict[str, ParamSpec]:
     """Names and full shapes of the tensors in the model folder's safetensors files (the update names), all in
-    `dtype` (the engine corrects those it keeps in another, engine.py `held_dtypes`)."""
+    `dtype` (the engine corrects those it keeps in another, worker_ops.py `held_dtypes`)."""
     from safetensors import safe_open
 
     files = sorted(Path(model_dir).glob("*.safetensors"))

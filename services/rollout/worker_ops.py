@@ -16,6 +16,23 @@ def parameter_shapes(model: Any) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
+def held_dtypes(hf_names: list[str], model: Any) -> dict[str, Any]:
+    """HF name -> dtype of the vLLM parameter loading it writes into (the fused one for q/k/v, gate/up and the
+    experts: moe_weights.target), for the names it places in a float dtype the wire carries; the others (a model's
+    own renaming, quantized storage) stay at the model dtype."""
+    import torch
+
+    carried = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules_mapping", {})
+    out = {}
+    for name in hf_names:
+        target = moe_weights.target(name, params, packed)
+        if target is not None and params[target].dtype in carried:
+            out[name] = params[target].dtype
+    return out
+
+
 def load_weights(tensors: Any, model: Any, first: bool = True) -> int:
     """Loads named HF tensors through the model's own `load_weights`. A streamed bucket (weight_checks.Verified,
     in this process) has the tensors whose place in the parameters is known copied there while they are

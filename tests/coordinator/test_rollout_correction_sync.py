@@ -14,8 +14,9 @@ from rlfabric.v1 import common_pb2, reward_pb2
 from services.common.config import load_config
 from services.common.tensors import to_proto
 from services.coordinator.generation import Group, GroupPrompt
-from services.coordinator.iteration import GrpoIteration, Rollout, _Batch
+from services.coordinator.iteration import GrpoIteration, Rollout
 from services.coordinator.iteration_metrics import PhaseClock
+from services.coordinator.rewards import TrainBatch
 from services.coordinator.settings import settings_from_config
 
 GRPO = Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny_cpu.yaml"
@@ -36,7 +37,7 @@ def _loop(*overrides: str) -> tuple[GrpoIteration, dict]:
                                         n_samples_per_prompt=2)
     sent: dict = {}
     group = _group([1.0, 0.0], [3, 1])
-    loop._score = lambda groups, version: _Batch([group], np.array([1.0, 0.0]), None)
+    loop._score = lambda groups, version: TrainBatch([group], np.array([1.0, 0.0]), None)
     loop._log_prob_passes = lambda seqs, ref_stream, clock: ({}, {})
 
     def update(seqs, adv_of, old_lp, ref_lp, iteration, clock, behavior):

@@ -10,7 +10,8 @@ import json
 import sys
 import threading
 
-from services.rollout.engine import EngineUnavailableError, RolloutEngine
+from services.rollout.engine import RolloutEngine
+from services.rollout.engine_thread import EngineUnavailableError
 from services.rollout.options import EngineOptions, SamplingOptions
 from services.rollout.samples import SampleRequest
 

@@ -1,4 +1,4 @@
-"""The engine thread's admission window (services/rollout/engine.py): samples that arrive one by one right
+"""The engine thread's admission window (services/rollout/engine_thread.py): samples that arrive one by one right
 after the engine went busy join its first step; the wait is bounded."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import queue
 import threading
 import time
 
-from services.rollout import engine as engine_module
 from services.rollout.engine import RolloutEngine
+from services.rollout.engine_thread import ADMISSION_GAP_S
 
 
 def _engine_with_queue() -> RolloutEngine:
@@ -23,7 +23,7 @@ def test_commands_arriving_within_the_gap_are_taken_before_the_step() -> None:
 
     def feed() -> None:
         for i in range(5):
-            time.sleep(engine_module.ADMISSION_GAP_S / 10)
+            time.sleep(ADMISSION_GAP_S / 10)
             eng._commands.put(("cmd", i))
 
     feeder = threading.Thread(target=feed)
@@ -47,4 +47,4 @@ def test_the_window_waits_at_most_the_gap_for_a_command_that_never_comes() -> No
     eng = _engine_with_queue()
     started = time.monotonic()
     assert eng._next_command(time.monotonic() + 10.0) == ()
-    assert 0.9 * engine_module.ADMISSION_GAP_S <= time.monotonic() - started < 5.0
+    assert 0.9 * ADMISSION_GAP_S <= time.monotonic() - started < 5.0

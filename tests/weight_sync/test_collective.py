@@ -110,19 +110,19 @@ def test_a_replica_slow_to_read_a_failed_push_leaves_the_group_before_the_push_f
         trainer, rollout_stub, tiny_model_dir, monkeypatch):
     """The racy order made certain: the dead target is noticed before the healthy replica reads its first
     bucket. A cancelled stream would end before the replica saw the new group, and it would keep the old one."""
-    import services.rollout.server as rollout_server_module
+    import services.rollout.update_stream as update_stream
 
     stub, address = trainer["stub"], trainer["rollout_address"]
     plan = _explicit_plan(stub, rollout_stub, tiny_model_dir)
     _push(stub, address, _next_version(stub, address), plan)
     assert _member_group() is not None  # a member of the group of [address]
-    stager = rollout_server_module.WeightStager
+    stager = update_stream.WeightStager
 
     def slow_stager(*args, **kwargs):
         time.sleep(1.0)  # before the handler reads its first message: the sender fails the push meanwhile
         return stager(*args, **kwargs)
 
-    monkeypatch.setattr(rollout_server_module, "WeightStager", slow_stager)
+    monkeypatch.setattr(update_stream, "WeightStager", slow_stager)
     before = rollout_version(address)
     with pytest.raises(grpc.RpcError) as e:
         _push(stub, address, _next_version(stub, address), plan, targets=[address, "127.0.0.1:9"])

@@ -26,7 +26,7 @@ has published "abort" in the store (a joining member reads it at once); (2) it e
 cancelling it, so the member reads every bucket sent before the end (a cancelled stream can end before the
 member saw the new group's first bucket, and the member would keep its previous group); (3) the member, whose
 step failed or whose stream ended without a commit, leaves the group before it answers
-(services/rollout/server.py); (4) the sender waits for those answers (at most `_ANSWER_S`: a member that does
+(services/rollout/update_stream.py); (4) the sender waits for those answers (at most `_ANSWER_S`: a member that does
 not answer by then is stalled itself and is cancelled), then reports every target's failure and closes the store.
 """
 

@@ -8,7 +8,7 @@ and at most `max_queued_buckets` wait per target, so the sender holds a few buck
 A target's acknowledgement must name the version and the combined checksum that were sent. A target that
 fails (refuses a bucket, drops the connection) or misses the deadline is reported as a `TargetFailure` and
 its stream is cancelled; that receiver keeps serving its previous weights and version
-(it applies buckets as they arrive but restores them unless the commit verifies: services/rollout/server.py),
+(it applies buckets as they arrive but restores them unless the commit verifies: services/rollout/update_stream.py),
 and the other targets go on.
 
 Limits: one tensor must fit in one gRPC message (services/common/wire_limits.py MAX_MESSAGE_BYTES). Same-host

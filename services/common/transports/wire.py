@@ -12,7 +12,7 @@ message serialized without field N followed by field N's bytes parses as one mes
 The receiver's side is the mirror image: `decode_chunk`, the UpdateWeights request deserializer
 (`receiving_views` installs it), parses a bucket's small fields with protobuf and keeps each tensor's bytes as
 a view of the received request, so the only copies on the replica are the one into the engine's parameters and
-the backup of the values it overwrites (services/rollout/server.py).
+the backup of the values it overwrites (services/rollout/update_stream.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,64 @@
+"""Phases 2 and 3 of an iteration: the final reward of every sample of the groups that train, and their advantages.
+
+A sample's final reward is the verifiers' weighted sum the reward stream returned (0 for a sample that failed in
+rollout), then DAPO's overlong shaping (`overlong_buffer_enable`); its advantage is `rl_config.adv_estimator`'s
+over those rewards (advantages.py, its one home). A failed sample keeps its place in its group for the
+normalisation and trains no tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from services.common.sequences import Sequences
+from services.coordinator.advantages import apply_overlong_penalty, compute_advantages
+from services.coordinator.generation import Group
+from services.coordinator.settings import IterationSettings
+from services.coordinator.trainer_requests import sequences_of
+
+
+@dataclass
+class TrainBatch:
+    """The groups an iteration trains on, flattened: samples in group order, their final rewards."""
+
+    groups: list[Group]
+    rewards: np.ndarray  # float64 [groups * n]
+    seqs: Sequences  # the trainable samples
+
+    @property
+    def samples(self) -> list[Any]:
+        return [x for g in self.groups for x in g.samples]
+
+
+def score_groups(groups: list[Group], weights_version: int, settings: IterationSettings) -> TrainBatch:
+    """Final rewards in group order: the verifiers' weighted sum (0 for a failed sample), then DAPO shaping."""
+    s = settings
+    samples = [x for g in groups for x in g.samples]
+    rewards = np.array([r.reward if not x.error else 0.0 for g in groups for x, r in zip(g.samples, g.scores,
+                                                                                         strict=True)])
+    if s.overlong_buffer_enable:
+        lengths = np.array([x.response_length for x in samples], dtype=np.int64)
+        rewards = apply_overlong_penalty(rewards, lengths, s.rollout_max_tokens, s.overlong_buffer,
+                                         s.overlong_buffer_penalty_factor)
+    trainable = [(x, g.prompt.prompt) for g in groups for x in g.trainable()]
+    seqs = sequences_of([x for x, _ in trainable], [p for _, p in trainable], weights_version)
+    return TrainBatch(groups, rewards, seqs)
+
+
+def advantages_by_sample(batch: TrainBatch, settings: IterationSettings) -> dict[str, float]:
+    """Each sample's advantage, by sample id (over the tokens each sample trains: none for a failed one)."""
+    lengths = [0 if x.error else x.response_length for x in batch.samples]
+    advantages = compute_advantages(settings.adv_estimator, batch.rewards, settings.n_samples_per_prompt, lengths,
+                                    norm_adv_by_std=settings.norm_adv_by_std_in_grpo)
+    return {x.sample_id: float(a) for x, a in zip(batch.samples, advantages, strict=True)}
+
+
+def verifier_scores(groups: list[Group], verifiers: Sequence[tuple[str, float]]) -> dict[str, list[float]]:
+    """Each verifier's unweighted score per sample, in group order (0 for a failed sample)."""
+    return {name: [0.0 if x.error else r.scores[i].score for g in groups
+                   for x, r in zip(g.samples, g.scores, strict=True)]
+            for i, (name, _w) in enumerate(verifiers)}
