@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
-import grpc
 import pytest
 import torch
 from weight_sync_helpers import (
     PROMPTS,
+    assert_engine_reads_back,
+    hf_checkpoint,
     hf_greedy_all,
+    names_by_expert_rank,
     restore_checkpoint_weights,
     rollout_greedy,
     rollout_version,
     serve_rollout,
+    start_ep2_trainer,
 )
 
 from rlfabric.v1 import rollout_pb2, trainer_pb2
@@ -50,14 +52,9 @@ def deepseek_replica(deepseek_engine) -> Iterator[tuple]:
 
 @pytest.fixture(scope="module")
 def ep2_trainer(start_trainer, deepseek_dirs) -> Iterator:
-    """A Trainer stub of an EP 2 group (world 2: TP 1, PP 1, DP 2) holding seed 1's weights."""
-    from rlfabric.v1 import trainer_pb2_grpc
-
-    group, address = start_trainer("--hf-dir", str(deepseek_dirs[1]), "--ep", "2", "--world-size", "2",
-                                   "--forward-micro-batch-size", "4")
-    channel = grpc.insecure_channel(address)
-    yield trainer_pb2_grpc.TrainerStub(channel)
-    channel.close()
+    """A Trainer stub of an EP 2 group holding seed 1's weights."""
+    group, stub = start_ep2_trainer(start_trainer, deepseek_dirs[1])
+    yield stub
     group.stop(grace_s=12)
 
 
@@ -75,27 +72,14 @@ def plan(ep2_trainer, deepseek_replica, deepseek_dirs):
     return plan_resharding(shards, params, json.loads((deepseek_dirs[0] / "config.json").read_text()))
 
 
-def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    from services.trainer.convert import load_hf_state
-
-    return load_hf_state(path)
-
-
-def _assert_engine_holds(engine, state: dict[str, torch.Tensor]) -> None:
-    held = engine.read_weights(list(state))
-    differing = [n for n, t in state.items() if held[n] is None or not torch.equal(held[n], t)]
-    assert not differing, f"{len(differing)} tensors differ, e.g. {differing[:3]}"
 
 
 def test_ep2_trainer_reports_the_deepseek_layout(ep2_trainer) -> None:
     info = ep2_trainer.Info(trainer_pb2.TrainerInfoRequest(include_parameters=True), timeout=60)
     assert (info.tensor_parallel_size, info.pipeline_parallel_size, info.data_parallel_size) == (1, 1, 2)
-    by_rank: dict[int, list[str]] = {}
-    for s in info.shards:
-        by_rank.setdefault(s.ep_rank, []).append(s.name)
+    by_rank = names_by_expert_rank(info)
     assert set(by_rank) == {0, 1}
     for names in by_rank.values():
-        assert len(names) == len(set(names))  # one copy per EP rank (the DP replicas are not repeated)
         experts = {n.split(".local_experts.")[1].split(".")[0] for n in names if ".local_experts." in n}
         assert experts == {"0", "1", "2", "3"}  # 8 routed experts over EP 2, numbered on their rank
         for layer in (0, 1):  # MLA in the dense layer and in the MoE layer
@@ -107,7 +91,7 @@ def test_ep2_trainer_reports_the_deepseek_layout(ep2_trainer) -> None:
 
 
 def test_the_plan_composes_every_replica_tensor_from_both_expert_ranks(plan, deepseek_dirs) -> None:
-    seed1 = _checkpoint(deepseek_dirs[1])
+    seed1 = hf_checkpoint(deepseek_dirs[1])
     assert plan.trainer_ep == 2 and plan.dtype == "float32"
     by_name = {r.hf_name: r for r in plan.tensors}
     assert set(by_name) == set(seed1) and len(plan.tensors) == len(seed1)
@@ -137,7 +121,7 @@ def test_ep2_push_lands_bitwise_over_every_transport(ep2_trainer, deepseek_repli
 
     engine, server = deepseek_replica
     address = server.address
-    seed0, seed1 = _checkpoint(deepseek_dirs[0]), _checkpoint(deepseek_dirs[1])
+    seed0, seed1 = hf_checkpoint(deepseek_dirs[0]), hf_checkpoint(deepseek_dirs[1])
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert not torch.equal(seed0[bias], seed1[bias])  # the bias is pushed, not only kept
     hf0 = transformers.AutoModelForCausalLM.from_pretrained(str(deepseek_dirs[0]), dtype=torch.float32).eval()
@@ -148,7 +132,7 @@ def test_ep2_push_lands_bitwise_over_every_transport(ep2_trainer, deepseek_repli
         rollout = rollout_pb2_grpc.RolloutStub(channel)
         try:
             for name, transport in TRANSPORTS.items():
-                _assert_engine_holds(engine, seed0)
+                assert_engine_reads_back(engine, seed0)
                 assert rollout_greedy(rollout, PROMPTS, version=engine.weights_version) == greedy0, name
                 version = rollout_version(address) + 1
                 progress = list(ep2_trainer.PushWeights(trainer_pb2.PushWeightsRequest(
@@ -157,9 +141,9 @@ def test_ep2_push_lands_bitwise_over_every_transport(ep2_trainer, deepseek_repli
                 done = [p for p in progress if p.done]
                 assert len(done) == 1 and done[0].bytes_sent == done[0].bytes_total > 0, name
                 assert engine.weights_version == version, name
-                _assert_engine_holds(engine, seed1)  # every tensor, each expert's from its EP rank, bit for bit
+                assert_engine_reads_back(engine, seed1)  # every tensor, each expert's from its EP rank, bit for bit
                 assert rollout_greedy(rollout, PROMPTS, version=version) == greedy1, name
                 restore_checkpoint_weights(address, deepseek_dirs[0])
         finally:
             restore_checkpoint_weights(address, deepseek_dirs[0])
-    _assert_engine_holds(engine, seed0)
+    assert_engine_reads_back(engine, seed0)

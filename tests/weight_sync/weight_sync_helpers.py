@@ -12,8 +12,9 @@ if str(_TESTS / "rollout") not in sys.path:
 
 from rollout_helpers import generate, group_request, hf_greedy, tokens  # noqa: E402
 
-__all__ = ["PROMPTS", "assert_engine_holds", "engine_parameters", "hf_greedy_all", "restore_checkpoint_weights", "rollout_greedy",
-           "rollout_version", "serve_rollout"]
+__all__ = ["PROMPTS", "assert_engine_holds", "assert_engine_reads_back", "engine_parameters", "hf_checkpoint",
+           "hf_greedy_all", "names_by_expert_rank", "restore_checkpoint_weights", "rollout_greedy", "rollout_version",
+           "serve_rollout", "start_ep2_trainer"]
 
 PROMPTS = [[5, 99, 1200, 7, 3000, 42], [17, 18, 19, 20], [4000, 3, 3, 812, 90, 91, 92, 2048]]
 
@@ -98,3 +99,39 @@ def assert_engine_holds(engine, hf_state: dict) -> None:
         assert value.dtype == expected.dtype and torch.equal(value, expected), f"{name} differs"
         checked += 1
     assert checked >= len(params) - 1
+
+
+def start_ep2_trainer(start_trainer, hf_dir: Path):
+    """(group, Trainer stub) of an EP 2 group (world 2: TP 1, PP 1, DP 2) on `hf_dir`'s weights."""
+    import grpc
+
+    from rlfabric.v1 import trainer_pb2_grpc
+
+    group, address = start_trainer("--hf-dir", str(hf_dir), "--ep", "2", "--world-size", "2",
+                                   "--forward-micro-batch-size", "4")
+    return group, trainer_pb2_grpc.TrainerStub(grpc.insecure_channel(address))
+
+
+def hf_checkpoint(path: Path) -> dict:
+    from services.trainer.convert import load_hf_state
+
+    return load_hf_state(path)
+
+
+def assert_engine_reads_back(engine, state: dict) -> None:
+    """Bitwise: the engine's read-back of every HF tensor of `state` (MoE engines read whole HF tensors back)."""
+    import torch
+
+    held = engine.read_weights(list(state))
+    differing = [n for n, t in state.items() if held[n] is None or not torch.equal(held[n], t)]
+    assert not differing, f"{len(differing)} tensors differ, e.g. {differing[:3]}"
+
+
+def names_by_expert_rank(info) -> dict[int, list[str]]:
+    """A TrainerInfo's shard names per EP rank, each rank's listed once (its DP replicas are not repeated)."""
+    by_rank: dict[int, list[str]] = {}
+    for s in info.shards:
+        by_rank.setdefault(s.ep_rank, []).append(s.name)
+    for names in by_rank.values():
+        assert len(names) == len(set(names))
+    return by_rank
