@@ -201,8 +201,10 @@ def run_phase(phase: str, a: argparse.Namespace, hf: str, work: Path, timeout_s:
 def predict(hf: str, batch: tuple[int, int, int], *, dp: int, distributed: bool, recompute: dict | None) -> dict:
     """The plan's actor state and configured activations (bytes) for one micro-batch of `batch` per rank."""
     from services.common.model_spec import read_hf_config
-    from services.planning.arithmetic import UNFUSED, MicroBatch, ModelShape, Recompute
-    from services.planning.plan import PlanInputs, RolloutLayout, TrainerLayout, evaluate
+    from services.planning.activations import UNFUSED, MicroBatch, Recompute
+    from services.planning.arithmetic import ModelShape
+    from services.planning.inputs import PlanInputs, RolloutLayout, TrainerLayout
+    from services.planning.plan import evaluate
 
     rows, prompt, response = batch
     mb = MicroBatch(rows=rows // dp, seq=prompt + response, response=response)

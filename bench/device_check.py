@@ -80,7 +80,7 @@ def weight_sync_nccl() -> str:
     import torch.distributed as dist
 
     from rlfabric.v1 import common_pb2
-    from services.common.transports.collective import broadcast, new_process_group
+    from services.common.transports.collective_group import broadcast, new_process_group
 
     torch.cuda.set_device(0)
     pg = new_process_group(common_pb2.COLLECTIVE_BACKEND_NCCL, dist.HashStore(), 0, 1, 60.0, "127.0.0.1")

@@ -2,7 +2,8 @@
 
 The coordinator builds plans (`services/coordinator/resharding.py`, `plan_resharding`); the trainer executes
 them (`services/trainer/weight_sync.py`). Both only share this data type and the layout rules of
-`services/common/weight_layout.py`, so neither service imports the other.
+`services/common/weight_layout.py` (applied by `services/common/tensor_recipes.py`), so neither service imports
+the other.
 
 `from_proto` checks everything a rank relies on before any byte moves (sizes, ranks in the layout, slices
 inside their shards, pieces that add up to the tensor), so a malformed plan is the caller's
@@ -16,8 +17,8 @@ from collections.abc import Mapping
 
 from rlfabric.v1 import common_pb2, trainer_pb2
 from services.common.status import echo
+from services.common.tensor_recipes import ShardSlice, TensorRecipe
 from services.common.tensors import dtype_code, dtype_name
-from services.common.weight_layout import ShardSlice, TensorRecipe
 
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 

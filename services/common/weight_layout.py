@@ -2,8 +2,8 @@
 
 The one place that knows how an HF tensor is laid out across Megatron's per-(TP, PP, EP) rank state dicts.
 Checkpoint conversion (services/trainer/convert.py) and the weight-sync resharding plan
-(services/coordinator/resharding.py) are both built from `recipes(spec, tp, pp, ep)`. Pure torch tensor ops,
-no Megatron import, no I/O.
+(services/coordinator/resharding.py) are both built from `recipes(spec, tp, pp, ep)`, applied by
+services/common/tensor_recipes.py. No torch, no Megatron import, no I/O.
 
     HF name                                   Megatron name (per rank)                   TP split
     model.embed_tokens.weight                 embedding.word_embeddings.weight           dim 0 (vocab, padded)
@@ -53,35 +53,22 @@ Facts encoded here:
   included, is the same on every EP rank: the EP ranks other than 0 hold mirrors. A rank is keyed
   (tp_rank, pp_rank, ep_rank); ep_rank is 0 without expert parallelism.
 
-A `TensorRecipe` says which shard slices compose one HF tensor: each `ShardSlice` views a shard's dim 0 as
-[groups, block] and keeps rows [start, stop) of every block (a QKV part, a gate/up half, the unpadded
-vocabulary rows, or everything); the pieces are concatenated along `concat_dim`. The mapping is pure slicing
-and concatenation, so HF -> mcore -> HF is bitwise exact.
+`TensorRecipe` / `ShardSlice` (services/common/tensor_recipes.py) carry the result: which shard slices compose
+each HF tensor. The mapping is pure slicing and concatenation, so HF -> mcore -> HF is bitwise exact.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
-
-import torch
+from collections.abc import Iterable, Iterator, Sequence
 
 from services.common import pipeline_layout
 from services.common.model_spec import ModelSpec, check_expert_parallel, check_tensor_parallel
-
-ShardKey = tuple[int, int, int]  # (tp_rank, pp_rank, ep_rank); ep_rank is 0 without expert parallelism
+from services.common.tensor_recipes import ShardKey, ShardSlice, TensorRecipe
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = ".mlp.experts.local_experts."  # in the names of the tensors that EP shards (the others EP mirrors)
-
-
-def shard_key(key: Sequence[int]) -> ShardKey:
-    """(tp_rank, pp_rank[, ep_rank]) as a ShardKey: a rank key without an ep_rank is a rank without EP."""
-    if len(key) not in (2, 3):
-        raise ValueError(f"a rank key is (tp_rank, pp_rank) or (tp_rank, pp_rank, ep_rank), got {tuple(key)}")
-    t, p, *e = (int(k) for k in key)
-    return (t, p, e[0] if e else 0)
 
 
 def is_expert_shard(name: str) -> bool:
@@ -148,109 +135,30 @@ def stage_layers_of_names(names_by_stage: Sequence[Iterable[str]]) -> tuple[int,
     return tuple(len({int(m.group(1)) for m in map(_LAYER.match, names) if m}) for names in names_by_stage)
 
 
-@dataclasses.dataclass(frozen=True)
-class ShardSlice:
-    """Rows [start, stop) of every block when shard `name` of rank (tp_rank, pp_rank, ep_rank) is viewed as
-    [groups, block, ...]."""
+class _Recipes:
+    """The recipes of one model's tensors at a TP x EP layout, one builder per kind of tensor (`recipes` walks the
+    model's layers with them)."""
 
-    name: str  # stage-local Megatron name (experts numbered locally to their EP rank)
-    tp_rank: int
-    pp_rank: int
-    shard_shape: tuple[int, ...]
-    groups: int = 1
-    start: int = 0
-    stop: int | None = None  # None: to the end of the block
-    ep_rank: int = 0
+    def __init__(self, spec: ModelSpec, tp: int, ep: int) -> None:
+        self.spec, self.tp, self.ep = spec, tp, ep
+        self.h, self.d, self.f = spec.hidden_size, spec.head_dim, spec.intermediate_size
+        self.g = spec.num_key_value_heads  # query groups
+        self.qpg = spec.num_attention_heads // self.g
+        self.q_rows, self.kv_rows = spec.num_attention_heads * self.d, self.g * self.d
+        self.moe_layers = set(spec.moe.moe_layers) if spec.moe else set()
 
-    @property
-    def key(self) -> ShardKey:
-        return (self.tp_rank, self.pp_rank, self.ep_rank)
-
-    @property
-    def rank_text(self) -> str:
-        """"tp_rank T, pp_rank P[, ep_rank E]", for messages."""
-        return f"tp_rank {self.tp_rank}, pp_rank {self.pp_rank}" + (f", ep_rank {self.ep_rank}" if self.ep_rank else "")
-
-    @property
-    def _block(self) -> int:
-        return self.shard_shape[0] // self.groups
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Shape of the piece this slice takes."""
-        stop = self._block if self.stop is None else self.stop
-        return (self.groups * (stop - self.start), *self.shard_shape[1:])
-
-    @property
-    def whole(self) -> bool:
-        return self.groups == 1 and self.start == 0 and self.stop in (None, self.shard_shape[0])
-
-    def take(self, shard: torch.Tensor) -> torch.Tensor:
-        """The piece of `shard` (a view when the slice is the whole shard or one contiguous range)."""
-        if tuple(shard.shape) != self.shard_shape:
-            raise ValueError(f"{self.name} ({self.rank_text}): shard has shape {tuple(shard.shape)}, the layout "
-                             f"expects {self.shard_shape}")
-        if self.whole:
-            return shard
-        tail = self.shard_shape[1:]
-        return shard.reshape(self.groups, self._block, *tail)[:, self.start:self.stop].reshape(-1, *tail)
-
-    def put(self, shard: torch.Tensor, piece: torch.Tensor) -> None:
-        """Write `piece` into its rows of `shard` (the inverse of `take`)."""
-        tail = self.shard_shape[1:]
-        shard.reshape(self.groups, self._block, *tail)[:, self.start:self.stop].copy_(
-            piece.reshape(self.groups, -1, *tail))
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorRecipe:
-    """How one HF tensor is composed from Megatron shard slices."""
-
-    hf_name: str
-    hf_shape: tuple[int, ...]
-    sources: tuple[ShardSlice, ...]  # concatenated in this order along concat_dim
-    concat_dim: int
-    relay: str = ""  # "", "qkv:q|k|v" or "gate_up:gate|up" (the re-lay the slices perform), "vocab" (pad cut)
-    mirrors: tuple[tuple[ShardSlice, ...], ...] = ()  # other shards with the same values (TP / EP replicas, tied copy)
-    layer: int | None = None
-
-
-def assemble(recipe: TensorRecipe, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The HF tensor from the pieces `source.take(shard)` of `recipe.sources`, in order (a new tensor)."""
-    return torch.cat(list(pieces), dim=recipe.concat_dim)
-
-
-def split(recipe: TensorRecipe, hf: torch.Tensor) -> list[torch.Tensor]:
-    """The inverse of `assemble`: the piece of `hf` that each source slice holds."""
-    if tuple(hf.shape) != recipe.hf_shape:
-        raise ValueError(f"{recipe.hf_name}: shape {tuple(hf.shape)}, expected {recipe.hf_shape}")
-    sizes = [s.shape[recipe.concat_dim] for s in recipe.sources]
-    return list(hf.split(sizes, dim=recipe.concat_dim))
-
-
-def recipes(spec: ModelSpec, tp: int, pp: int, ep: int = 1, stages: StageLayers | None = None) -> list[TensorRecipe]:
-    """Every HF tensor of the model in HF order, with the shard slices of a TP x PP x EP Megatron layout (`stages`:
-    the layers of each pipeline stage, `stage_layer_counts`; None: an even split)."""
-    stages = stage_layer_counts(spec, pp, stages)
-    check_tensor_parallel(spec, tp)
-    check_expert_parallel(spec, ep=ep, etp=tp)  # the layout splits each expert over TP
-    h, d, f = spec.hidden_size, spec.head_dim, spec.intermediate_size
-    g = spec.num_key_value_heads  # query groups
-    qpg = spec.num_attention_heads // g
-    q_rows, kv_rows = spec.num_attention_heads * d, g * d
-    moe_layers = set(spec.moe.moe_layers) if spec.moe else set()
-    out: list[TensorRecipe] = []
-
-    def split_dim(hf_name, hf_shape, name, p, dim, layer=None, e=0) -> TensorRecipe:
+    def split_dim(self, hf_name, hf_shape, name, p, dim, layer=None, e=0) -> TensorRecipe:
+        tp = self.tp
         shard = tuple(n // tp if i == dim else n for i, n in enumerate(hf_shape))
         return TensorRecipe(hf_name, hf_shape, tuple(ShardSlice(name, t, p, shard, ep_rank=e) for t in range(tp)),
                             dim, layer=layer)
 
-    def replicated(hf_name, hf_shape, name, p, layer=None) -> TensorRecipe:
-        copies = [(ShardSlice(name, t, p, hf_shape),) for t in range(tp)]
+    def replicated(self, hf_name, hf_shape, name, p, layer=None) -> TensorRecipe:
+        copies = [(ShardSlice(name, t, p, hf_shape),) for t in range(self.tp)]
         return TensorRecipe(hf_name, hf_shape, copies[0], 0, mirrors=tuple(copies[1:]), layer=layer)
 
-    def qkv(hf_prefix, suffix, name, p, layer) -> list[TensorRecipe]:
+    def qkv(self, hf_prefix, suffix, name, p, layer) -> list[TensorRecipe]:
+        tp, h, d, g, qpg, q_rows, kv_rows = self.tp, self.h, self.d, self.g, self.qpg, self.q_rows, self.kv_rows
         tail = (h,) if suffix == "weight" else ()
         shard = ((qpg + 2) * d * (g // tp), *tail)
         parts = {"q": (0, qpg * d, q_rows), "k": (qpg * d, (qpg + 1) * d, kv_rows),
@@ -262,40 +170,43 @@ def recipes(spec: ModelSpec, tp: int, pp: int, ep: int = 1, stages: StageLayers 
             for part, (a, b, rows) in parts.items()
         ]
 
-    def gate_up(hf_prefix, name, inner, p, layer, e=0) -> list[TensorRecipe]:
+    def gate_up(self, hf_prefix, name, inner, p, layer, e=0) -> list[TensorRecipe]:
+        tp, h = self.tp, self.h
         fc1, per = (2 * inner // tp, h), inner // tp
         return [TensorRecipe(f"{hf_prefix}{half}_proj.weight", (inner, h),
                              tuple(ShardSlice(name, t, p, fc1, 1, a, a + per, e) for t in range(tp)), 0,
                              relay=f"gate_up:{half}", layer=layer)
                 for half, a in (("gate", 0), ("up", per))]
 
-    def mlp(src, dst, p, layer) -> list[TensorRecipe]:
-        if layer not in moe_layers:
-            return [*gate_up(src + "mlp.", dst + "mlp.linear_fc1.weight", f, p, layer),
-                    split_dim(src + "mlp.down_proj.weight", (h, f), dst + "mlp.linear_fc2.weight", p, 1, layer)]
-        moe = spec.moe
+    def mlp(self, src, dst, p, layer) -> list[TensorRecipe]:
+        h, f = self.h, self.f
+        if layer not in self.moe_layers:
+            return [*self.gate_up(src + "mlp.", dst + "mlp.linear_fc1.weight", f, p, layer),
+                    self.split_dim(src + "mlp.down_proj.weight", (h, f), dst + "mlp.linear_fc2.weight", p, 1, layer)]
+        moe = self.spec.moe
         assert moe is not None  # moe_layers is empty without it
-        inner, per_rank = moe.moe_intermediate_size, moe.num_experts // ep
-        res = [replicated(src + "mlp.gate.weight", (moe.num_experts, h), dst + "mlp.router.weight", p, layer)]
+        inner, per_rank = moe.moe_intermediate_size, moe.num_experts // self.ep
+        res = [self.replicated(src + "mlp.gate.weight", (moe.num_experts, h), dst + "mlp.router.weight", p, layer)]
         if moe.expert_bias:
-            res.append(replicated(src + "mlp.gate.e_score_correction_bias", (moe.num_experts,),
-                                  dst + "mlp.router.expert_bias", p, layer))
+            res.append(self.replicated(src + "mlp.gate.e_score_correction_bias", (moe.num_experts,),
+                                       dst + "mlp.router.expert_bias", p, layer))
         for x in range(moe.num_experts):
             e, i = divmod(x, per_rank)
             hf_prefix, name = f"{src}mlp.experts.{x}.", f"{dst}mlp.experts.local_experts.{i}."
-            res += gate_up(hf_prefix, name + "linear_fc1.weight", inner, p, layer, e)
-            res.append(split_dim(hf_prefix + "down_proj.weight", (h, inner), name + "linear_fc2.weight", p, 1,
-                                 layer, e))
+            res += self.gate_up(hf_prefix, name + "linear_fc1.weight", inner, p, layer, e)
+            res.append(self.split_dim(hf_prefix + "down_proj.weight", (h, inner), name + "linear_fc2.weight", p, 1,
+                                      layer, e))
         shared = moe.shared_expert_intermediate_size
         if shared:
-            res += [*gate_up(src + "mlp.shared_experts.", dst + "mlp.shared_experts.linear_fc1.weight", shared, p,
-                             layer),
-                    split_dim(src + "mlp.shared_experts.down_proj.weight", (h, shared),
-                              dst + "mlp.shared_experts.linear_fc2.weight", p, 1, layer)]
+            res += [*self.gate_up(src + "mlp.shared_experts.", dst + "mlp.shared_experts.linear_fc1.weight", shared,
+                                  p, layer),
+                    self.split_dim(src + "mlp.shared_experts.down_proj.weight", (h, shared),
+                                   dst + "mlp.shared_experts.linear_fc2.weight", p, 1, layer)]
         return res
 
-    def mla(src, dst, p, layer) -> list[TensorRecipe]:
-        m, heads = spec.mla, spec.num_attention_heads
+    def mla(self, src, dst, p, layer) -> list[TensorRecipe]:
+        h, split_dim, replicated = self.h, self.split_dim, self.replicated
+        m, heads = self.spec.mla, self.spec.num_attention_heads
         assert m is not None
         a, b = src + "self_attn.", dst + "self_attention."
         res = []
@@ -315,7 +226,8 @@ def recipes(spec: ModelSpec, tp: int, pp: int, ep: int = 1, stages: StageLayers 
                           b + "linear_kv_up_proj.weight", p, 0, layer),
                 split_dim(a + "o_proj.weight", (h, heads * m.v_head_dim), b + "linear_proj.weight", p, 1, layer)]
 
-    def vocab(hf_name, name, p) -> TensorRecipe:
+    def vocab(self, hf_name, name, p) -> TensorRecipe:
+        spec, tp, h = self.spec, self.tp, self.h
         padded = padded_vocab_size(spec, tp)
         per = padded // tp
         srcs = []
@@ -326,37 +238,54 @@ def recipes(spec: ModelSpec, tp: int, pp: int, ep: int = 1, stages: StageLayers 
         return TensorRecipe(hf_name, (spec.vocab_size, h), tuple(srcs), 0,
                             relay="vocab" if padded != spec.vocab_size else "")
 
-    embed = vocab("model.embed_tokens.weight", "embedding.word_embeddings.weight", 0)
+    def layer(self, p: int, local: int, layer: int) -> list[TensorRecipe]:
+        """The tensors of model layer `layer`, the `local`-th layer of pipeline stage `p`."""
+        spec, h, d, q_rows = self.spec, self.h, self.d, self.q_rows
+        replicated, split_dim, qkv, mlp = self.replicated, self.split_dim, self.qkv, self.mlp
+        out: list[TensorRecipe] = []
+        src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
+        out.append(replicated(src + "input_layernorm.weight", (h,), dst + "input_layernorm.weight", p, layer))
+        if spec.mla is not None:
+            out += self.mla(src, dst, p, layer)
+            out.append(replicated(src + "post_attention_layernorm.weight", (h,), dst + "pre_mlp_layernorm.weight",
+                                  p, layer))
+            out += mlp(src, dst, p, layer)
+            return out
+        out += qkv(src + "self_attn.", "weight", dst + "self_attention.linear_qkv.weight", p, layer)
+        if spec.attention_bias:
+            out += qkv(src + "self_attn.", "bias", dst + "self_attention.linear_qkv.bias", p, layer)
+        if spec.qk_norm:
+            out.append(replicated(src + "self_attn.q_norm.weight", (d,), dst + "self_attention.q_layernorm.weight",
+                                  p, layer))
+            out.append(replicated(src + "self_attn.k_norm.weight", (d,), dst + "self_attention.k_layernorm.weight",
+                                  p, layer))
+        out.append(split_dim(src + "self_attn.o_proj.weight", (h, q_rows), dst + "self_attention.linear_proj.weight",
+                             p, 1, layer))
+        out.append(replicated(src + "post_attention_layernorm.weight", (h,), dst + "pre_mlp_layernorm.weight", p,
+                              layer))
+        out += mlp(src, dst, p, layer)
+        return out
+
+
+def recipes(spec: ModelSpec, tp: int, pp: int, ep: int = 1, stages: StageLayers | None = None) -> list[TensorRecipe]:
+    """Every HF tensor of the model in HF order, with the shard slices of a TP x PP x EP Megatron layout (`stages`:
+    the layers of each pipeline stage, `stage_layer_counts`; None: an even split)."""
+    stages = stage_layer_counts(spec, pp, stages)
+    check_tensor_parallel(spec, tp)
+    check_expert_parallel(spec, ep=ep, etp=tp)  # the layout splits each expert over TP
+    build = _Recipes(spec, tp, ep)
+    out: list[TensorRecipe] = []
+    embed = build.vocab("model.embed_tokens.weight", "embedding.word_embeddings.weight", 0)
     if spec.tie_word_embeddings and pp > 1:
         tied = tuple(dataclasses.replace(s, name="output_layer.weight", pp_rank=pp - 1) for s in embed.sources)
         embed = dataclasses.replace(embed, mirrors=(tied,))
     out.append(embed)
     for p in range(pp):
         for local, layer in enumerate(pipeline_layout.stage_range(stages, p)):
-            src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
-            out.append(replicated(src + "input_layernorm.weight", (h,), dst + "input_layernorm.weight", p, layer))
-            if spec.mla is not None:
-                out += mla(src, dst, p, layer)
-                out.append(replicated(src + "post_attention_layernorm.weight", (h,), dst + "pre_mlp_layernorm.weight",
-                                      p, layer))
-                out += mlp(src, dst, p, layer)
-                continue
-            out += qkv(src + "self_attn.", "weight", dst + "self_attention.linear_qkv.weight", p, layer)
-            if spec.attention_bias:
-                out += qkv(src + "self_attn.", "bias", dst + "self_attention.linear_qkv.bias", p, layer)
-            if spec.qk_norm:
-                out.append(replicated(src + "self_attn.q_norm.weight", (d,), dst + "self_attention.q_layernorm.weight",
-                                      p, layer))
-                out.append(replicated(src + "self_attn.k_norm.weight", (d,), dst + "self_attention.k_layernorm.weight",
-                                      p, layer))
-            out.append(split_dim(src + "self_attn.o_proj.weight", (h, q_rows), dst + "self_attention.linear_proj.weight",
-                                 p, 1, layer))
-            out.append(replicated(src + "post_attention_layernorm.weight", (h,), dst + "pre_mlp_layernorm.weight", p,
-                                  layer))
-            out += mlp(src, dst, p, layer)
-    out.append(replicated("model.norm.weight", (h,), "decoder.final_layernorm.weight", pp - 1))
+            out += build.layer(p, local, layer)
+    out.append(build.replicated("model.norm.weight", (build.h,), "decoder.final_layernorm.weight", pp - 1))
     if not spec.tie_word_embeddings:
-        out.append(vocab("lm_head.weight", "output_layer.weight", pp - 1))
+        out.append(build.vocab("lm_head.weight", "output_layer.weight", pp - 1))
     return out if ep == 1 else [r if _EXPERT in r.sources[0].name else _mirror_over_ep(r, ep) for r in out]
 
 
@@ -382,36 +311,3 @@ def _all_slices(recipe: TensorRecipe) -> Iterator[ShardSlice]:
     yield from recipe.sources
     for mirror in recipe.mirrors:
         yield from mirror
-
-
-def to_hf(
-    recipe_list: Sequence[TensorRecipe], fetch: Callable[[ShardSlice], torch.Tensor]
-) -> Iterator[tuple[TensorRecipe, torch.Tensor]]:
-    """Assemble each recipe's HF tensor from `fetch(slice)` (the whole shard the slice reads), one at a time."""
-    for r in recipe_list:
-        yield r, assemble(r, [s.take(fetch(s)) for s in r.sources])
-
-
-def to_mcore(
-    recipe_list: Sequence[TensorRecipe], hf: Callable[[str], torch.Tensor], only: Sequence[int] | None = None,
-    on_recipe: Callable[[TensorRecipe], None] | None = None,
-) -> dict[ShardKey, dict[str, torch.Tensor]]:
-    """Scatter HF tensors (`hf(name)`) into rank state dicts keyed by (tp_rank, pp_rank, ep_rank).
-
-    Shards start as zeros, so vocabulary padding rows are zero. `only` builds one rank's dict.
-    """
-    want = None if only is None else shard_key(only)
-    shards: dict[ShardKey, dict[str, torch.Tensor]] = {}
-    for r in recipe_list:
-        pieces = split(r, hf(r.hf_name))
-        for mirror in (r.sources, *r.mirrors):
-            for s, piece in zip(mirror, pieces, strict=True):
-                if want is not None and s.key != want:
-                    continue
-                dst = shards.setdefault(s.key, {})
-                if s.name not in dst:
-                    dst[s.name] = torch.zeros(s.shard_shape, dtype=piece.dtype)
-                s.put(dst[s.name], piece)
-        if on_recipe is not None:
-            on_recipe(r)
-    return shards

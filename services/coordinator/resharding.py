@@ -26,7 +26,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from services.common import weight_layout
+from services.common import tensor_recipes, weight_layout
 from services.common.model_spec import ModelSpec, spec_from_hf_config
 from services.common.reshard_plan import ReshardError, ReshardPlan
 from services.common.tensors import dtype_name
@@ -105,7 +105,7 @@ def plan_resharding(
         dtype = _bulk_dtype(dtypes, wanted)
     tensor_dtypes = {name: dt for name, dt in dtypes.items() if dt != dtype}
     # What the trainer needs to cut and join each tensor; mirrors, re-lay and layer labels stay layout facts.
-    tensors = tuple(weight_layout.TensorRecipe(r.hf_name, r.hf_shape, r.sources, r.concat_dim) for r in recipes)
+    tensors = tuple(tensor_recipes.TensorRecipe(r.hf_name, r.hf_shape, r.sources, r.concat_dim) for r in recipes)
     return ReshardPlan(tp, pp, tensors, dtype, ep, tensor_dtypes)
 
 

@@ -1,10 +1,10 @@
 """What to change when a placement does not fit: `advise(inputs, placement)` for `rlfabric plan`.
 
 Tries the changes a user would make, least disruptive first (docs/memory.md lists the order), each on the
-PlanInputs that services/planning/plan.py read from the config: the single changes that make the placement fit,
-or else the fewest, taken in order, that do. Each names the YAML key where the config sets it. A doubled TP or PP
-keeps the devices (DP halves) and, for a MoE model, a valid expert layout; a doubled expert_model_parallel_size
-halves the experts a rank holds.
+PlanInputs (services/planning/inputs.py) that services/planning/plan.py read from the config: the single changes
+that make the placement fit, or else the fewest, taken in order, that do. Each names the YAML key where the config
+sets it. A doubled TP or PP keeps the devices (DP halves) and, for a MoE model, a valid expert layout; a doubled
+expert_model_parallel_size halves the experts a rank holds.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from services.planning.arithmetic import ModelShape, Recompute
-from services.planning.plan import PlanInputs, TrainerLayout, evaluate
+from services.planning.activations import Recompute
+from services.planning.arithmetic import ModelShape
+from services.planning.inputs import PlanInputs, TrainerLayout
+from services.planning.plan import evaluate
 
 
 @dataclasses.dataclass(frozen=True)

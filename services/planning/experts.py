@@ -1,6 +1,7 @@
 """Mixture-of-experts terms of the memory formulas (Qwen3-MoE: routed experts, a softmax top-k router).
 
-Pure functions, like arithmetic.py, which adds these terms to the dense ones; docs/memory.md derives them.
+Pure functions, like arithmetic.py and activations.py, which add these terms to the dense ones; docs/memory.md
+derives them.
 
 Parameters: a MoE layer replaces the dense SwiGLU (`3 h f`) by a router (`E h`, held whole by every TP rank, as
 megatron-core's TopKRouter and vLLM's replicated gate are) and `E` experts of `3 h f_moe` each. Megatron places

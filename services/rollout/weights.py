@@ -42,7 +42,8 @@ from rlfabric.v1 import common_pb2
 from services.common.checksum import bucket_checksum, combine_checksums
 from services.common.status import echo
 from services.common.tensors import TensorDecodeError, dtype_name, itemsize
-from services.common.transports.collective import CollectiveError, CollectiveReceiver
+from services.common.transports.collective import CollectiveReceiver
+from services.common.transports.collective_group import CollectiveError
 from services.common.transports.shm import SegmentCache, SegmentOpenError
 from services.rollout.weight_checks import (
     ParamSpec,

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from services.common import pipeline_layout, weight_layout
+from services.common import pipeline_layout, tensor_recipes, weight_layout
 from services.common.model_spec import ModelSpec, read_hf_config
 from services.trainer import ckpt_layout
 
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
-ShardKey = weight_layout.ShardKey  # (tp_rank, pp_rank, ep_rank)
+ShardKey = tensor_recipes.ShardKey  # (tp_rank, pp_rank, ep_rank)
 layers_of_stage = weight_layout.layers_of_stage
 StageLayers = weight_layout.StageLayers
 
@@ -35,12 +35,12 @@ def _noop(_msg: str) -> None:
     pass
 
 
-def _layer_progress(spec: ModelSpec, progress: Progress, arrow: str) -> Callable[[weight_layout.TensorRecipe], None]:
+def _layer_progress(spec: ModelSpec, progress: Progress, arrow: str) -> Callable[[tensor_recipes.TensorRecipe], None]:
     """Report "layer L/N <arrow> pp_rank p" once a layer's last tensor is done."""
     per = spec.num_hidden_layers
     last_of_layer: dict[int, str] = {}
 
-    def report(r: weight_layout.TensorRecipe) -> None:
+    def report(r: tensor_recipes.TensorRecipe) -> None:
         if r.layer is None:
             return
         if not last_of_layer:
@@ -68,10 +68,10 @@ def hf_to_mcore(
             raise KeyError(f"HF checkpoint lacks {name!r} (model_type={spec.model_type}); is the folder complete?")
         return hf[name]
 
-    shards = weight_layout.to_mcore(weight_layout.recipes(spec, tp, pp, ep, stages), take, only=only,
+    shards = tensor_recipes.to_mcore(weight_layout.recipes(spec, tp, pp, ep, stages), take, only=only,
                                     on_recipe=_layer_progress(spec, progress, "->"))
     if only is not None:
-        return {tuple(only): shards.get(weight_layout.shard_key(only), {})}
+        return {tuple(only): shards.get(tensor_recipes.shard_key(only), {})}
     return {(t, p, e): shards.get((t, p, e), {}) for t in range(tp) for p in range(pp) for e in range(ep)}
 
 
@@ -83,19 +83,19 @@ def mcore_to_hf(
 
     `stages`: the layers of each pipeline stage; None: what the state dicts hold (`stored_stage_layers`)."""
     report = _layer_progress(spec, progress, "<-")
-    by_key = {weight_layout.shard_key(k): sd for k, sd in shards.items()}
+    by_key = {tensor_recipes.shard_key(k): sd for k, sd in shards.items()}
     if stages is None:
         stages = stored_stage_layers(by_key, pp)
     hf: dict[str, torch.Tensor] = {}
 
-    def fetch(s: weight_layout.ShardSlice) -> torch.Tensor:
+    def fetch(s: tensor_recipes.ShardSlice) -> torch.Tensor:
         if s.key not in by_key:
             raise KeyError(f"no state dict for {s.rank_text} (the layout is TP={tp} PP={pp} EP={ep})")
         if s.name not in by_key[s.key]:
             raise KeyError(f"{s.name!r} is missing from the state dict of {s.rank_text}")
         return by_key[s.key][s.name]
 
-    for r, tensor in weight_layout.to_hf(weight_layout.recipes(spec, tp, pp, ep, stages), fetch):
+    for r, tensor in tensor_recipes.to_hf(weight_layout.recipes(spec, tp, pp, ep, stages), fetch):
         hf[r.hf_name] = tensor
         report(r)
     return hf

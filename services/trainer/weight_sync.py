@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from rlfabric.v1 import trainer_pb2
-from services.common import weight_layout
+from services.common import tensor_recipes, weight_layout
 from services.common.reshard_plan import ReshardPlan
 from services.common.transports import TRANSPORTS, TargetFailure, WeightAck
 from services.trainer.model import canonical_name
@@ -144,7 +144,7 @@ def local_parameters(model) -> dict[str, torch.Tensor]:
     return {canonical_name(n): p.detach() for n, p in exported_tensors(model)}
 
 
-def _mine(s: weight_layout.ShardSlice, pos: _Position) -> bool:
+def _mine(s: tensor_recipes.ShardSlice, pos: _Position) -> bool:
     """Whether this rank is the one sending slice `s` (see module docstring)."""
     if (s.tp_rank, s.pp_rank) != (pos.tp_rank, pos.pp_rank):
         return False
@@ -167,9 +167,9 @@ def _check_local(plan: ReshardPlan, params: dict[str, torch.Tensor], pos: _Posit
     return None
 
 
-def _owners(everyone: list[_Position]) -> dict[tuple[bool, weight_layout.ShardKey], int]:
+def _owners(everyone: list[_Position]) -> dict[tuple[bool, tensor_recipes.ShardKey], int]:
     """(expert slice?, slice key) -> the global rank sending it; every rank computes the same table."""
-    owners: dict[tuple[bool, weight_layout.ShardKey], int] = {}
+    owners: dict[tuple[bool, tensor_recipes.ShardKey], int] = {}
     for rank, pos in enumerate(everyone):
         if pos.dp_rank == 0:
             owners.setdefault((False, (pos.tp_rank, pos.pp_rank, 0)), rank)
@@ -193,7 +193,7 @@ def plan_dtypes(plan: ReshardPlan, params: dict[str, torch.Tensor]) -> dict[str,
 
 
 def hf_tensors(plan: ReshardPlan, params: dict[str, torch.Tensor],
-               owners: dict[tuple[bool, weight_layout.ShardKey], int],
+               owners: dict[tuple[bool, tensor_recipes.ShardKey], int],
                dtypes: dict[str, torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
     """Every rank runs this to the end; only rank 0 yields anything (the assembled HF tensors, each in its dtype
     of `dtypes`, plan_dtypes)."""
@@ -215,7 +215,7 @@ def hf_tensors(plan: ReshardPlan, params: dict[str, torch.Tensor],
                 dist.recv(buf, src=owner)
                 pieces.append(buf)
         if rank == 0:
-            yield r.hf_name, weight_layout.assemble(r, pieces)
+            yield r.hf_name, tensor_recipes.assemble(r, pieces)
 
 
 def push_weights(worker, *, plan: ReshardPlan, version: int, targets: list[str], transport: int, bucket_bytes: int,

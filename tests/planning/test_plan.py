@@ -14,18 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from services.planning.activations import Kernels, MicroBatch, Recompute, TrainShape, stage_activations
 from services.planning.arithmetic import (
     GIB,
-    Kernels,
-    MicroBatch,
     ModelShape,
-    Recompute,
-    TrainShape,
     parse_size,
     rank_expert_params,
     rank_params,
     rollout_memory,
-    stage_activations,
     training_state,
 )
 from services.planning.experts import ExpertLayout, Experts

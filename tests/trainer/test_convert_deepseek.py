@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common import weight_layout
+from services.common import tensor_recipes, weight_layout
 from services.common.model_spec import read_hf_config, spec_from_hf_config
 from services.coordinator.resharding import TrainerShard, plan_resharding
 from services.trainer import ckpt_layout
@@ -172,5 +172,5 @@ def test_plan_assembles_every_hf_tensor_from_ep_shards(ds) -> None:
     reported = [TrainerShard(weight_layout.global_layer_name(name, p, per), tuple(x.shape), t, p, e)
                 for (t, p, e), sd in shards.items() for name, x in sd.items()]
     plan = plan_resharding(reported, {k: tuple(v.shape) for k, v in hf.items()}, raw)
-    got = {r.hf_name: t for r, t in weight_layout.to_hf(plan.tensors, lambda s: shards[s.key][s.name])}
+    got = {r.hf_name: t for r, t in tensor_recipes.to_hf(plan.tensors, lambda s: shards[s.key][s.name])}
     assert_bitwise_equal(got, hf)

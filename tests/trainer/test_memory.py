@@ -19,7 +19,8 @@ import torch
 from trainer_helpers import run_ranks
 
 from services.common.net import free_port
-from services.planning.arithmetic import MicroBatch, ModelShape, Recompute, TrainShape, stage_activations
+from services.planning.activations import MicroBatch, Recompute, TrainShape, stage_activations
+from services.planning.arithmetic import ModelShape
 from services.trainer import metrics as trainer_metrics
 from services.trainer.memory import METRIC_NAMES, ActivationTracker, StateBytes, UpdateMemory, state_bytes
 

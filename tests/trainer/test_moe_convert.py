@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlfabric.v1 import trainer_pb2
-from services.common import weight_layout
+from services.common import tensor_recipes, weight_layout
 from services.common.model_spec import read_hf_config, spec_from_hf_config
 from services.coordinator.resharding import ReshardError, ReshardPlan, TrainerShard, plan_resharding
 from services.trainer import ckpt_layout
@@ -177,7 +177,7 @@ def test_plan_assembles_every_hf_tensor_from_ep_shards(moe, tp: int, pp: int, ep
     assert (plan.trainer_tp, plan.trainer_pp, plan.trainer_ep) == (tp, pp, ep)
     decoded = ReshardPlan.from_proto(trainer_pb2.ReshardPlan.FromString(plan.to_proto().SerializeToString()))
     assert decoded == plan
-    got = {r.hf_name: t for r, t in weight_layout.to_hf(decoded.tensors, lambda s: shards[s.key][s.name])}
+    got = {r.hf_name: t for r, t in tensor_recipes.to_hf(decoded.tensors, lambda s: shards[s.key][s.name])}
     assert_bitwise_equal(got, hf)
     by_name = {r.hf_name: r for r in decoded.tensors}
     # Expert 5 lives on EP rank 1 as local expert 1; everything else is read from EP rank 0.

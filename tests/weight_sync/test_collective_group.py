@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from rlfabric.v1 import common_pb2
-from services.common.transports.collective import CollectiveError, CollectiveReceiver, _SenderGroup
+from services.common.transports.collective import CollectiveReceiver, _SenderGroup
+from services.common.transports.collective_group import CollectiveError
 
 GLOO = common_pb2.COLLECTIVE_BACKEND_GLOO
 
@@ -93,7 +94,7 @@ def test_a_joined_replica_fails_at_once_when_the_sender_gives_up_and_extra_joine
 def test_bytes_arrive_by_broadcast_and_a_member_that_leaves_fails_the_next_one_at_once():
     import torch
 
-    from services.common.transports.collective import broadcast, new_process_group
+    from services.common.transports.collective_group import broadcast, new_process_group
 
     group = _SenderGroup.create(["127.0.0.1:5000"], GLOO, 30.0)
     receiver = CollectiveReceiver()

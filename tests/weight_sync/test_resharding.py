@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlfabric.v1 import common_pb2, trainer_pb2
-from services.common import weight_layout
+from services.common import tensor_recipes, weight_layout
 from services.common.model_spec import read_hf_config, spec_from_hf_config
 from services.coordinator.resharding import ReshardError, ReshardPlan, TrainerShard, plan_resharding
 from services.trainer.convert import hf_to_mcore, load_hf_state, mcore_to_hf
@@ -57,7 +57,7 @@ def check_plan_reproduces_mcore_to_hf(cfg: dict, tp: int, pp: int) -> ReshardPla
     decoded = ReshardPlan.from_proto(trainer_pb2.ReshardPlan.FromString(plan.to_proto().SerializeToString()))
     assert decoded == plan
     expected = mcore_to_hf(shards, spec, tp, pp)
-    got = dict(weight_layout.to_hf(decoded.tensors, lambda s: shards[s.key][s.name]))
+    got = dict(tensor_recipes.to_hf(decoded.tensors, lambda s: shards[s.key][s.name]))
     assert [r.hf_name for r in got] == list(expected)
     for r, tensor in got.items():
         assert tensor.dtype == expected[r.hf_name].dtype and torch.equal(tensor, expected[r.hf_name]), r.hf_name
@@ -83,7 +83,7 @@ def test_plan_on_the_tiny_qwen2_checkpoint(tiny_model_dir, tp: int, pp: int) -> 
     shards = hf_to_mcore(hf, spec, tp, pp)
     plan = plan_resharding(trainer_shards(shards, spec, pp), {k: tuple(v.shape) for k, v in hf.items()}, raw)
     assert (plan.trainer_tp, plan.trainer_pp) == (tp, pp)
-    got = dict(weight_layout.to_hf(ReshardPlan.from_proto(plan.to_proto()).tensors, lambda s: shards[s.key][s.name]))
+    got = dict(tensor_recipes.to_hf(ReshardPlan.from_proto(plan.to_proto()).tensors, lambda s: shards[s.key][s.name]))
     assert {r.hf_name for r in got} == set(hf)
     assert all(torch.equal(t, hf[r.hf_name]) for r, t in got.items())
 

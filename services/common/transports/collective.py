@@ -6,7 +6,8 @@ the replica (`CollectiveReceiver`, called from services/rollout/weights.py) rece
 in one broadcast and stages them like a gRPC bucket: same checksums, commit checks, atomic apply and
 acknowledgement. One broadcast feeds every replica instead of one byte stream per replica.
 
-The group (gloo for host tensors; NCCL / HCCL, import-guarded, for tensors on those devices):
+The group (gloo for host tensors; NCCL / HCCL, import-guarded, for tensors on those devices; its primitives are
+collective_group.py's):
 - formed on the first push and kept (`_SenderGroup`, one per trainer process): later pushes pay no rendezvous.
   Its TCPStore listens on the local address that routes to the targets, never every interface; its keys live
   under a random secret prefix that only travels on the token-guarded streams, so only targets can join;
@@ -53,6 +54,16 @@ from services.common.checksum import chain, combine_checksums, data_checksum
 from services.common.client import DEFAULT_DEADLINE_S
 from services.common.tensors import dtype_code, dtype_name, itemsize
 from services.common.transports.base import TargetFailure, WeightAck, WeightTransport, checked_targets
+from services.common.transports.collective_group import (
+    BACKENDS,
+    CollectiveError,
+    _bind_host,
+    _code_of,
+    _layout,
+    broadcast,
+    local_address_toward,
+    new_process_group,
+)
 from services.common.transports.grpc_stream import Progress, _no_progress, _TargetStream
 
 # 16 MiB as gRPC: a packed bucket is a fresh buffer on each side, and glibc serves up to 32 MiB from its heap,
@@ -65,83 +76,6 @@ _POLL_S = (0.0002, 0.01)  # first and longest sleep between polls of the store
 # A member whose group the sender destroyed answers its ended stream in milliseconds (its join reads the abort,
 # its broadcast sees the connections close); one that has not answered within this is stalled itself.
 _ANSWER_S = 10.0
-
-BACKENDS = {"cpu": common_pb2.COLLECTIVE_BACKEND_GLOO, "cuda": common_pb2.COLLECTIVE_BACKEND_NCCL,
-            "npu": common_pb2.COLLECTIVE_BACKEND_HCCL}
-
-
-class CollectiveError(RuntimeError):
-    """A step of the group failed; `code`: the gRPC status name; `culprits`: the streams at fault, when known."""
-
-    def __init__(self, code: str, message: str, culprits: Sequence[_TargetStream] = ()) -> None:
-        super().__init__(message)
-        self.code, self.culprits = code, list(culprits)
-
-
-def _code_of(e: BaseException) -> str:
-    return "DEADLINE_EXCEEDED" if any(w in str(e).lower() for w in ("timed out", "timeout")) else "UNAVAILABLE"
-
-
-def local_address_toward(host: str) -> str:
-    """This machine's address on the route to `host` (the interface a peer there reaches us on)."""
-    try:
-        family = socket.getaddrinfo(host, None)[0][0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
-
-
-def _bind_host(targets: Sequence[str]) -> str:
-    """What the store and gloo bind: a non-loopback route if a target needs one (loopback peers reach it too)."""
-    routes = [local_address_toward(t.rsplit(":", 1)[0].strip("[]")) for t in targets]
-    remote = [r for r in routes if not r.startswith("127.") and r != "::1"]
-    return remote[0] if remote else routes[0]
-
-
-def new_process_group(backend: int, store, rank: int, world: int, timeout_s: float, host: str):
-    """A process group outside torch's default one (the trainer's own group stays untouched)."""
-    if backend == common_pb2.COLLECTIVE_BACKEND_GLOO:
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = _td(timeout_s)
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # not every interface
-        return dist.ProcessGroupGloo(store, rank, world, opts)
-    if backend == common_pb2.COLLECTIVE_BACKEND_NCCL:
-        if not hasattr(dist, "ProcessGroupNCCL"):
-            raise CollectiveError("FAILED_PRECONDITION", "this torch has no NCCL: the nccl backend needs CUDA")
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = _td(timeout_s)
-        return dist.ProcessGroupNCCL(store, rank, world, opts)
-    if backend == common_pb2.COLLECTIVE_BACKEND_HCCL:
-        try:
-            from torch_npu._C._distributed_c10d import ProcessGroupHCCL
-        except ImportError as e:
-            raise CollectiveError("FAILED_PRECONDITION", "torch_npu is not installed: the hccl backend needs it") from e
-        opts = ProcessGroupHCCL.Options()
-        opts._timeout = _td(timeout_s)
-        return ProcessGroupHCCL(store, rank, world, opts)
-    raise CollectiveError("INVALID_ARGUMENT", f"collective backend {backend} is not one of {sorted(BACKENDS.values())}")
-
-
-def _layout(sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Offsets of a bucket's tensors packed into one buffer (64-byte aligned: the receiver's views are tensors),
-    and its size; one tensor alone is its own buffer."""
-    offsets, at = [], 0
-    for n in sizes:
-        offsets.append(at)
-        at += -(-n // 64) * 64
-    return offsets, (offsets[-1] + sizes[-1] if sizes else 0)
-
-
-def broadcast(pg, tensor: torch.Tensor) -> None:
-    """Broadcast from rank 0 (in place on the other ranks); raises CollectiveError."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    try:
-        pg.broadcast([tensor], opts).wait()
-    except RuntimeError as e:
-        raise CollectiveError(_code_of(e), f"broadcast failed: {e}") from e
 
 
 @dataclasses.dataclass
