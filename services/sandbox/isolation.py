@@ -142,17 +142,18 @@ def build_command(*, bwrap: str, mode: str, runtime: PythonRuntime, scratch: str
             argv += ["--ro-bind", link, link]
     for path in _ETC_FILES:
         argv += ["--ro-bind-try", path, path]
-    made: set[str] = set()
+    argv += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp",
+             "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/dev/shm"]
+    # After the tmpfs mounts, which would otherwise hide a runtime that lives under /tmp (a venv there).
+    made: set[str] = {"/tmp", "/dev/shm"}
     for folder in runtime.folders:
         for parent in _parents(folder):
             if parent not in made and not any(_inside(parent, d) for d in (*_SYSTEM_DIRS, *_SYSTEM_LINKS)):
                 argv += ["--perms", "0755", "--dir", parent]
                 made.add(parent)
         argv += ["--ro-bind", folder, folder]
-    argv += ["--proc", "/proc", "--dev", "/dev",
-             "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp",
-             "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/dev/shm",
-             "--bind", scratch, SANDBOX_DIR, "--remount-ro", "/", "--chdir", SANDBOX_DIR, "--clearenv"]
+    argv += ["--bind", scratch, SANDBOX_DIR, "--remount-ro", "/", "--chdir", SANDBOX_DIR, "--clearenv"]
     env = {"PATH": ":".join([os.path.dirname(program[0]), "/usr/local/bin", "/usr/bin", "/bin"]), **_PROGRAM_ENV}
     for key, value in env.items():
         argv += ["--setenv", key, value]
