@@ -100,32 +100,22 @@ def layers_of_stage(spec: ModelSpec, pp: int, pp_rank: int, stages: StageLayers 
     return pipeline_layout.stage_range(stage_layer_counts(spec, pp, stages), pp_rank)
 
 
-def _stage_sizes(stages: int | StageLayers, stage_hint: int) -> StageLayers:
-    """`stages` as per-stage counts; an int is the even split's layers per stage (enough stages for `stage_hint`)."""
-    return (stages,) * (stage_hint + 1) if isinstance(stages, int) else stages
-
-
-def local_layer_name(global_name: str, stages: int | StageLayers) -> tuple[str, int | None]:
+def local_layer_name(global_name: str, stages: StageLayers) -> tuple[str, int | None]:
     """Model-wide `decoder.layers.L.X` -> (stage-local name, stage); (name, None) for non-layer names.
-
-    `stages`: the layers of each stage (`stage_layer_counts`), or of every stage (an even split)."""
+    `stages`: the layers of each stage (`stage_layer_counts`)."""
     m = _LAYER.match(global_name)
     if not m:
         return global_name, None
-    layer = int(m.group(1))
-    if isinstance(stages, int):
-        stage, local = divmod(layer, stages)
-    else:
-        stage, local = pipeline_layout.stage_of_layer(stages, layer)
+    stage, local = pipeline_layout.stage_of_layer(stages, int(m.group(1)))
     return f"decoder.layers.{local}.{global_name[m.end():]}", stage
 
 
-def global_layer_name(local_name: str, pp_rank: int, stages: int | StageLayers) -> str:
+def global_layer_name(local_name: str, pp_rank: int, stages: StageLayers) -> str:
     """Stage-local `decoder.layers.l.X` of stage `pp_rank` -> model-wide name (the inverse of local_layer_name)."""
     m = _LAYER.match(local_name)
     if not m:
         return local_name
-    first = sum(_stage_sizes(stages, pp_rank)[:pp_rank])
+    first = pipeline_layout.stage_range(stages, pp_rank).start
     return f"decoder.layers.{int(m.group(1)) + first}.{local_name[m.end():]}"
 
 

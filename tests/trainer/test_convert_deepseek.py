@@ -168,8 +168,8 @@ def test_plan_assembles_every_hf_tensor_from_ep_shards(ds) -> None:
     spec, raw, hf = ds
     tp, pp, ep = 2, 2, 2
     shards = hf_to_mcore(hf, spec, tp, pp, ep=ep)
-    per = spec.num_hidden_layers // pp
-    reported = [TrainerShard(weight_layout.global_layer_name(name, p, per), tuple(x.shape), t, p, e)
+    stages = weight_layout.stage_layer_counts(spec, pp)
+    reported = [TrainerShard(weight_layout.global_layer_name(name, p, stages), tuple(x.shape), t, p, e)
                 for (t, p, e), sd in shards.items() for name, x in sd.items()]
     plan = plan_resharding(reported, {k: tuple(v.shape) for k, v in hf.items()}, raw)
     got = {r.hf_name: t for r, t in tensor_recipes.to_hf(plan.tensors, lambda s: shards[s.key][s.name])}

@@ -163,8 +163,8 @@ def test_cli_refuses_an_ep_that_does_not_divide_the_experts(tiny_moe_dir: Path, 
 
 def trainer_shards(shards: dict, spec, pp: int) -> list[TrainerShard]:
     """What Trainer.Info reports for these rank state dicts: model-wide layer numbers, experts numbered locally."""
-    per = spec.num_hidden_layers // pp
-    return [TrainerShard(weight_layout.global_layer_name(name, p, per), tuple(x.shape), t, p, e)
+    stages = weight_layout.stage_layer_counts(spec, pp)
+    return [TrainerShard(weight_layout.global_layer_name(name, p, stages), tuple(x.shape), t, p, e)
             for (t, p, e), sd in shards.items() for name, x in sd.items()]
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from services.common.config.schema import inert, read, refused, setting
 from services.common.config.statuses import (
+    ACTIVATIONS,
     DERIVED,
     FROM_HF,
     HF_CHECK,
@@ -39,7 +40,8 @@ _YARN = read(MOE_RULES, note="YaRN rope (DeepSeek-V3): compared with the config.
 class ModelConfig:
     """Model architecture: the keys of one block in `configs/model/<name>.yaml`."""
 
-    num_layers: int | None = setting(None, "Number of transformer layers.", read(HF_CHECK, VALIDATION))
+    num_layers: int | None = setting(None, "Number of transformer layers.",
+                                     read(HF_CHECK, VALIDATION, ACTIVATIONS, TRAINER_OPTIONS))
     hidden_size: int | None = setting(None, "Hidden (model) dimension.", read(HF_CHECK, DERIVED))
     ffn_hidden_size: int | None = setting(None, "MLP inner dimension (per gate for SwiGLU).", read(HF_CHECK))
     num_attention_heads: int | None = setting(None, "Number of query heads.", read(HF_CHECK, VALIDATION))
