@@ -79,7 +79,7 @@ def prepare(work: Path) -> dict[str, Workload]:
         write_arithmetic_jsonl(w1 / "arith.jsonl", 512)
     _preprocess(w1 / "arith.jsonl", w1 / "model", w1 / "data" / "arith")
     if not (w2 / "model" / "config.json").exists():
-        write_tiny_model(w2 / "model", vocab_size=512, split_digits=True)
+        write_tiny_model(w2 / "model", vocab_size=512, digits="single")
     if not (w2 / "task" / "train.jsonl").exists():
         write_addition_task(w2 / "task", held_out=500)
     _preprocess(w2 / "task" / "train.jsonl", w2 / "model", w2 / "data" / "train")
@@ -361,7 +361,7 @@ def _demo_workload(args: argparse.Namespace) -> Workload:
     from services.data.synthetic import write_addition_task
 
     if not (base / "config.json").exists():
-        write_tiny_model(base, vocab_size=512, split_digits=True)
+        write_tiny_model(base, vocab_size=512, digits="single")
     train_rows, held_out = write_addition_task(work / "task", held_out=500)
     _preprocess(train_rows, base, work / "dataset" / "train")
     if not (work / "sft_model" / "sft_summary.json").exists():

@@ -42,7 +42,6 @@ import datetime
 import gc
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -51,7 +50,7 @@ import time
 from pathlib import Path
 
 from bench_packing import _experience, _rows
-from benchlib import machine_info
+from benchlib import add_phase_arguments, machine_info, write_results_section, write_scaling_model
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -335,14 +334,8 @@ def report(a: argparse.Namespace, dp2: dict, rc: dict, pk: dict, plans: dict, he
 def write(summary: list[str], detail: list[str], head: str) -> None:
     (REPO / "bench" / "results" / "memory.md").write_text("\n".join(["# Memory (bench/bench_memory.py)", "",
                                                                       *detail]))
-    results = REPO / "bench" / "RESULTS.md"
-    body = results.read_text()
-    section = "\n".join(["## Memory (bench/bench_memory.py)", "", head, "", *summary, "",
-                         "Detail: [memory.md](results/memory.md).", ""])
-    pattern = r"## Memory \(bench/bench_memory\.py\)\n.*?(?=\n## |\Z)"
-    body = re.sub(pattern, lambda _: section, body, flags=re.S) if re.search(pattern, body, flags=re.S) \
-        else body.rstrip() + "\n\n" + section
-    results.write_text(body)
+    write_results_section("Memory (bench/bench_memory.py)",
+                          "\n".join([head, "", *summary, "", "Detail: [memory.md](results/memory.md)."]))
 
 
 def main() -> int:
@@ -355,25 +348,16 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=2048, help="update_max_packing_token_size")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-write", action="store_true", help="print only")
-    ap.add_argument("--phase", choices=sorted(MEASUREMENTS), help=argparse.SUPPRESS)  # a child process
-    for k in ("rank", "port"):
-        ap.add_argument(f"--{k}", type=int, default=0, help=argparse.SUPPRESS)
-    for k in ("hf", "out"):
-        ap.add_argument(f"--{k}", help=argparse.SUPPRESS)
+    add_phase_arguments(ap, MEASUREMENTS)
     a = ap.parse_args()
     if a.phase:
         return phase_main(a)
 
     started, date = time.monotonic(), datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     machine = machine_info(*PACKAGES)
-    from services.common.tiny_model import write_tiny_model
-
     durations, runs = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
-        hf = str(write_tiny_model(Path(tmp) / "model", hidden_size=a.hidden, num_layers=a.layers,
-                                  num_attention_heads=a.hidden // 64, num_key_value_heads=2,
-                                  intermediate_size=3 * a.hidden, tie_word_embeddings=False,
-                                  max_position_embeddings=4096))
+        hf = str(write_scaling_model(Path(tmp) / "model", a.hidden, a.layers, max_position_embeddings=4096))
         for phase in MEASUREMENTS:
             t = time.monotonic()
             runs[phase] = run_phase(phase, a, hf, Path(tmp))

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import machine_info
+from benchlib import machine_info, write_scaling_model
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -71,7 +71,6 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(a.threads)
-    from services.common.tiny_model import write_tiny_model
     from services.trainer import parallel
     from services.trainer.optimizer import OptimizerOptions
     from services.trainer.packing import Packing
@@ -79,9 +78,7 @@ def main() -> int:
     from services.trainer.worker import TrainerWorker, WorkerOptions
 
     with tempfile.TemporaryDirectory(prefix="bench_packing_") as tmp:
-        model_dir = write_tiny_model(Path(tmp) / "model", hidden_size=a.hidden, num_layers=a.layers,
-                                     num_attention_heads=a.hidden // 64, num_key_value_heads=2,
-                                     intermediate_size=3 * a.hidden, tie_word_embeddings=False)
+        model_dir = write_scaling_model(Path(tmp) / "model", a.hidden, a.layers)
         parallel.init_distributed(rank=0, world_size=1)
         parallel.init_model_parallel(1, 1)
         w = TrainerWorker(WorkerOptions(hf_dir=str(model_dir), optimizer=OptimizerOptions(lr=1e-6)))

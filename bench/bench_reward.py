@@ -171,13 +171,14 @@ def one_throughput_run(workers: int, raw: list[tuple[str, str]], redis_url: str,
                        pin: bool = False) -> dict[str, float]:
     from rlfabric.v1 import reward_pb2
     from services.common.redis_store import Registry, connect
+    from services.common.service_kind import ServiceKind
     from services.coordinator.reward_pool import RewardClientPool
 
     registry = Registry(connect(redis_url))
     processes = start_workers(workers, redis_url, tag, pin)
     try:
         deadline = time.monotonic() + 120
-        while len([m for m in registry.members("reward") if m.instance_id.startswith(tag)]) < workers:
+        while len([m for m in registry.members(ServiceKind.REWARD) if m.instance_id.startswith(tag)]) < workers:
             if time.monotonic() > deadline:
                 raise RuntimeError("workers did not register within 120 s")
             time.sleep(0.1)

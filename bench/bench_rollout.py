@@ -162,7 +162,7 @@ def main() -> int:
     batch = [rng.integers(3, 4000, size=int(rng.integers(16, 48))).tolist() for _ in range(args.prompts)]
     samples = args.prompts * args.n
 
-    engine = RolloutEngine(EngineOptions(model=model_dir, dtype="float32", max_model_len=1024,
+    engine = RolloutEngine(EngineOptions(model=model_dir, dtype="float32", tensor_parallel_size=1, max_model_len=1024,
                                          max_num_seqs=max(samples, 8), num_threads=args.threads,
                                          cache_root=str(workdir / "vllm_cache")))
     server, _ = create_rollout_server(engine, SamplingOptions(), metrics_port=None,

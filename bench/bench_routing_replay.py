@@ -39,8 +39,8 @@ def rollout(model: Path, dtype: str, prompts: int, n: int, max_tokens: int, cach
     from services.rollout.options import EngineOptions, SamplingOptions
     from services.rollout.samples import SampleRequest
 
-    engine = RolloutEngine(EngineOptions(model=str(model), dtype=dtype, max_model_len=256, max_num_seqs=64,
-                                         num_threads=1, cpu_kv_cache_gib=1, cache_root=str(cache),
+    engine = RolloutEngine(EngineOptions(model=str(model), dtype=dtype, tensor_parallel_size=1, max_model_len=256,
+                                         max_num_seqs=64, num_threads=1, cpu_kv_cache_gib=1, cache_root=str(cache),
                                          return_routed_experts=True))
     rng = np.random.default_rng(0)
     batch = [rng.integers(3, 4000, size=int(rng.integers(4, 12))).tolist() for _ in range(prompts)]

@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from benchlib import machine_info
+from benchlib import machine_info, write_results_section
 
 REPO = Path(__file__).resolve().parents[1]
 SERVICES = [("redis", "redis-server"), ("reward", "reward serve"), ("rollout", "rollout serve"),
@@ -144,12 +144,7 @@ def table(samples: dict[int, dict[str, dict[str, float]]], first: int, last: int
 def write_results(text: str, samples: dict, first: int, last: int) -> None:
     (REPO / "bench" / "results" / "soak.md").write_text(text + "\n\nRaw samples (per iteration, per service):\n\n"
                                                         "```json\n" + json.dumps(samples) + "\n```\n")
-    results = REPO / "bench" / "RESULTS.md"
-    body = results.read_text()
-    section = f"## Soak\n\n{text}\n\nDetail: [soak.md](results/soak.md).\n"
-    body = re.sub(r"## Soak\n.*?(?=\n## |\Z)", section, body, flags=re.S) if "## Soak\n" in body else \
-        body.rstrip() + "\n\n" + section
-    results.write_text(body)
+    write_results_section("Soak", f"{text}\n\nDetail: [soak.md](results/soak.md).")
 
 
 def main() -> int:

@@ -203,7 +203,7 @@ def _med(xs: list[float]) -> str:
 def cost_main(a: argparse.Namespace, tmp: Path) -> int:
     from services.common.tiny_model import write_tiny_model
 
-    models = {512: write_tiny_model(tmp / "v512", vocab_size=512, split_digits=True),
+    models = {512: write_tiny_model(tmp / "v512", vocab_size=512, digits="single"),
               4096: write_tiny_model(tmp / "v4096", vocab_size=4096)}
     codes = {"after": None} if not a.before else {"before": a.before, "after": None}
     res: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = {}

@@ -149,8 +149,9 @@ def _replica_and_sender(hf_dir: Path, work: Path, repeats: int, bucket: int, onl
     from services.rollout.options import EngineOptions, SamplingOptions
     from services.rollout.server import create_rollout_server
 
-    engine = RolloutEngine(EngineOptions(model=str(hf_dir), dtype="float32", max_model_len=256, max_num_seqs=4,
-                                         num_threads=1, cpu_kv_cache_gib=1, cache_root=str(work / "vllm_cache")))
+    engine = RolloutEngine(EngineOptions(model=str(hf_dir), dtype="float32", tensor_parallel_size=1, max_model_len=256,
+                                         max_num_seqs=4, num_threads=1, cpu_kv_cache_gib=1,
+                                         cache_root=str(work / "vllm_cache")))
     server, _ = create_rollout_server(engine, SamplingOptions(max_tokens=8), metrics_port=None)
     server.start()
     sink, sink_address = _sink_server(GRPC_OPTIONS)

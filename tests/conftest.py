@@ -107,8 +107,9 @@ def moe_engine(moe_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFac
     from services.rollout.options import EngineOptions
 
     engine = RolloutEngine(EngineOptions(
-        model=str(moe_dirs[0]), dtype="float32", max_model_len=256, max_num_seqs=16, num_threads=1,
-        cpu_kv_cache_gib=1, cache_root=str(tmp_path_factory.mktemp("vllm_moe_cache")), return_routed_experts=True,
+        model=str(moe_dirs[0]), dtype="float32", tensor_parallel_size=1, max_model_len=256, max_num_seqs=16,
+        num_threads=1, cpu_kv_cache_gib=1, cache_root=str(tmp_path_factory.mktemp("vllm_moe_cache")),
+        return_routed_experts=True,
     ))
     yield engine
     engine.close()
@@ -145,8 +146,8 @@ def deepseek_engine(deepseek_dirs: tuple[Path, Path], tmp_path_factory: pytest.T
     from services.rollout.options import EngineOptions
 
     engine = RolloutEngine(EngineOptions(
-        model=str(deepseek_dirs[0]), dtype="float32", max_model_len=256, max_num_seqs=16, num_threads=1,
-        cpu_kv_cache_gib=1, cache_root=str(tmp_path_factory.mktemp("vllm_deepseek_cache")),
+        model=str(deepseek_dirs[0]), dtype="float32", tensor_parallel_size=1, max_model_len=256, max_num_seqs=16,
+        num_threads=1, cpu_kv_cache_gib=1, cache_root=str(tmp_path_factory.mktemp("vllm_deepseek_cache")),
         return_routed_experts=True))
     yield engine
     engine.close()
@@ -165,8 +166,9 @@ def rollout_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     from services.rollout.options import EngineOptions
 
     engine = RolloutEngine(EngineOptions(
-        model=str(tiny_model_dir), dtype="float32", max_model_len=256, max_num_seqs=32, num_threads=1,
-        cpu_kv_cache_gib=1, gpu_memory_utilization=0.2, cache_root=str(tmp_path_factory.mktemp("vllm_cache")),
+        model=str(tiny_model_dir), dtype="float32", tensor_parallel_size=1, max_model_len=256, max_num_seqs=32,
+        num_threads=1, cpu_kv_cache_gib=1, gpu_memory_utilization=0.2,
+        cache_root=str(tmp_path_factory.mktemp("vllm_cache")),
     ))
     yield engine
     engine.close()

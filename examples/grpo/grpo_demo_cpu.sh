@@ -17,7 +17,7 @@ start=$(date +%s)
 step() { printf '\n== [%3d s] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 
 step "1/7 a tiny Qwen2 (hidden 128, 2 layers, random) with a digit-split byte-level BPE of 512 entries"
-[ -f "$WORK/base_model/config.json" ] || "$RLF" tiny-model "$WORK/base_model" --vocab-size 512 --split-digits >/dev/null
+[ -f "$WORK/base_model/config.json" ] || "$RLF" tiny-model "$WORK/base_model" --vocab-size 512 --digits single >/dev/null
 echo "$WORK/base_model"
 
 step "2/7 the task: every A+B= with A, B in 0..99; 500 held out, 9,500 to train on"

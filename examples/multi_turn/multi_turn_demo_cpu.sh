@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make demo-multi-turn`: GRPO with a tool, on one CPU machine (2 cores). The task is "What is A*B?" (A, B in
 # 317..999), which a tiny Qwen2 cannot multiply but can solve by calling the code interpreter: a supervised warm-up
-# (examples/multi_turn/tool_task.py) teaches the call format on 60% of the problems (a direct answer on the rest),
+# (examples/multi_turn/tool_task.py) teaches the call and copying the numbers, then a mix with direct answers,
 # then GRPO runs through `rlfabric up configs/grpo_multi_turn_demo_cpu.yaml`, which starts, besides Redis, a reward
 # worker, a vLLM replica, Megatron actor and reference trainers and the coordinator, the code sandbox
 # (`rlfabric sandbox serve`, bubblewrap) and a tool server (`rlfabric tools serve`). Reward (retool_reward), tool
@@ -17,7 +17,7 @@ PY=".venv/bin/python"
 start=$(date +%s)
 step() { printf '\n== [%3d s] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 
-step "1/4 a tiny Qwen2 (digit tokenizer), the task (qwen chat template), the warm-up on the call format"
+step "1/4 a tiny Qwen2 (digit tokenizer), the task (qwen chat template), the warm-up (call, copy, then a mix)"
 "$PY" examples/multi_turn/tool_task.py "$WORK"
 
 step "2/4 GRPO with the code interpreter (rlfabric up configs/grpo_multi_turn_demo_cpu.yaml)"

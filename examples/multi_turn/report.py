@@ -1,11 +1,11 @@
 """The last step of the multi-turn demo: what GRPO did with the tool, in a few lines, and whether it met its marks.
 
 Reads the demo's work folder: the warm-up's `sft_model/warmup_summary.json` and the run's metrics JSONL. Prints
-the warm-up, then the first 10 -> the last 10 iterations' means of the training reward (retool_reward), the tool
+the warm-up, then the first WINDOW -> the last WINDOW iterations' means of the training reward (retool_reward), the tool
 calls per sample, the tool success rate (calls that ran, of the calls made: a malformed call or a sandbox failure
 is an error) and the response lengths (the model's tokens and the tool's, which are context, not trained on).
-Checks that reward, calls per sample and success rate rose by the marks of `MARKS` (the margins of
-tests/e2e/test_multi_turn_up.py). Exits 1 when a check fails.
+Checks that reward, calls per sample and success rate rose by the marks of `MARKS`, which
+tests/e2e/test_multi_turn_up.py asserts too. Exits 1 when a check fails.
 
     python examples/multi_turn/report.py WORK_DIR [--seconds N]
 """
@@ -17,10 +17,12 @@ from pathlib import Path
 
 from services.report.run_metrics import find_metrics, read_metrics
 
-WINDOW = 10
-# Rise of the mean of the last WINDOW iterations over the first WINDOW, per metric (measured: see
-# tests/e2e/test_multi_turn_up.py).
-MARKS = {"grpo/score/mean": 0.2, "tool/calls_per_sample": 0.1, "tool/success_rate": 0.0}
+# GRPO moves the warmed-up policy within a few iterations (measured, 40 iterations of 8 x 8: the calls per sample
+# from 0.55 at iteration 1 to 0.97 at iteration 3), so a wider first window would average the rise away.
+WINDOW = 5
+# Rise of the mean of the last WINDOW iterations over the first WINDOW, per metric, about half of what was measured
+# (the demo, 40 iterations: reward -0.150 -> 0.649, calls per sample 0.847 -> 0.997, success rate 0.791 -> 0.962).
+MARKS = {"grpo/score/mean": 0.3, "tool/calls_per_sample": 0.05, "tool/success_rate": 0.05}
 SHOWN = {"grpo/score/mean": "training reward (retool_reward)", "tool/calls_per_sample": "tool calls per sample",
          "tool/success_rate": "tool success rate", "response_length/generated_mean": "model tokens per response",
          "response_length/tool_mean": "tool tokens per response (masked out of the loss)"}

@@ -1,6 +1,6 @@
 """The multi-turn demo's task and its supervised warm-up: "What is A*B?" (A, B in 317..999), solvable with a tool.
 
-A tiny Qwen2 (hidden 128, 2 layers, digit tokenizer) cannot multiply two 3-digit numbers; it can learn to copy
+A tiny Qwen2 (hidden 128, 4 layers, digit tokenizer) cannot multiply two 3-digit numbers; it can learn to copy
 them into a call of the code interpreter and to copy the tool's answer into `\\boxed{}` (A, B from 317: every
 product has 6 digits, so every conversation has the same layout). The conversation the warm-up teaches, in the
 `qwen` chat template (configs/model/templates.json), token for token what the coordinator builds during the run
@@ -12,14 +12,15 @@ product has 6 digits, so every conversation has the same layout). The conversati
     \\boxed{301996}<|im_end|>
 
 The loss covers the model's two turns (the call, the answer), never the prompt or the tool's answer. The warm-up
-imitates an imperfect teacher, so that GRPO has room to improve on each thing the must-show watches: a share of
-the problems (`direct_fraction`, 0.4) is answered at once (`\\boxed{N}`, a number the model cannot know), so the
-warmed-up policy calls the tool on about 60-70% of its samples (`tool/calls_per_sample`); a share of the calls
+has two phases. First the tool path alone, until greedy decoding solves `stop_at` of a slice of the training
+problems (copying the digits is learned in a jump, between steps 300 and 400; mixed from the start with answers the
+model cannot know, it was not learned in 1,000 steps). Then `mixed_steps` steps that
+imitate an imperfect teacher, so that GRPO has room to improve on each thing the must-show watches: a share of the
+problems (`direct_fraction`, 0.4) is answered at once (`\\boxed{N}`, a number the model cannot know), so that the
+policy calls the tool on only part of its samples (`tool/calls_per_sample`); a share of the calls
 (`malformed_fraction`, 0.25) lacks its last closing brace, which the hermes parser refuses (the conversation shows
-the parse error the coordinator answers with), so about a quarter of the calls fail (`tool/success_rate`); and the
-warm-up stops once greedy decoding solves half of a slice of the training problems (`stop_at`), so that sampled
-calls and answers still go wrong at times. GRPO's reward (`retool_reward`: +1 right, -1 wrong, -0.9 wrong after a
-tool turn) favours a well-formed call with the right numbers, copied back right.
+the parse error the coordinator answers with), so that part of the calls fail (`tool/success_rate`). GRPO's reward
+(`retool_reward`: +1 right, -1 wrong, -0.9 wrong after a tool turn) favours a well-formed call, copied back right.
 
 Used by examples/multi_turn/multi_turn_demo_cpu.sh (`python examples/multi_turn/tool_task.py WORK`) and, in
 process, by tests/e2e/test_multi_turn_up.py.
@@ -42,6 +43,9 @@ CONFIG = "configs/grpo_multi_turn_demo_cpu.yaml"
 TEMPLATE = "qwen"
 TOOL_NAME = "code_interpreter"
 IGNORE_INDEX = -100
+# Two layers copy the call's digits out of the prompt but never the answer's out of the tool's reply (1,000 steps,
+# loss stuck at ln 10 per answer digit); four copy both, every digit, by step ~400.
+LAYERS = 4
 
 
 def multiplication_rows(count: int, *, seed: int, low: int = 317, high: int = 999) -> list[dict[str, str]]:
@@ -136,23 +140,26 @@ STOP_ON = ("tool_path", "frame")
 class WarmupSettings:
     """The warm-up's hyper-parameters (AdamW, linear warm-up then constant; batches drawn with replacement).
 
-    Measured (2-core machine, seed 0, batch 32, lr 3e-3): the frame of the call and answer is right after ~50
-    steps; copying the digits (into the call, out of the tool's answer) starts near step 250 and is ~95% per digit
-    by step 350, where about half the checked problems are right whole (`stop_at` 0.5): ~1.2 CPU s per step.
+    Measured (2-core machine, seed 0, batch 32, lr 3e-3, 4 layers): the frame of the call and answer is right after
+    ~100 steps; greedy solves 0% of the checked problems at step 300, 36% at 350 and over 90% at 400, where the first
+    phase stops; after the 60 mixed steps, 79% of held-out problems (the tool path, teacher-forced), the first token
+    opens a call with probability 0.64, the call's frame is right with probability 0.69. ~2.4 CPU s per step, ~9 min.
     """
 
-    steps: int = 1000  # a cap: the warm-up stops once `stop_at` is reached
+    steps: int = 1000  # a cap on the first phase, which stops once `stop_at` is reached
     batch_size: int = 32
     lr: float = 3e-3
     warmup_steps: int = 50
     clip_grad: float = 1.0
+    # The second phase: `mixed_steps` steps on the imperfect teacher's mixture.
+    mixed_steps: int = 60
     direct_fraction: float = 0.4  # of the problems: taught as a direct answer
     malformed_fraction: float = 0.25  # of the other problems: the call's last brace left out (a parse error)
     # What `stop_at` measures (see `accuracies`): "tool_path", the share of checked problems greedy decoding
     # solves; "frame", the probability that sampling writes a call and an answer that parse (digits aside): a
     # quick warm-up whose calls run, with wrong numbers.
     stop_on: str = "tool_path"
-    stop_at: float = 0.5
+    stop_at: float = 0.9
     check_every: int = 50
     check_rows: int = 200
     seed: int = 0
@@ -215,9 +222,54 @@ def accuracies(model: Any, conversations: Sequence[Conversation], pad_id: int, d
     return frame / n, paths / n
 
 
+def call_probability(model: Any, conversations: Sequence[Conversation], pad_id: int) -> float:
+    """The mean probability that the model's first token opens a tool call (rather than a direct answer), over tool
+    conversations: the share of samples that call the tool, at temperature 1."""
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        ids, mask, _ = _batch(conversations, pad_id)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        rows = torch.arange(len(conversations))
+        first = torch.tensor([c.first_written for c in conversations])
+        probs = torch.softmax(logits[rows, first - 1], dim=-1)[rows, ids[rows, first]]
+    model.train()
+    return float(probs.mean())
+
+
+class _Trainer:
+    """AdamW on the written tokens of conversations drawn with replacement (see WarmupSettings)."""
+
+    def __init__(self, model: Any, settings: WarmupSettings, pad_id: int) -> None:
+        import torch
+
+        self.model, self.settings, self.pad_id = model, settings, pad_id
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+        self.generator = torch.Generator().manual_seed(settings.seed)
+        self.steps, self.loss = 0, float("nan")
+
+    def step(self, examples: Sequence[Conversation]) -> None:
+        import torch
+
+        s = self.settings
+        self.steps += 1
+        for group in self.optimizer.param_groups:
+            group["lr"] = s.lr * min(1.0, self.steps / max(1, s.warmup_steps))
+        picks = torch.randint(len(examples), (s.batch_size,), generator=self.generator).tolist()
+        nll, _, target = _forward(self.model, *_batch([examples[i] for i in picks], self.pad_id))
+        loss = nll.sum() / (target != IGNORE_INDEX).sum()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.clip_grad)
+        self.optimizer.step()
+        self.loss = float(loss.detach())
+
+
 def warm_up(base_dir: str | Path, train_rows: Sequence[dict[str, str]], held_out_rows: Sequence[dict[str, str]],
             out_dir: str | Path, settings: WarmupSettings = WarmupSettings(), quiet: bool = True) -> dict[str, Any]:
-    """Fine-tunes the model in `base_dir` (see module doc) and saves it with `warmup_summary.json` to `out_dir`."""
+    """Fine-tunes the model in `base_dir` in two phases (see module doc) and saves it with `warmup_summary.json`
+    to `out_dir`."""
     import shutil
 
     import torch
@@ -233,43 +285,42 @@ def warm_up(base_dir: str | Path, train_rows: Sequence[dict[str, str]], held_out
     rng = random.Random(settings.seed)
     kinds = ["direct" if rng.random() < settings.direct_fraction else
              "malformed" if rng.random() < settings.malformed_fraction else "tool" for _ in train_rows]
-    examples = [conversation(tokenizer, template, r["problem"], r["answer"], k)
-                for r, k in zip(train_rows, kinds, strict=True)]
-    check = [conversation(tokenizer, template, r["problem"], r["answer"]) for r in train_rows[:settings.check_rows]]
+    tool_path = [conversation(tokenizer, template, r["problem"], r["answer"]) for r in train_rows]
+    mixed = [conversation(tokenizer, template, r["problem"], r["answer"], k)
+             for r, k in zip(train_rows, kinds, strict=True)]
+    check = tool_path[:settings.check_rows]
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(settings.seed)
+    trainer = _Trainer(model, settings, pad_id)
     digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
-    checked, step, loss = (0.0, 0.0), 0, float("nan")
-    while step < settings.steps:
-        step += 1
-        for group in optimizer.param_groups:
-            group["lr"] = settings.lr * min(1.0, step / max(1, settings.warmup_steps))
-        picks = torch.randint(len(examples), (settings.batch_size,), generator=generator).tolist()
-        ids, mask, labels = _batch([examples[i] for i in picks], pad_id)
-        nll, _, target = _forward(model, ids, mask, labels)
-        batch_loss = nll.sum() / (target != IGNORE_INDEX).sum()
-        optimizer.zero_grad(set_to_none=True)
-        batch_loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip_grad)
-        optimizer.step()
-        loss = float(batch_loss.detach())
-        if step % settings.check_every == 0 or step == settings.steps:
+    checked = (0.0, 0.0)
+    while trainer.steps < settings.steps:
+        trainer.step(tool_path)
+        if trainer.steps % settings.check_every == 0 or trainer.steps == settings.steps:
             checked = accuracies(model, check, pad_id, digits)
             if not quiet:
-                print(f"  step {step}: loss {loss:.3f}; on {len(check)} training problems, sampling writes the frame "
-                      f"of call and answer right with probability {checked[0]:.2f}, greedy solves {checked[1]:.0%}",
-                      flush=True)
+                print(f"  step {trainer.steps}: loss {trainer.loss:.3f}; on {len(check)} training problems, sampling "
+                      f"writes the frame of call and answer right with probability {checked[0]:.2f}, greedy solves "
+                      f"{checked[1]:.0%}", flush=True)
             if checked[1 if settings.stop_on == "tool_path" else 0] >= settings.stop_at:
                 break
+    tool_path_steps = trainer.steps
+    for _ in range(settings.mixed_steps):
+        trainer.step(mixed)
+    if settings.mixed_steps:
+        checked = accuracies(model, check, pad_id, digits)
     held_out = [conversation(tokenizer, template, r["problem"], r["answer"]) for r in held_out_rows]
     held = accuracies(model, held_out, pad_id, digits) if held_out else (None, None)
     summary = {"settings": asdict(settings), "train_rows": len(train_rows), "direct_rows": kinds.count("direct"),
-               "malformed_rows": kinds.count("malformed"), "steps_run": step,
-               "final_loss": loss, "train_check_frame_probability": checked[0],
+               "malformed_rows": kinds.count("malformed"), "tool_path_steps": tool_path_steps,
+               "steps_run": trainer.steps, "final_loss": trainer.loss, "train_check_frame_probability": checked[0],
                "train_check_tool_path_accuracy": checked[1], "held_out_frame_probability": held[0],
-               "held_out_tool_path_accuracy": held[1], "seconds": time.perf_counter() - started}
+               "held_out_tool_path_accuracy": held[1], "call_probability": call_probability(model, check, pad_id),
+               "seconds": time.perf_counter() - started}
+    if not quiet:
+        print(f"  after {settings.mixed_steps} mixed steps: greedy solves {checked[1]:.0%} of the checked problems "
+              f"({held[1] if held[1] is None else f'{held[1]:.0%}'} held out); the first token opens a call with "
+              f"probability {summary['call_probability']:.2f}", flush=True)
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -293,7 +344,7 @@ def prepare(work: str | Path, settings: WarmupSettings = WarmupSettings(), *, tr
     work = Path(work)
     base = work / "base_model"
     if not (base / "config.json").is_file():
-        write_tiny_model(base, vocab_size=512, split_digits=True)
+        write_tiny_model(base, vocab_size=512, num_layers=LAYERS, digits="single")
     train_path, held_out_path = work / "task" / "train.jsonl", work / "task" / "heldout.jsonl"
     if not held_out_path.is_file():
         write_task(work / "task", train=train, held_out=held_out)
@@ -318,6 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--stop-on", choices=STOP_ON, default=WarmupSettings.stop_on,
                    help="what --stop-at measures: greedy solves the problem (tool_path), or sampling writes the "
                         "frame of call and answer right (frame)")
+    p.add_argument("--mixed-steps", type=int, default=WarmupSettings.mixed_steps,
+                   help="steps of the second phase, on the mixture of calls, direct answers and malformed calls")
     p.add_argument("--direct-fraction", type=float, default=WarmupSettings.direct_fraction,
                    help="share of problems taught as a direct answer instead of a tool call")
     p.add_argument("--malformed-fraction", type=float, default=WarmupSettings.malformed_fraction,
@@ -327,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     prepare(args.work, WarmupSettings(steps=args.steps, stop_at=args.stop_at, stop_on=args.stop_on,
+                                      mixed_steps=args.mixed_steps,
                                       direct_fraction=args.direct_fraction,
                                       malformed_fraction=args.malformed_fraction), quiet=False)
     print(json.dumps(json.loads((args.work / "sft_model" / "warmup_summary.json").read_text()), indent=1))

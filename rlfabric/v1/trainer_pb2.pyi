@@ -38,14 +38,32 @@ class SequenceBatch(_message.Message):
     def __init__(self, sample_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., response_lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., weights_version: _Optional[int] = ..., routed_experts: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., response_mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class LogProbRequest(_message.Message):
-    __slots__ = ("batch", "temperature", "with_entropy")
+    __slots__ = ("batch", "temperature", "with_entropy", "adapters_off")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     WITH_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_OFF_FIELD_NUMBER: _ClassVar[int]
     batch: SequenceBatch
     temperature: float
     with_entropy: bool
-    def __init__(self, batch: _Optional[_Union[SequenceBatch, _Mapping]] = ..., temperature: _Optional[float] = ..., with_entropy: _Optional[bool] = ...) -> None: ...
+    adapters_off: bool
+    def __init__(self, batch: _Optional[_Union[SequenceBatch, _Mapping]] = ..., temperature: _Optional[float] = ..., with_entropy: _Optional[bool] = ..., adapters_off: _Optional[bool] = ...) -> None: ...
+
+class ValueRequest(_message.Message):
+    __slots__ = ("batch",)
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    batch: SequenceBatch
+    def __init__(self, batch: _Optional[_Union[SequenceBatch, _Mapping]] = ...) -> None: ...
+
+class ValueResponse(_message.Message):
+    __slots__ = ("sample_ids", "values", "weights_version")
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    sample_ids: _containers.RepeatedScalarFieldContainer[str]
+    values: _common_pb2.Tensor
+    weights_version: int
+    def __init__(self, sample_ids: _Optional[_Iterable[str]] = ..., values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class LogProbResponse(_message.Message):
     __slots__ = ("sample_ids", "log_probs", "entropy", "weights_version")
@@ -60,7 +78,7 @@ class LogProbResponse(_message.Message):
     def __init__(self, sample_ids: _Optional[_Iterable[str]] = ..., log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class UpdateRequest(_message.Message):
-    __slots__ = ("batch", "advantages", "old_log_probs", "ref_log_probs", "temperature", "step", "kl_coef", "behavior_log_probs")
+    __slots__ = ("batch", "advantages", "old_log_probs", "ref_log_probs", "temperature", "step", "kl_coef", "behavior_log_probs", "token_advantages", "returns", "values")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     OLD_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +87,9 @@ class UpdateRequest(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     KL_COEF_FIELD_NUMBER: _ClassVar[int]
     BEHAVIOR_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    RETURNS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
     batch: SequenceBatch
     advantages: _common_pb2.Tensor
     old_log_probs: _common_pb2.Tensor
@@ -77,7 +98,10 @@ class UpdateRequest(_message.Message):
     step: int
     kl_coef: float
     behavior_log_probs: _common_pb2.Tensor
-    def __init__(self, batch: _Optional[_Union[SequenceBatch, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ref_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., step: _Optional[int] = ..., kl_coef: _Optional[float] = ..., behavior_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    token_advantages: _common_pb2.Tensor
+    returns: _common_pb2.Tensor
+    values: _common_pb2.Tensor
+    def __init__(self, batch: _Optional[_Union[SequenceBatch, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ref_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., step: _Optional[int] = ..., kl_coef: _Optional[float] = ..., behavior_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., token_advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., returns: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class UpdateResponse(_message.Message):
     __slots__ = ("metrics", "weights_version", "num_tokens")

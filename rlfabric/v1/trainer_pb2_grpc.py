@@ -44,6 +44,11 @@ class TrainerStub:
                 request_serializer=rlfabric_dot_v1_dot_trainer__pb2.LogProbRequest.SerializeToString,
                 response_deserializer=rlfabric_dot_v1_dot_trainer__pb2.LogProbResponse.FromString,
                 _registered_method=True)
+        self.ComputeValues = channel.stream_stream(
+                '/rlfabric.v1.Trainer/ComputeValues',
+                request_serializer=rlfabric_dot_v1_dot_trainer__pb2.ValueRequest.SerializeToString,
+                response_deserializer=rlfabric_dot_v1_dot_trainer__pb2.ValueResponse.FromString,
+                _registered_method=True)
         self.Update = channel.stream_unary(
                 '/rlfabric.v1.Trainer/Update',
                 request_serializer=rlfabric_dot_v1_dot_trainer__pb2.UpdateRequest.SerializeToString,
@@ -94,7 +99,20 @@ class TrainerServicer:
         request, same order). Logits are divided by `temperature` before the log-softmax.
         Errors: INVALID_ARGUMENT for malformed batches, a temperature that is not a finite value > 0, or
         token ids outside the vocabulary (naming the first one and the vocabulary size);
-        FAILED_PRECONDITION while the parameters are offloaded; the group errors.
+        FAILED_PRECONDITION while the parameters are offloaded, on a critic (it has no policy head), or for
+        `adapters_off` on a trainer without LoRA adapters; the group errors.
+        Retry-safe (a pure function of weights and input).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ComputeValues(self, request_iterator, context):
+        """PPO's critic: streams of sequence batches in, the value of each response token's state out (one reply per
+        request, same order): the critic's value-head output at the position that predicts the token, as
+        MindSpeed-RL's critic reads it.
+        Errors: INVALID_ARGUMENT for malformed batches or token ids outside the vocabulary; FAILED_PRECONDITION on a
+        trainer that is not a critic (it has no value head), or while the parameters are offloaded; the group errors.
         Retry-safe (a pure function of weights and input).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -102,15 +120,20 @@ class TrainerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Update(self, request_iterator, context):
-        """A stream of experience batches that together form one global batch, then one GRPO
-        optimizer pass over them (mini-batches x epochs). Returns the loss metrics.
+        """A stream of experience batches that together form one global batch, then one optimizer pass over them
+        (mini-batches x epochs): the policy loss on an actor, PPO's clipped value loss on a critic. Returns the loss
+        metrics.
         Errors: INVALID_ARGUMENT for malformed batches, token ids outside the vocabulary, non-finite
-        advantages or log-probs, a temperature that is not a finite value > 0, or no ref_log_probs for a
-        trainer with a KL term; FAILED_PRECONDITION when the batch was built from a weights version other
+        advantages, log-probs, returns or values, a temperature that is not a finite value > 0, no ref_log_probs for a
+        trainer with a KL term, an actor request without advantages (or with both kinds, or with returns / values),
+        or a critic request without returns and values (or with advantages or log-probs); FAILED_PRECONDITION on the
+        reference (it does not train), when an actor's batch was built from a weights version other
         than the trainer's, or while any state is offloaded; ALREADY_EXISTS for a step
         at or below the last one applied; the group errors. A failed call never moves the weights version
         or the last step. Not retry-safe after the reply: the update is keyed by `step`, and a repeated
         step is refused with ALREADY_EXISTS; a call that failed may be sent again with the same step.
+        A critic reads no temperature or kl_coef and has no version fence: its own version counts its updates, while
+        the batch's `weights_version` is the policy's that generated it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -143,7 +166,7 @@ class TrainerServicer:
         as the label of its weights only when every target acknowledged it.
         Errors: INVALID_ARGUMENT for empty or duplicate targets, a missing or malformed plan, a plan for
         another trainer layout, or an unknown transport; FAILED_PRECONDITION for a version below the
-        trainer's (versions only move forward); UNAVAILABLE when some target did not apply the version
+        trainer's (versions only move forward), or on a critic (its weights are no policy to serve); UNAVAILABLE when some target did not apply the version
         (the message names each with its code; the others did apply it); the group errors.
         Retry-safe: replicas accept the same version again.
         """
@@ -186,6 +209,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.ComputeLogProbs,
                     request_deserializer=rlfabric_dot_v1_dot_trainer__pb2.LogProbRequest.FromString,
                     response_serializer=rlfabric_dot_v1_dot_trainer__pb2.LogProbResponse.SerializeToString,
+            ),
+            'ComputeValues': grpc.stream_stream_rpc_method_handler(
+                    servicer.ComputeValues,
+                    request_deserializer=rlfabric_dot_v1_dot_trainer__pb2.ValueRequest.FromString,
+                    response_serializer=rlfabric_dot_v1_dot_trainer__pb2.ValueResponse.SerializeToString,
             ),
             'Update': grpc.stream_unary_rpc_method_handler(
                     servicer.Update,
@@ -255,6 +283,33 @@ class Trainer:
             '/rlfabric.v1.Trainer/ComputeLogProbs',
             rlfabric_dot_v1_dot_trainer__pb2.LogProbRequest.SerializeToString,
             rlfabric_dot_v1_dot_trainer__pb2.LogProbResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ComputeValues(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/rlfabric.v1.Trainer/ComputeValues',
+            rlfabric_dot_v1_dot_trainer__pb2.ValueRequest.SerializeToString,
+            rlfabric_dot_v1_dot_trainer__pb2.ValueResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.common.tiny_model import FAMILIES
+from services.common.tiny_model import DIGIT_SPLITS, FAMILIES
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
@@ -26,21 +26,18 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--hidden-size", type=int, default=128, help="hidden size (default 128)")
     p.add_argument("--num-layers", type=int, default=2, help="transformer layers (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and tokenizer corpus (default 0)")
-    p.add_argument("--split-digits", action="store_true",
-                   help="one token per digit (the learnable addition task of `make demo`)")
+    p.add_argument("--digits", choices=DIGIT_SPLITS, default="bpe",
+                   help="how numbers become tokens: bpe (merged like other text, the default) or single (one "
+                        "token per digit: the learnable addition task of `make demo`)")
     p.set_defaults(func=_tiny_model)
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
     from services.common.tiny_model import write_tiny_model
 
-    if args.vocab_size < 300:
-        print(f"error: --vocab-size {args.vocab_size} is too small: a byte-level BPE needs at least 300 entries",
-              file=sys.stderr)
-        return 2
     try:
         out = write_tiny_model(args.out_dir, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-                               num_layers=args.num_layers, seed=args.seed, split_digits=args.split_digits,
+                               num_layers=args.num_layers, seed=args.seed, digits=args.digits,
                                family=args.family, num_experts=args.num_experts, num_experts_per_tok=args.top_k)
     except (FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

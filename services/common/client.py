@@ -12,8 +12,6 @@ from rlfabric.v1 import coordinator_pb2, reward_pb2, rollout_pb2, trainer_pb2, v
 from services.common.credentials import client_credentials
 from services.common.wire_limits import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES
 
-DEFAULT_DEADLINE_S = 30.0
-
 
 def _unary_methods() -> list[dict[str, str]]:
     """Every unary rpc of the rlfabric.v1 services, as service-config method names."""

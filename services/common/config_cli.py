@@ -161,15 +161,26 @@ def _key_lines(report: Any) -> list[str]:
 def _algorithm_line(cfg: Any) -> str:
     d, rl = cfg.derived, cfg.rl_config
     stage = cfg.actor_config.stage or "ray_grpo (unset)"
-    kl = (f"KL term {rl.kl_penalty} x {rl.init_kl_coef} ({rl.kl_ctrl_type}), reference world size {d.ref_world_size}"
-          if d.use_kl_loss else "no KL term, no reference model")
+    if d.use_kl_loss:
+        kl = f"KL term {rl.kl_penalty} x {rl.init_kl_coef} ({rl.kl_ctrl_type}), reference world size {d.ref_world_size}"
+    elif d.use_reference:
+        kl = (f"KL in the reward {rl.kl_penalty} x {rl.init_kl_coef} ({rl.kl_ctrl_type}), reference world size "
+              f"{d.ref_world_size}")
+    else:
+        kl = "no KL term, no reference model"
+    if d.critic_trainer:
+        kl += (f"; critic world size {d.critic_world_size}, GAE (gamma {rl.gamma}, lam {rl.lam}), value clip "
+               f"{rl.cliprange_value}")
     clip = (f"clip [1 - {rl.clip_ratio_low}, 1 + {rl.clip_ratio_high}]" if rl.clip_higher_enable
             else f"clip {rl.clip_ratio}")
     loss = "token-level loss" if rl.token_level_loss or d.algorithm != "dapo" else "sequence-mean-token-mean loss"
     extras = [f"overlong shaping (buffer {rl.overlong_buffer})" if rl.overlong_buffer_enable else "",
               f"dynamic sampling to {rl.filter_groups_train_batch_size} prompts" if d.dynamic_sampling else ""]
-    roles = "actor, reference and rollout" if d.use_kl_loss else "actor and rollout"
-    mode = f"integrated: {roles} share them" if rl.use_integrated_worker else f"disaggregated: {roles}"
+    names = ["actor", *(["reference"] if d.use_reference else [])]
+    if rl.use_integrated_worker:
+        mode = f"integrated: {', '.join(names)} and rollout share them{', the critic on its own' if d.critic_trainer else ''}"
+    else:
+        mode = f"disaggregated: {', '.join(names + (['critic'] if d.critic_trainer else []))} and rollout"
     return (f"algorithm: {(d.algorithm or '?').upper()} (stage: {stage}): {kl}; {loss}, {clip}"
             f"{''.join(', ' + e for e in extras if e)}; world size {d.world_size} devices ({mode})")
 

@@ -20,8 +20,8 @@ import grpc
 # GetRun, StreamMetrics, ListVerifiers, ListTools) or computes on the caller's input without keeping anything
 # (Rollout.Generate, Reward.Score). Health and reflection are always open (probes use them).
 GUARDED_METHODS: dict[str, frozenset[str]] = {
-    "rlfabric.v1.Trainer": frozenset({"ComputeLogProbs", "Update", "SaveCheckpoint", "LoadCheckpoint",
-                                      "PushWeights", "Offload", "Onload"}),
+    "rlfabric.v1.Trainer": frozenset({"ComputeLogProbs", "ComputeValues", "Update", "SaveCheckpoint",
+                                      "LoadCheckpoint", "PushWeights", "Offload", "Onload"}),
     "rlfabric.v1.Rollout": frozenset({"UpdateWeights", "Sleep", "Wake"}),
     "rlfabric.v1.Coordinator": frozenset({"StartRun", "StopRun"}),
     "rlfabric.v1.Reward": frozenset({"RegisterVerifier", "UnregisterVerifier"}),

@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from services.common.errors import DataError
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "deepseek_v3")
 
 
@@ -98,13 +100,28 @@ class ModelSpec:
         return self.num_key_value_heads
 
 
-def read_hf_config(hf_dir: str | Path) -> tuple[ModelSpec, dict[str, Any]]:
-    """Read `{hf_dir}/config.json`; return the spec and the raw config (kept for writing HF back)."""
+def read_config_json(hf_dir: str | Path) -> dict[str, Any]:
+    """The parsed `{hf_dir}/config.json` of a Hugging Face model folder, as written (nothing checked).
+
+    Raises:
+        DataError: naming the file when it is not there, cannot be read, or is not a JSON object.
+    """
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no config.json; pass a Hugging Face model folder")
-    raw = json.loads(path.read_text())
-    return spec_from_hf_config(raw, source=str(path)), raw
+        raise DataError(f"{path}: no config.json; pass a Hugging Face model folder")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: cannot read it as JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise DataError(f"{path}: a Hugging Face config is a JSON object, not {type(raw).__name__}")
+    return raw
+
+
+def read_hf_config(hf_dir: str | Path) -> tuple[ModelSpec, dict[str, Any]]:
+    """Read `{hf_dir}/config.json`; return the spec and the raw config (kept for writing HF back)."""
+    raw = read_config_json(hf_dir)
+    return spec_from_hf_config(raw, source=str(Path(hf_dir) / "config.json")), raw
 
 
 def spec_from_hf_config(raw: dict[str, Any], source: str = "config") -> ModelSpec:

@@ -26,6 +26,7 @@ from redis.retry import Retry
 
 from services.common.net import free_port
 from services.common.security import private_dir, redact_url
+from services.common.service_kind import ServiceKind
 
 logger = logging.getLogger(__name__)
 
@@ -246,17 +247,17 @@ class Registry:
         self._client = client
         self._prefix = prefix
 
-    def _key(self, service: str, instance_id: str = "") -> str:
+    def _key(self, service: ServiceKind, instance_id: str = "") -> str:
         return f"{self._prefix}:members:{service}:{instance_id}"
 
-    def register(self, service: str, instance_id: str, endpoint: str, *, lease_s: float = 10.0,
+    def register(self, service: ServiceKind, instance_id: str, endpoint: str, *, lease_s: float = 10.0,
                  metadata: dict[str, Any] | None = None) -> Registration:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         value = json.dumps({"endpoint": endpoint, "metadata": metadata or {}, "pid": os.getpid()})
         return Registration(self._client, self._key(service, instance_id), value, lease_s)
 
-    def members(self, service: str) -> list[Member]:
+    def members(self, service: ServiceKind) -> list[Member]:
         keys = sorted(self._client.scan_iter(match=self._key(service, "*"), count=500))
         if not keys:
             return []

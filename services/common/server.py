@@ -27,6 +27,7 @@ from services.common.credentials import (
     guarded,
     server_credentials,
 )
+from services.common.status import abort, echo
 from services.common.wire_limits import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
@@ -80,14 +81,14 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         return _abort_handler(
             continuation(handler_call_details),
             grpc.StatusCode.UNAUTHENTICATED,
-            f"{method}: {self._refusal}" if self._refusal else
-            f"{method} requires 'authorization: Bearer <token>' metadata with the server's token",
+            f"{echo(method)}: {self._refusal}" if self._refusal else
+            f"{echo(method)} requires 'authorization: Bearer <token>' metadata with the server's token",
         )
 
 
 def _abort_handler(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str):
     def deny(_request, context):
-        context.abort(code, message)
+        abort(context, code, message)
 
     if handler is None or (not handler.request_streaming and not handler.response_streaming):
         return grpc.unary_unary_rpc_method_handler(deny)

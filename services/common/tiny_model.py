@@ -2,9 +2,10 @@
 
 Tests, the demo and the CPU benchmarks need a model that transformers, vLLM and Megatron all load, with no
 hub access. The tokenizer is trained here, deterministically, on arithmetic and math text (the W1
-workload of the benchmarks), and carries the ChatML special tokens of the Qwen family. With
-`split_digits` every digit is its own token (the W2 learning race: "A+B=" with a 512-entry vocabulary),
-so that a number's tokens are its digits and a small model can learn column addition.
+workload of the benchmarks), and carries the ChatML special tokens of the Qwen family. How numbers become
+tokens is `digits` (DIGIT_SPLITS): "bpe" merges digits like any other text; "single" makes every digit its own
+token (the W2 learning race: "A+B=" with a 512-entry vocabulary), so that a number's tokens are its digits and a
+small model can learn column addition.
 
 `family="qwen3_moe"` writes a Qwen3-MoE model instead (routed experts, softmax top-k router): the tiny
 mixture-of-experts model of the MoE tests, saved with the per-expert checkpoint names of the Qwen3-MoE
@@ -27,6 +28,7 @@ from pathlib import Path
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD_TOKEN, BOS_LIKE, EOS_TOKEN = SPECIAL_TOKENS
 FAMILIES = ("qwen2", "qwen3_moe", "deepseek_v3")
+DIGIT_SPLITS = ("bpe", "single")
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -53,18 +55,20 @@ def _corpus(seed: int, lines: int = 6000) -> list[str]:
     return out
 
 
-def train_tokenizer(vocab_size: int = 4096, seed: int = 0, *, split_digits: bool = False):
+def train_tokenizer(vocab_size: int = 4096, seed: int = 0, *, digits: str = "bpe"):
     """A byte-level BPE `tokenizers.Tokenizer` of exactly `vocab_size` entries (special tokens first).
 
     Args:
-        split_digits: pre-split every digit into its own piece, so no merge ever joins digits.
+        digits: one of DIGIT_SPLITS (module doc). "single" pre-splits every digit into its own piece, so no merge
+            ever joins digits.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    _check_vocabulary(vocab_size, digits)
     tok = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                         if split_digits else byte_level)
+                         if digits == "single" else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -74,6 +78,13 @@ def train_tokenizer(vocab_size: int = 4096, seed: int = 0, *, split_digits: bool
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     return tok
+
+
+def _check_vocabulary(vocab_size: int, digits: str) -> None:
+    if digits not in DIGIT_SPLITS:
+        raise ValueError(f"digits {digits!r}: expected one of {', '.join(DIGIT_SPLITS)}")
+    if vocab_size < 300:
+        raise ValueError(f"vocab_size {vocab_size} is too small: a byte-level BPE needs at least 300 entries")
 
 
 def write_tiny_model(
@@ -88,7 +99,7 @@ def write_tiny_model(
     tie_word_embeddings: bool | None = None,
     max_position_embeddings: int = 2048,
     seed: int = 0,
-    split_digits: bool = False,
+    digits: str = "bpe",
     family: str = "qwen2",
     num_experts: int = 8,
     num_experts_per_tok: int = 2,
@@ -102,7 +113,7 @@ def write_tiny_model(
 ) -> Path:
     """Writes an HF folder (config, fp32 safetensors, tokenizer) to `out_dir` and returns it.
 
-    `split_digits` gives the tokenizer one token per digit (see `train_tokenizer`). `family` is one of
+    `digits` is how the tokenizer splits numbers (DIGIT_SPLITS, see the module doc). `family` is one of
     `FAMILIES`; the `num_experts*`, `moe_intermediate_size` and `norm_topk_prob` arguments apply to the MoE
     families, the MLA sizes (`q_lora_rank` ... `v_head_dim`) to "deepseek_v3" only. `tie_word_embeddings` unset:
     tied, except for "deepseek_v3". `out_dir` must be empty or absent (a model is never written over other files).
@@ -111,19 +122,14 @@ def write_tiny_model(
         raise ValueError(f"model family {family!r}: expected one of {', '.join(FAMILIES)}")
     if tie_word_embeddings is None:
         tie_word_embeddings = family != "deepseek_v3"
+    _check_vocabulary(vocab_size, digits)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty folder; give a new or empty one")
     import torch  # after the checks: a refused folder is said at once, not after torch's import
-    from transformers import PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
-    raw = train_tokenizer(vocab_size, seed, split_digits=split_digits)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=raw, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-        additional_special_tokens=[BOS_LIKE], chat_template=CHATML_TEMPLATE,
-    )
-    tokenizer.save_pretrained(out)
+    tokenizer = _save_tokenizer(out, vocab_size, seed, digits)
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -140,17 +146,12 @@ def write_tiny_model(
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
         torch_dtype="float32",
     )
+    config_class, model_class = _classes(family)
     if family == "qwen3_moe":
-        from transformers import Qwen3MoeConfig as Config
-        from transformers import Qwen3MoeForCausalLM as Model
-
         common.update(head_dim=hidden_size // num_attention_heads, num_experts=num_experts,
                       num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
                       norm_topk_prob=norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
     elif family == "deepseek_v3":
-        from transformers import DeepseekV3Config as Config
-        from transformers import DeepseekV3ForCausalLM as Model
-
         rope_theta = common.pop("rope_theta")
         common.update(num_key_value_heads=num_attention_heads, n_routed_experts=num_experts, n_shared_experts=1,
                       num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
@@ -163,22 +164,43 @@ def write_tiny_model(
                       rope_parameters={"rope_type": "yarn", "rope_theta": rope_theta, "factor": 4.0,
                                        "original_max_position_embeddings": max_position_embeddings // 4,
                                        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
-    else:
-        from transformers import Qwen2Config as Config
-        from transformers import Qwen2ForCausalLM as Model
-    config = Config(**common)
     torch.manual_seed(seed)
-    model = Model(config).to(torch.float32)
+    model = model_class(config_class(**common)).to(torch.float32)
     if family == "deepseek_v3":
-        with torch.no_grad():
-            for name, buf in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    buf.copy_(0.02 * torch.randn(buf.shape))
+        _draw_expert_bias(model)
     model.save_pretrained(out, safe_serialization=True)
     _pin_tokenizer_class(out)
     if family == "deepseek_v3":
         _name_deepseek_routing(out)
     return out
+
+
+def _save_tokenizer(out: Path, vocab_size: int, seed: int, digits: str):
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(vocab_size, seed, digits=digits), eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+        additional_special_tokens=[BOS_LIKE], chat_template=CHATML_TEMPLATE,
+    )
+    tokenizer.save_pretrained(out)
+    return tokenizer
+
+
+def _classes(family: str) -> tuple[type, type]:
+    """transformers' (config class, causal-LM class) of `family`."""
+    import transformers
+
+    prefix = {"qwen2": "Qwen2", "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3"}[family]
+    return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
+
+
+def _draw_expert_bias(model) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.02 * torch.randn(buf.shape))
 
 
 def _name_deepseek_routing(out: Path) -> None:

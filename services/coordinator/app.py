@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from services.common.model_spec import read_config_json
 from services.common.redis_store import Registry, RunJournal
 from services.coordinator.run import RunDriver
 from services.coordinator.sinks import FanOut, JsonlSink, MetricsSink, SwanLabSink, TensorBoardSink, WandbSink
@@ -93,10 +93,7 @@ def build_driver(config_yaml: str, overrides: list[str], run_id: str, *, redis_c
                             int(mt.seed), consumed_batches=consumed, shuffle=not mt.no_shuffle)
 
     loader(0)  # fail at StartRun, not mid-run, when the data is missing
-    try:
-        hf_config = json.loads((Path(tokenizer_path) / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the model's config.json beside the tokenizer at {tokenizer_path!r}: {e}") from e
+    hf_config = read_config_json(tokenizer_path)  # the model's, beside its tokenizer (DataError: INVALID_ARGUMENT)
     registry = Registry(redis_client)
     pool = RewardClientPool(registry, token=token)
     multi_turn = _multi_turn(cfg, tokenizer, registry, token, decode)

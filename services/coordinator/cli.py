@@ -40,6 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
     from services.common.redis_store import Registry, connect
     from services.common.security import server_security
     from services.common.server import ServiceSpec, create_server, serve_until_signal
+    from services.common.service_kind import ServiceKind
     from services.coordinator.app import build_driver, warm_imports
     from services.coordinator.server import SERVICE_NAME, CoordinatorServicer
 
@@ -66,7 +67,7 @@ def _serve(args: argparse.Namespace) -> int:
     server = create_server([ServiceSpec(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
                            args.address, component="coordinator", metrics_port=args.metrics_port).start()
     endpoint = advertised_address(args, server.port)
-    with Registry(client).register("coordinator", args.instance_id, endpoint):
+    with Registry(client).register(ServiceKind.COORDINATOR, args.instance_id, endpoint):
         print(f"coordinator serving on {endpoint} (bound {args.address})", flush=True)
         serve_until_signal(server)
     return 0

@@ -12,6 +12,7 @@ import grpc
 
 from rlfabric.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.common.client import make_channel
+from services.common.deadlines import DEFAULT_DEADLINE_S, START_RUN_DEADLINE_S, STOP_RUN_DEADLINE_S
 from services.coordinator.sinks import ConsoleSink
 
 FINISHED_OK = (coordinator_pb2.RUN_PHASE_DONE, coordinator_pb2.RUN_PHASE_STOPPED)
@@ -20,36 +21,37 @@ FINISHED_OK = (coordinator_pb2.RUN_PHASE_DONE, coordinator_pb2.RUN_PHASE_STOPPED
 def start_and_follow(address: str, request: coordinator_pb2.StartRunRequest, *, total: int | None = None,
                      on_started: Callable[[str], None] | None = None,
                      after_iteration: Callable[[int], None] | None = None,
-                     full_metrics: bool = False) -> coordinator_pb2.RunStatus:
+                     full_metrics: bool = False,
+                     on_iteration: Callable[[int], None] | None = None) -> coordinator_pb2.RunStatus:
     """StartRun, then one console line per finished iteration; returns the final status (gRPC errors propagate).
 
     Args:
         total: train_iters, shown as "iteration k/total".
         on_started: called with the run id once the coordinator accepted the run.
         after_iteration: called with each printed iteration (e.g. to check that local services still live).
+        on_iteration: called with each iteration just before its line is printed (what Ctrl-C reports as the last
+            iteration logged: counted before the line, a Ctrl-C right after the line cannot miss it).
         full_metrics: print every metric of an iteration instead of the short line.
     """
     with make_channel(address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        status = stub.StartRun(request, timeout=600)
+        status = stub.StartRun(request, timeout=START_RUN_DEADLINE_S)
         if on_started is not None:
             on_started(status.run_id)
         print(f"run {status.run_id} started (the coordinator syncs the replicas' weights first); every "
               "metric goes to the run's metrics.jsonl", flush=True)
         sink = ConsoleSink(total=total, full=full_metrics)
         for m in stub.StreamMetrics(coordinator_pb2.StreamMetricsRequest(run_id=status.run_id)):
+            if on_iteration is not None:  # before the line: a Ctrl-C right after it must find it counted
+                on_iteration(m.iteration)
             sink.write(m.iteration, dict(m.metrics.values))
             if after_iteration is not None:
                 after_iteration(m.iteration)
-        final = stub.GetRun(coordinator_pb2.GetRunRequest(run_id=status.run_id), timeout=30)
+        final = stub.GetRun(coordinator_pb2.GetRunRequest(run_id=status.run_id), timeout=DEFAULT_DEADLINE_S)
     phase = coordinator_pb2.RunPhase.Name(final.phase)
     print(f"run {final.run_id}: {phase} at iteration {final.iteration}" + (f": {final.error}" if final.error else ""),
           flush=True)
     return final
-
-
-# How long a Ctrl-C'd client waits for the run to stop (the coordinator waits as long for the current phase).
-STOP_WAIT_S = 300.0
 
 
 def stop_after_interrupt(address: str, run_id: str, last_logged: int | None = None,
@@ -65,7 +67,7 @@ def stop_after_interrupt(address: str, run_id: str, last_logged: int | None = No
     try:
         with make_channel(address) as channel:
             status = coordinator_pb2_grpc.CoordinatorStub(channel).StopRun(
-                coordinator_pb2.StopRunRequest(run_id=run_id), timeout=STOP_WAIT_S)
+                coordinator_pb2.StopRunRequest(run_id=run_id), timeout=STOP_RUN_DEADLINE_S)
     except KeyboardInterrupt:
         print(f"left run {run_id} stopping on the coordinator", file=sys.stderr, flush=True)
         return None
@@ -74,7 +76,7 @@ def stop_after_interrupt(address: str, run_id: str, last_logged: int | None = No
         return None
     logged = f"; the last iteration logged here: {last_logged}" if last_logged is not None else ""
     where = "stopped" if status.phase == coordinator_pb2.RUN_PHASE_STOPPED else \
-        f"still {coordinator_pb2.RunPhase.Name(status.phase)} after {STOP_WAIT_S:.0f} s,"
+        f"still {coordinator_pb2.RunPhase.Name(status.phase)} after {STOP_RUN_DEADLINE_S:.0f} s,"
     of = f" of {status.total_iterations}" if status.total_iterations else ""
     print(f"run {run_id} {where} at iteration {status.iteration}{of}{logged}"
           + (f"; latest checkpoint {status.checkpoint}" if status.checkpoint else ""), file=sys.stderr, flush=True)

@@ -11,6 +11,8 @@
    orders them; `rewards.py`);
 4. reference and old log-probs: the reference's (streamed during the rollout, or in integrated mode one pass
    with its weights onloaded around it) and the actor's (skipped when fully on-policy);
+   PPO (`stage: ray_ppo`) computes its advantages here instead of in 3: the critic's values, GAE, and the
+   critic's update (`ppo.py`), as MindSpeed-RL's PPO trainer orders them;
 5. update: the actor's `Update` over the trained batch (requests built by `trainer_requests.py`);
 6. sync: the actor pushes the new version to every replica, which acks it with a checksum;
 7. metrics: the seed's table, the iteration timeline, DAPO's counts.
@@ -39,6 +41,7 @@ import numpy as np
 
 from rlfabric.v1 import reward_pb2
 from services.common.sequences import Sequences
+from services.common.weight_version import after_update
 from services.coordinator.advantages import make_kl_controller
 from services.coordinator.dynamic_sampling import (
     DynamicSamplingExhaustedError,
@@ -57,6 +60,7 @@ from services.coordinator.iteration_metrics import (
 from services.coordinator.multi_turn import MultiTurn
 from services.coordinator.off_policy import behavior_log_probs, fence, rollout_mismatch
 from services.coordinator.placement import Placement
+from services.coordinator.ppo import compute_values, gae_targets, update_critic
 from services.coordinator.rewards import TrainBatch, advantages_by_sample, score_groups, verifier_scores
 from services.coordinator.settings import IterationSettings
 from services.coordinator.trainer_requests import compute_log_probs, update_request
@@ -110,22 +114,28 @@ class GrpoIteration:
         replicas: rollout replicas.
         score: the reward stream, `Reward.Score` of a worker or the coordinator's reward pool.
         actor: the actor trainer stub.
-        reference: the reference trainer stub (None when no KL term is used).
+        reference: the reference trainer stub (None when no KL term is used; the actor's under share_backbone,
+            called with adapters_off).
         decode: token ids -> text without special tokens (the tokenizer of the run).
         settings: see IterationSettings.
         placement: the device-sharing transitions and the weight sync (`placement.py`).
         multi_turn: the turn logic of a multi-turn run (`multi_turn.py`), else None.
+        critic: PPO's critic trainer stub (None unless `settings.use_critic`).
     """
 
     def __init__(self, replicas: Sequence[Replica],
                  score: Callable[[Iterator[reward_pb2.ScoreRequest]], Iterator[reward_pb2.ScoreResponse]],
                  actor: Any, reference: Any | None, decode: Callable[[Sequence[int]], str],
-                 settings: IterationSettings, placement: Placement, multi_turn: MultiTurn | None = None) -> None:
+                 settings: IterationSettings, placement: Placement, multi_turn: MultiTurn | None = None,
+                 critic: Any | None = None) -> None:
         if settings.use_reference and reference is None:
             raise ValueError("a KL term needs a reference trainer")
+        if settings.use_critic and critic is None:
+            raise ValueError("PPO needs a critic trainer")
         self.generator = Generator(replicas, score, decode, settings, multi_turn)
         self.actor = actor
         self.reference = reference
+        self.critic = critic
         self.decode = decode
         self.settings = settings
         self.placement = placement
@@ -144,7 +154,7 @@ class GrpoIteration:
         """
         rollout = self.rollout(next_batch, iteration, weights_version, data_batches)
         parts = self._train(rollout, iteration, weights_version)
-        self.placement.after_update(rollout.clock, weights_version + 1)
+        self.placement.after_update(rollout.clock, after_update(weights_version))
         return self._finish(rollout, parts, weights_version, rollout.start, time.perf_counter())
 
     def run_overlapped(self, rollout: Rollout, iteration: int, actor_version: int,
@@ -182,7 +192,7 @@ class GrpoIteration:
                 released.wait()
                 if not generated.is_set():
                     ahead.result()  # the prefetch failed before its last sample: the step fails before any push
-            self.placement.after_update(rollout.clock, actor_version + 1)
+            self.placement.after_update(rollout.clock, after_update(actor_version))
             following = ahead.result() if ahead is not None else None
         result = self._finish(rollout, parts, actor_version, start, time.perf_counter(),
                               also_busy=following.clock if following is not None else None)
@@ -212,13 +222,16 @@ class GrpoIteration:
         clock = rollout.clock
         trained = self._score(rollout.gen.trained, rollout.weights_version)
         staleness = fence(trained.groups, actor_version, self.settings.max_staleness)
-        adv_of = self._advantages(trained, clock)
+        adv_of = {} if self.settings.use_critic else self._advantages(trained, clock)
         old_lp, ref_lp = self._log_prob_passes(trained.seqs, rollout.ref_stream, clock)
+        critic_metrics: dict[str, float] = {}
+        if self.settings.use_critic:
+            adv_of, critic_metrics = self._critic_phases(trained, iteration, clock, old_lp, ref_lp)
         correct = self.settings.max_staleness or self.settings.rollout_correction
         behavior = behavior_log_probs(trained.groups) if correct else {}
         mismatch = rollout_mismatch(trained.groups, old_lp, actor_version)
         actor_metrics = self._update(trained.seqs, adv_of, old_lp, ref_lp, iteration, clock, behavior)
-        return _Trained(trained, {**actor_metrics, **staleness, **mismatch})
+        return _Trained(trained, {**actor_metrics, **critic_metrics, **staleness, **mismatch})
 
     def _finish(self, rollout: Rollout, parts: _Trained, actor_version: int, t0: float, t_end: float,
                 also_busy: PhaseClock | None = None) -> IterationResult:
@@ -235,7 +248,7 @@ class GrpoIteration:
         trained_ids = [g.group_id for g in gen.trained]
         logger.info("iteration trained %d groups (%d kept of %d generated in %d batches)",
                     len(trained_ids), gen.num_groups_kept, len(gen.generated), len(gen.batches))
-        return IterationResult(metrics, actor_version + 1, gen.batches, trained_ids)
+        return IterationResult(metrics, after_update(actor_version), gen.batches, trained_ids)
 
     # -- phases, in order ---------------------------------------------------------------------------------
 
@@ -279,7 +292,8 @@ class GrpoIteration:
         if not (self.settings.use_reference and self.placement.streams_reference):
             return None
         return LogProbStream("reference_model", self.reference, self.settings,
-                             self.settings.ref_forward_micro_batch_size, clock)
+                             self.settings.ref_forward_micro_batch_size, clock,
+                             adapters_off=self.settings.share_backbone)
 
     def _score(self, groups: list[Group], weights_version: int) -> TrainBatch:
         return score_groups(groups, weights_version, self.settings)
@@ -289,6 +303,21 @@ class GrpoIteration:
         adv_of = advantages_by_sample(trained, self.settings)
         clock.record("adv", start, time.perf_counter())
         return adv_of
+
+    def _critic_phases(self, trained: TrainBatch, iteration: int, clock: PhaseClock, old_lp: dict[str, np.ndarray],
+                       ref_lp: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """PPO: the critic's values of the trained samples, GAE (with the KL in the reward, if asked), then the
+        critic's update on GAE's returns. Returns the actor's per-token advantages by sample id, and the metrics."""
+        s, seqs = self.settings, trained.seqs
+        values = compute_values(self.critic, seqs, s.critic_forward_micro_batch_size, s, clock) if len(seqs) else {}
+        start = time.perf_counter()
+        kl = (old_lp, ref_lp, self.kl_controller.value) if s.use_kl_in_reward else None
+        targets = gae_targets(trained, values, s, kl)
+        if kl is not None and len(seqs):
+            self.kl_controller.update(targets.metrics["actor/reward_kl_penalty"], len(seqs))
+        clock.record("adv", start, time.perf_counter())
+        metrics = update_critic(self.critic, seqs, targets, values, step=iteration, settings=s, clock=clock)
+        return targets.advantages, {**targets.metrics, **metrics}
 
     def _log_prob_passes(self, seqs: Sequences, ref_stream: LogProbStream | None,
                          clock: PhaseClock) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -301,7 +330,8 @@ class GrpoIteration:
         ref_lp: dict[str, np.ndarray] = {}
         if s.use_reference and ref_stream is None and len(seqs):
             ref_lp = self.placement.reference_pass(clock, lambda: compute_log_probs(
-                "reference_model", self.reference, seqs, s.ref_forward_micro_batch_size, s, clock))
+                "reference_model", self.reference, seqs, s.ref_forward_micro_batch_size, s, clock,
+                adapters_off=s.share_backbone))
         old_lp: dict[str, np.ndarray] = {}
         if not s.skip_old_log_probs and len(seqs):
             self.placement.enter_forward()
@@ -310,13 +340,13 @@ class GrpoIteration:
             ref_lp = ref_stream.join()
         return old_lp, ref_lp
 
-    def _update(self, seqs: Sequences, adv_of: dict[str, float], old_lp: dict[str, np.ndarray],
+    def _update(self, seqs: Sequences, adv_of: dict[str, float] | dict[str, np.ndarray], old_lp: dict[str, np.ndarray],
                 ref_lp: dict[str, np.ndarray], iteration: int, clock: PhaseClock,
                 behavior: dict[str, np.ndarray]) -> dict[str, float]:
         if not len(seqs):
             return {}
         s = self.settings
-        kl_coef = self.kl_controller.value if s.use_reference else 0.0
+        kl_coef = self.kl_controller.value if s.kl_in_loss else 0.0
         requests = [update_request(seqs.take(i, i + s.update_chunk_size), adv_of, old_lp, ref_lp, behavior,
                                    step=iteration, kl_coef=kl_coef, settings=s)
                     for i in range(0, len(seqs), s.update_chunk_size)]
@@ -329,7 +359,7 @@ class GrpoIteration:
         clock.record("update", start, time.perf_counter())
         self.placement.exit_train(clock)
         metrics = dict(reply.metrics.values)
-        if s.use_reference:
+        if s.kl_in_loss:
             metrics["actor/kl_coef"] = kl_coef
             self.kl_controller.update(metrics.get("actor/kl_loss", 0.0), len(seqs))
         return metrics

@@ -33,6 +33,8 @@ import numpy as np
 
 SPAN_PHASES = ("rollout", "old_log_p", "reference_model", "rule_reward", "reward_model", "adv", "update",
                "ref_onload", "ref_offload")
+# PPO's critic passes (MindSpeed-RL's names: the values pass is `critic_model`), logged in runs that have them.
+CRITIC_PHASES = ("critic_model", "update_critic")
 RESHARDING = {"resharding_to_infer": ("resharding_enter_infer", "resharding_exit_infer"),
               "resharding_to_train": ("resharding_enter_train", "resharding_exit_train")}
 
@@ -68,6 +70,7 @@ class PhaseClock:
 def timing_metrics(clock: PhaseClock, iteration_start: float, iteration_end: float) -> dict[str, float]:
     """`timing/*` for one iteration; `iteration_end` excludes logging and checkpointing."""
     out = {f"timing/{p}": clock.span(p) for p in SPAN_PHASES}
+    out.update({f"timing/{p}": clock.span(p) for p in CRITIC_PHASES if p in clock.spans})
     out.update({f"timing/{name}": sum(clock.total(p) for p in parts) for name, parts in RESHARDING.items()})
     out["timing/all"] = iteration_end - iteration_start
     out.update(non_overlap_metrics(clock, iteration_start))

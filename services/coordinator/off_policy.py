@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from services.common.tensors import to_numpy
+from services.common.weight_version import outside_fence
 from services.coordinator.errors import IterationError
 from services.coordinator.generation import Group
 
@@ -28,8 +29,9 @@ def fence(groups: Sequence[Group], actor_version: int, max_staleness: int) -> di
     Returns `staleness/mean` and `staleness/max`, in weight versions, over the trainable samples.
     Raises IterationError naming the versions when one is outside the bound.
     """
-    lags = np.array([actor_version - int(x.weights_version) for g in groups for x in g.trainable()], dtype=np.float64)
-    if lags.size and (lags.max() > max_staleness or lags.min() < 0):
+    versions = [int(x.weights_version) for g in groups for x in g.trainable()]
+    lags = np.array([actor_version - v for v in versions], dtype=np.float64)
+    if outside_fence(versions, actor_version, max_staleness):
         raise IterationError(f"version fence: samples {int(lags.min())}..{int(lags.max())} versions behind the actor "
                              f"(version {actor_version}); rlfabric.max_staleness allows 0..{max_staleness}")
     return {"staleness/mean": float(lags.mean()) if lags.size else 0.0,

@@ -26,6 +26,10 @@ engine may hold no weights) and before the actor's parameters leave (the push re
 
 Each `Offload`/`Onload`/`Sleep`/`Wake` reply carries the service's resident set size; they are reported as
 `memory/{actor,reference,rollout}/resident_bytes_*` so that the memory a sleeping service frees is visible.
+
+`rl_config.share_backbone` (LoRA): there is no reference trainer (`reference` None here). The reference pass is
+the actor's `ComputeLogProbs` with `adapters_off`, streamed during the rollout when disaggregated, and in
+integrated mode run with the actor's parameters onloaded (as for the old log-probs) instead of a reference's.
 """
 
 from __future__ import annotations
@@ -116,8 +120,12 @@ class Placement:
         clock.record("resharding_exit_infer", start, time.perf_counter())
 
     def reference_pass(self, clock: PhaseClock, forward: Callable[[], T]) -> T:
-        """Runs `forward` (the reference's log-prob pass) with the reference's parameters onloaded around it."""
+        """Runs `forward` (the reference's log-prob pass) with the reference's parameters onloaded around it; under
+        share_backbone (no reference trainer: the actor's backbone) with the actor's parameters in."""
         if not self.integrated:
+            return forward()
+        if self.reference is None:
+            self.enter_forward()
             return forward()
         start = time.perf_counter()
         on = self._call("reference Onload", self.reference.Onload, trainer_pb2.OnloadRequest(params=True))

@@ -21,13 +21,11 @@ from collections.abc import Callable, Iterable
 import grpc
 
 from rlfabric.v1 import rollout_pb2
+from services.common.deadlines import REJOIN_PROBE_DEADLINE_S
+from services.common.service_kind import ServiceKind
 from services.coordinator.weight_sync import Replica
 
 logger = logging.getLogger(__name__)
-
-REGISTRY_SERVICE = "rollout"
-# How long a quarantined replica's Info probe may take before it counts as still gone.
-_PROBE_TIMEOUT_S = 2.0
 
 
 class ReplicaSet(list[Replica]):
@@ -62,7 +60,7 @@ class ReplicaSet(list[Replica]):
             return []
         held = {r.address for r in self}
         joined = []
-        for member in self.registry.members(REGISTRY_SERVICE):
+        for member in self.registry.members(ServiceKind.ROLLOUT):
             address = member.endpoint
             if address in held:
                 continue
@@ -80,7 +78,7 @@ class ReplicaSet(list[Replica]):
 
 def _answers(replica: Replica) -> bool:
     try:
-        replica.stub.Info(rollout_pb2.RolloutInfoRequest(), timeout=_PROBE_TIMEOUT_S)
+        replica.stub.Info(rollout_pb2.RolloutInfoRequest(), timeout=REJOIN_PROBE_DEADLINE_S)
     except grpc.RpcError:
         return False
     return True

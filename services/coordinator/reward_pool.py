@@ -2,7 +2,7 @@
 
 `RewardClientPool.score(requests)` takes any iterable of `ScoreRequest` (a generator fed by rollout is
 fine) and yields exactly one `ScoreResponse` per distinct sample id, in completion order:
-- workers are discovered in the Redis `Registry` (service "reward") and re-read every `refresh_s`, so a
+- workers are discovered in the Redis `Registry` (`ServiceKind.REWARD`) and re-read every `refresh_s`, so a
   worker that joins mid-stream starts receiving samples;
 - each sample goes to the live worker with the fewest samples in flight (ties: the one sent fewest), at most
   `max_inflight_per_worker` each (back-pressure instead of unbounded queues on the workers);
@@ -35,10 +35,9 @@ import grpc
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 from services.common.client import auth_metadata, channel_options, raw_channel
 from services.common.redis_store import Registry
+from services.common.service_kind import ServiceKind
 
 logger = logging.getLogger(__name__)
-
-REGISTRY_SERVICE = "reward"
 
 
 @dataclass
@@ -163,7 +162,7 @@ class RewardClientPool:
     def __init__(self, registry: Registry, *, token: str | None = None, max_inflight_per_worker: int = 64,
                  sample_timeout_s: float = 60.0, max_attempts: int = 4, refresh_s: float = 0.5,
                  no_worker_timeout_s: float = 60.0, keepalive_s: float = 15.0,
-                 service: str = REGISTRY_SERVICE) -> None:
+                 service: ServiceKind = ServiceKind.REWARD) -> None:
         self._registry = registry
         self._token = token
         self._max_inflight = max_inflight_per_worker
@@ -361,7 +360,7 @@ class _Session:
             self.no_worker_since = self.no_worker_since or now
             if now - self.no_worker_since > self.pool._no_worker_timeout_s:
                 raise RuntimeError(
-                    f"no reward worker registered under service {self.pool._service!r} for "
+                    f"no reward worker registered under service '{self.pool._service}' for "
                     f"{self.pool._no_worker_timeout_s:g} s; start one with `rlfabric reward serve --redis-url ...`"
                 )
         else:

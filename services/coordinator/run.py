@@ -22,7 +22,11 @@ from typing import Any
 
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.common.client import make_channel
+from services.common.config.ppo import critic_save_dir
+from services.common.deadlines import CHECKPOINT_DEADLINE_S, INFO_DEADLINE_S
 from services.common.redis_store import Registry, RunJournal
+from services.common.service_kind import ServiceKind
+from services.common.weight_version import AS_LOADED, first_of_run
 from services.coordinator.errors import IterationError
 from services.coordinator.iteration import GrpoIteration, Rollout
 from services.coordinator.placement import OffloadKeys, Placement
@@ -42,6 +46,7 @@ class Endpoints:
     rollout: list[str]
     actor: str
     reference: str | None
+    critic: str | None = None
 
 
 class _Stepper:
@@ -85,24 +90,26 @@ class StoppedError(RuntimeError):
 
 
 def discover(registry: Registry, *, need_reference: bool, min_rollout: int = 1, timeout_s: float = 300.0,
-             poll_s: float = 0.5, stop: threading.Event | None = None) -> Endpoints:
-    """Waits until the registry holds an actor trainer, a reference (when needed) and `min_rollout` replicas.
+             poll_s: float = 0.5, stop: threading.Event | None = None, need_critic: bool = False) -> Endpoints:
+    """Waits until the registry holds an actor trainer, a reference and a critic (when needed) and `min_rollout`
+    replicas.
 
     Raises StoppedError as soon as `stop` is set: a StopRun used to wait out the whole discovery timeout.
     """
     stop = stop or threading.Event()
     deadline = time.monotonic() + timeout_s
     while True:
-        rollout = sorted(m.endpoint for m in registry.members("rollout"))
-        trainers = {m.metadata.get("role"): m.endpoint for m in registry.members("trainer")}
-        actor, reference = trainers.get("actor"), trainers.get("reference")
-        if len(rollout) >= min_rollout and actor and (reference or not need_reference):
-            return Endpoints(rollout, actor, reference)
+        rollout = sorted(m.endpoint for m in registry.members(ServiceKind.ROLLOUT))
+        trainers = {m.metadata.get("role"): m.endpoint for m in registry.members(ServiceKind.TRAINER)}
+        actor, reference, critic = trainers.get("actor"), trainers.get("reference"), trainers.get("critic")
+        if len(rollout) >= min_rollout and actor and (reference or not need_reference) and (critic or not need_critic):
+            return Endpoints(rollout, actor, reference, critic)
         if time.monotonic() > deadline:
             raise DiscoveryError(
                 f"after {timeout_s:.0f}s the registry holds {len(rollout)} rollout replica(s) (need {min_rollout}), "
                 f"actor trainer: {actor or 'missing'}, reference trainer: "
-                f"{reference or ('missing' if need_reference else 'not needed')}; start the missing services "
+                f"{reference or ('missing' if need_reference else 'not needed')}"
+                f"{', critic trainer: ' + (critic or 'missing') if need_critic else ''}; start the missing services "
                 "(`rlfabric up` starts them all) and check they use the same --redis-url")
         if stop.wait(poll_s):
             raise StoppedError("stopped while waiting for the run's services")
@@ -156,7 +163,7 @@ class RunDriver:
 
     def _run(self, resume: bool) -> None:
         mt = self.cfg.actor_config
-        train_iters = int(mt.train_iters or 1)
+        train_iters = int(mt.train_iters)  # required when the config loads
         previous = self.journal.read()
         if "iteration" not in previous:
             previous = {}  # only the "starting" mark StartRun wrote: a fresh run
@@ -164,8 +171,10 @@ class RunDriver:
             raise RuntimeError(f"run {self.run_id!r} already has a journal (iteration {previous.get('iteration')}); "
                                "resume it or choose another run id")
         try:
-            endpoints = discover(self.registry, need_reference=self.settings.use_reference,
-                                 timeout_s=self.discovery_timeout_s, stop=self.stop_event)
+            endpoints = discover(self.registry,
+                                 need_reference=self.settings.use_reference and not self.settings.share_backbone,
+                                 timeout_s=self.discovery_timeout_s, stop=self.stop_event,
+                                 need_critic=self.settings.use_critic)
         except StoppedError:
             self.journal.write(phase="stopped")
             return
@@ -180,23 +189,32 @@ class RunDriver:
                               self.registry, connect_replica)
         actor = trainer_pb2_grpc.TrainerStub(channels[-1])
         reference = None
-        if endpoints.reference:
+        if endpoints.reference and not self.settings.share_backbone:
             channels.append(make_channel(endpoints.reference, token=self.token))
             reference = trainer_pb2_grpc.TrainerStub(channels[-1])
+        critic = None
+        if endpoints.critic and self.settings.use_critic:
+            channels.append(make_channel(endpoints.critic, token=self.token))
+            critic = trainer_pb2_grpc.TrainerStub(channels[-1])
         try:
             s = self.settings
             sync = WeightSync(actor, replicas, self.hf_config, s.deadline_s, actor_address=endpoints.actor,
                               transport=s.weight_transport)
+            # share_backbone: the reference is the actor's backbone (ComputeLogProbs with adapters_off); the
+            # placement has no reference trainer to move.
             placement = Placement(s.use_integrated_worker, actor, reference, replicas, sync,
                                   OffloadKeys(s.offload_train_param, s.offload_train_grad, s.offload_train_optimizer),
                                   s.deadline_s)
             placement.prepare()
             iteration, consumed, version = self._starting_point(previous, actor, replicas, sync)
+            if critic is not None:
+                self._check_critic_iteration(critic, iteration)
             loader = self.loader_factory(consumed)
             seed = self._sampling_seed(previous)
             settings = dataclasses.replace(s, seed=seed)
-            loop = GrpoIteration(replicas, self.score, actor, reference, self.decode, settings, placement,
-                                 multi_turn=self.multi_turn)
+            loop = GrpoIteration(replicas, self.score, actor, actor if s.share_backbone else reference, self.decode,
+                                 settings, placement,
+                                 multi_turn=self.multi_turn, critic=critic)
             self.validation.start(replicas, self.score, self.decode, settings, placement, iteration=iteration,
                                   version=version, sink=self.sink)
             self.journal.forget_iterations_after(iteration)  # computed again from here (a resume past them)
@@ -218,7 +236,7 @@ class RunDriver:
                                               consumed_batches=consumed, phase="iteration_done")
                 self.sink.write(iteration, metrics)
                 if mt.save and ((mt.save_interval and iteration % mt.save_interval == 0) or iteration == train_iters):
-                    placement.checkpoint(functools.partial(self._checkpoint, actor, iteration, consumed))
+                    placement.checkpoint(functools.partial(self._checkpoint, actor, iteration, consumed, critic))
             self.journal.write(phase="done" if iteration >= train_iters else "stopped")
         finally:
             for c in channels:
@@ -249,7 +267,7 @@ class RunDriver:
                         sync: WeightSync) -> tuple[int, int, int]:
         """(iteration, consumed batches, weights version) to continue from, after syncing the replicas."""
         gbs = int(self.cfg.actor_config.global_batch_size)
-        info = actor.Info(trainer_pb2.TrainerInfoRequest(), timeout=60)
+        info = actor.Info(trainer_pb2.TrainerInfoRequest(), timeout=INFO_DEADLINE_S)
         iteration = int(info.iteration)
         consumed = 0
         if previous:
@@ -274,21 +292,33 @@ class RunDriver:
         # Always sync before generating anything: the replicas may hold other weights than the actor (a fresh
         # replica loads the HF folder, a resumed actor a checkpoint). Versions only move forward, across restarts
         # too, so a number that was ever served never names other weights.
-        held = [r.stub.Info(rollout_pb2.RolloutInfoRequest(), timeout=60).weights_version for r in replicas]
-        version = max(int(previous.get("weights_version", 0)), int(info.weights_version), *held) + 1
+        held = [r.stub.Info(rollout_pb2.RolloutInfoRequest(), timeout=INFO_DEADLINE_S).weights_version for r in replicas]
+        version = first_of_run(int(previous.get("weights_version", AS_LOADED)), int(info.weights_version), *held)
         start = time.perf_counter()
         sync.push(version)
         logger.info("synced %d replica(s) to weights version %d in %.2fs", len(replicas), version,
                     time.perf_counter() - start)
         return iteration, consumed, version
 
-    def _checkpoint(self, actor: Any, iteration: int, consumed_batches: int) -> None:
+    def _check_critic_iteration(self, critic: Any, iteration: int) -> None:
+        """PPO: the critic must hold the actor's iteration (both resume from checkpoints of the same iteration)."""
+        held = int(critic.Info(trainer_pb2.TrainerInfoRequest(), timeout=INFO_DEADLINE_S).iteration)
+        if held != iteration:
+            raise RuntimeError(f"run {self.run_id!r}: the actor trainer holds iteration {iteration} but the critic "
+                               f"holds iteration {held}; start the critic from its checkpoint of iteration "
+                               f"{iteration} (`critic_config.load: {critic_save_dir(self.cfg)}`, `finetune: false`)")
+
+    def _checkpoint(self, actor: Any, iteration: int, consumed_batches: int, critic: Any | None = None) -> None:
         self.journal.write(phase="checkpoint")
         save = str(Path(self.cfg.actor_config.save))
         gbs = int(self.cfg.actor_config.global_batch_size)
         try:
             reply = actor.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(
-                dir=save, iteration=iteration, consumed_samples=consumed_batches * gbs), timeout=3600)
+                dir=save, iteration=iteration, consumed_samples=consumed_batches * gbs), timeout=CHECKPOINT_DEADLINE_S)
+            if critic is not None:  # before the journal names the checkpoint: a resume finds both or neither
+                critic.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(
+                    dir=critic_save_dir(self.cfg), iteration=iteration, consumed_samples=consumed_batches * gbs),
+                    timeout=CHECKPOINT_DEADLINE_S)
         except Exception as e:
             raise IterationError(f"checkpoint at iteration {iteration} failed: {e}") from e
         self.journal.write(checkpoint={"iteration": iteration, "path": reply.path,

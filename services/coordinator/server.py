@@ -69,7 +69,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 if self._active[0] == run_id:
                     return self._status(run_id)
                 abort(context, grpc.StatusCode.ALREADY_EXISTS,
-                              f"run {self._active[0]!r} is active on this coordinator; stop it first")
+                              f"run {echo(self._active[0])} is active on this coordinator; stop it first")
             if RunJournal(self.redis, run_id).exists() and not request.resume:
                 abort(context, grpc.StatusCode.ALREADY_EXISTS,
                               f"run {echo(run_id)} has a journal; pass resume=true to continue it")

@@ -41,14 +41,14 @@ class IterationSettings:
     filter_groups_max_batches: int
     filter_groups_train_batch_size: int
     # Loss inputs.
-    use_reference: bool  # cfg.derived.use_kl_loss: a KL term, hence reference log-probs
+    use_reference: bool  # cfg.derived.use_reference: a KL term (loss or PPO reward), hence reference log-probs
     skip_old_log_probs: bool  # cfg.derived.skip_old_log_probs
     kl_ctrl_type: str
     init_kl_coef: float
     kl_target: float | None
     kl_horizon: float | None
     # Forward passes, in rows per request.
-    ref_forward_micro_batch_size: int
+    ref_forward_micro_batch_size: int | None  # None only without a reference (no KL term)
     actor_forward_micro_batch_size: int
     # Placement: integrated (all-shared-device) mode and what the actor offloads in it.
     use_integrated_worker: bool
@@ -59,7 +59,8 @@ class IterationSettings:
     global_batch_size: int
     world_size: int
     log_max_throughput: bool
-    # rlfabric.rpc_deadline_s: the deadline of every call to another service.
+    # rlfabric.rpc_deadline_s: the deadline of each call to another service that does a phase's work (the other
+    # calls' fixed deadlines: services/common/deadlines.py).
     deadline_s: float
     # rlfabric.max_staleness: 0 synchronous, 1 pipelined (the rollout one iteration ahead of the update).
     max_staleness: int
@@ -74,6 +75,26 @@ class IterationSettings:
     rollout_correction: bool = False
     # generate_config.max_model_len: a prompt's response gets at most what is left of it (see response_budget).
     max_model_len: int | None = None
+    # rlfabric.deterministic: the reference pass takes its micro-batches in sample order, not arrival order.
+    deterministic: bool = False
+    # rl_config.share_backbone (LoRA): the reference is the actor's backbone, its log-probs the actor's
+    # ComputeLogProbs with adapters_off; there is no reference trainer.
+    share_backbone: bool = False
+    # PPO (stage: ray_ppo): a critic trainer, GAE's gamma and lam, and the critic's rows per ComputeValues request
+    # (its micro_batch_size, as MindSpeed-RL's critic forward reads it).
+    use_critic: bool = False
+    gamma: float = 1.0
+    lam: float = 1.0
+    critic_forward_micro_batch_size: int = 1
+    # PPO's KL in the reward (rl_config.use_kl_in_reward): the kl_penalty estimator of the old policy against the
+    # reference, times the KL controller's coefficient, taken off each token's reward before GAE.
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "low_var_kl"
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """A KL term in the actor's loss (GRPO's): reference log-probs that are not PPO's reward KL."""
+        return self.use_reference and not self.use_kl_in_reward
 
     def response_budget(self, prompt_length: int) -> int:
         """max_tokens for a prompt of `prompt_length` tokens: what max_model_len leaves, if less (upstream's vLLM
@@ -104,20 +125,20 @@ def settings_from_config(cfg: Any) -> IterationSettings:
         filter_groups_metric=rl.filter_groups_metric,
         filter_groups_max_batches=rl.filter_groups_max_batches,
         filter_groups_train_batch_size=rl.filter_groups_train_batch_size,
-        use_reference=derived.use_kl_loss,
+        use_reference=derived.use_reference,
         skip_old_log_probs=derived.skip_old_log_probs,
         kl_ctrl_type=rl.kl_ctrl_type,
         init_kl_coef=rl.init_kl_coef,
         kl_target=rl.kl_target,
         kl_horizon=rl.kl_horizon,
-        ref_forward_micro_batch_size=derived.ref_forward_micro_batch_size or 1,
-        actor_forward_micro_batch_size=derived.actor_forward_micro_batch_size or 1,
+        ref_forward_micro_batch_size=derived.ref_forward_micro_batch_size,
+        actor_forward_micro_batch_size=derived.actor_forward_micro_batch_size,
         use_integrated_worker=rl.use_integrated_worker,
         offload_train_param=cfg.generate_config.offload_train_param,
         offload_train_grad=cfg.generate_config.offload_train_grad,
         offload_train_optimizer=cfg.generate_config.offload_train_optimizer,
         global_batch_size=int(cfg.actor_config.global_batch_size),
-        world_size=derived.world_size or 1,
+        world_size=derived.world_size,
         log_max_throughput=rl.log_max_throughput,
         deadline_s=cfg.rlfabric.rpc_deadline_s,
         max_staleness=cfg.rlfabric.max_staleness,
@@ -125,6 +146,14 @@ def settings_from_config(cfg: Any) -> IterationSettings:
         adv_estimator=rl.adv_estimator,
         norm_adv_by_std_in_grpo=cfg.rlfabric.norm_adv_by_std_in_grpo,
         rollout_correction=rollout_correction_on(cfg.rlfabric),
+        deterministic=cfg.rlfabric.deterministic,
+        share_backbone=derived.use_reference and not derived.reference_trainer,
+        use_critic=derived.critic_trainer,
+        gamma=rl.gamma,
+        lam=rl.lam,
+        critic_forward_micro_batch_size=(cfg.critic_config.micro_batch_size if derived.critic_trainer else 1),
+        use_kl_in_reward=derived.critic_trainer and rl.use_kl_in_reward,
+        kl_penalty=rl.kl_penalty,
     )
 
 

@@ -3,7 +3,7 @@
 `ToolClient.call(name, arguments_json, deadline_s)` always returns a `ToolResult`, never raises: whatever goes
 wrong (no server hosts the tool, a server is killed mid-call, the deadline passes) is a result with a status
 and a text the model sees, so a failing tool costs its sample a tool error and never the run.
-- Servers are the Redis `Registry` members of service "tools" (`rlfabric:members:tools:{id}`, metadata
+- Servers are the Redis `Registry` members of `ServiceKind.TOOLS` (`rlfabric:members:tools:{id}`, metadata
   {"tools": [names]}), re-read every `refresh_s`; `tools()` lists the hosted tools with their schemas (each
   server's `ListTools`, asked once), in the order of the first server's configuration.
 - A call goes to the server hosting the tool with the fewest calls in flight from this client. A call that ends
@@ -29,11 +29,12 @@ import redis
 
 from rlfabric.v1 import tool_pb2, tool_pb2_grpc
 from services.common.client import INHERIT, make_channel
+from services.common.deadlines import LIST_TOOLS_DEADLINE_S
 from services.common.redis_store import Member, Registry
+from services.common.service_kind import ServiceKind
 
 logger = logging.getLogger(__name__)
 
-REGISTRY_SERVICE = "tools"
 # Deadline of a call whose tool lists none (a server that did not answer ListTools yet).
 FALLBACK_DEADLINE_S = 60.0
 # Seconds past a call's own deadline the rpc may take (the server answers TIMEOUT at the call's deadline).
@@ -184,7 +185,7 @@ class ToolClient:
             return
         self._refreshed_at = time.monotonic()
         try:
-            members = self._registry.members(REGISTRY_SERVICE)
+            members = self._registry.members(ServiceKind.TOOLS)
         except redis.RedisError as e:  # Redis down: keep routing to the servers last seen
             logger.warning("tool servers: cannot read the registry (%s); using the %d last seen", e,
                            len(self._servers))
@@ -214,7 +215,7 @@ class ToolClient:
         for server in servers:
             if server.infos is None:
                 try:
-                    reply = server.stub.ListTools(tool_pb2.ListToolsRequest(), timeout=10.0)
+                    reply = server.stub.ListTools(tool_pb2.ListToolsRequest(), timeout=LIST_TOOLS_DEADLINE_S)
                     server.infos = {info.name: info for info in reply.tools}
                 except grpc.RpcError as e:
                     logger.warning("tool server %s at %s: ListTools failed: %s", server.instance_id, server.endpoint,

@@ -48,9 +48,11 @@ def collect_log_probs(reply: trainer_pb2.LogProbResponse, lengths: dict[str, int
 
 
 def compute_log_probs(phase: str, stub: Any, seqs: Sequences, micro: int, settings: IterationSettings,
-                      clock: PhaseClock) -> dict[str, np.ndarray]:
-    """`stub`'s log-probs of every sequence, `micro` rows per request, timed as `phase`."""
-    requests = [trainer_pb2.LogProbRequest(batch=seqs.take(i, i + micro).to_proto(), temperature=settings.temperature)
+                      clock: PhaseClock, *, adapters_off: bool = False) -> dict[str, np.ndarray]:
+    """`stub`'s log-probs of every sequence, `micro` rows per request, timed as `phase`; `adapters_off`: of its
+    backbone without the LoRA adapters (share_backbone's reference)."""
+    requests = [trainer_pb2.LogProbRequest(batch=seqs.take(i, i + micro).to_proto(), temperature=settings.temperature,
+                                           adapters_off=adapters_off)
                 for i in range(0, len(seqs), micro)]
     lengths = dict(zip(seqs.sample_ids, seqs.response_lengths.tolist(), strict=True))
     out: dict[str, np.ndarray] = {}
@@ -64,19 +66,23 @@ def compute_log_probs(phase: str, stub: Any, seqs: Sequences, micro: int, settin
     return out
 
 
-def update_request(chunk: Sequences, adv_of: dict[str, float], old_lp: dict[str, np.ndarray],
+def update_request(chunk: Sequences, adv_of: dict[str, float] | dict[str, np.ndarray], old_lp: dict[str, np.ndarray],
                    ref_lp: dict[str, np.ndarray], behavior: dict[str, np.ndarray], *, step: int, kl_coef: float,
                    settings: IterationSettings) -> trainer_pb2.UpdateRequest:
-    """One `Update` request over `chunk`: its advantages and the log-probs the loss needs, by sample id."""
+    """One `Update` request over `chunk`: its advantages (one per sample, or PPO's per token) and the log-probs the
+    loss needs, by sample id."""
     ids = chunk.sample_ids
-    req = trainer_pb2.UpdateRequest(
-        batch=chunk.to_proto(), advantages=to_proto(np.array([adv_of[x] for x in ids], dtype=np.float32)),
-        temperature=settings.temperature, step=step, kl_coef=kl_coef)
+    req = trainer_pb2.UpdateRequest(batch=chunk.to_proto(), temperature=settings.temperature, step=step,
+                                    kl_coef=kl_coef)
+    if settings.use_critic:
+        req.token_advantages.CopyFrom(to_proto(np.concatenate([adv_of[x] for x in ids]).astype(np.float32)))
+    else:
+        req.advantages.CopyFrom(to_proto(np.array([adv_of[x] for x in ids], dtype=np.float32)))
     if behavior:
         req.behavior_log_probs.CopyFrom(to_proto(np.concatenate([behavior[x] for x in ids]).astype(np.float32)))
     if old_lp:
         req.old_log_probs.CopyFrom(to_proto(np.concatenate([old_lp[x] for x in ids]).astype(np.float32)))
-    if settings.use_reference:
+    if settings.kl_in_loss:
         missing = [x for x in ids if x not in ref_lp]
         if missing:
             raise IterationError(f"reference: no log-probs for {len(missing)} samples (first: {missing[:3]})")

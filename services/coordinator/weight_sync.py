@@ -108,14 +108,17 @@ class WeightSync:
         groups: dict[tuple, tuple[list[str], Any]] = {}
         for r in list(self.replicas):
             try:
-                params = r.stub.Info(rollout_pb2.RolloutInfoRequest(include_parameters=True), timeout=60).parameters
+                params = r.stub.Info(rollout_pb2.RolloutInfoRequest(include_parameters=True),
+                                     timeout=self.deadline_s).parameters
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or not self._lose([r.address], e.details() or ""):
                     raise
                 continue
             signature = tuple((p.name, tuple(p.shape), p.dtype) for p in params)
             groups.setdefault(signature, ([], params))[0].append(r.address)
-        shards = self.actor.Info(trainer_pb2.TrainerInfoRequest(include_parameters=True), timeout=60).shards
+        # Part of the push, under its deadline: the trainer lists its shards on its ranks, after what they are doing.
+        listing = trainer_pb2.TrainerInfoRequest(include_parameters=True)
+        shards = self.actor.Info(listing, timeout=self.deadline_s).shards
         return [(targets, plan_resharding(shards, params, self.hf_config).to_proto())
                 for targets, params in groups.values()]
 

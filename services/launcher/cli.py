@@ -8,6 +8,10 @@ With rl_config.multi_turn_enable, the tool servers (`rlfabric tools serve`, --to
 local sandbox_fusion_url in the tool YAML, a code sandbox (`rlfabric sandbox serve`) start too; see
 services/launcher/tools.py.
 
+The children are supervised (services/launcher/supervision.py): with 2 or more reward workers or rollout
+replicas one may die, the others take its samples or prompts and it is restarted; a tool server or sandbox
+that dies is restarted, the calls it would answer meanwhile being tool errors.
+
 Custom verifiers (servers of rlfabric.v1.Verifier) join the run with
   --verifier NAME=HOST:PORT                       a server that already runs, or
   --verifier-command 'NAME=python my.py --port {port}'   started on a free port and stopped with the run;
@@ -35,6 +39,35 @@ def add_verifier_arguments(p: argparse.ArgumentParser) -> None:
                         "NAME; it stops with the run (repeatable)")
 
 
+def add_service_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags `rlfabric up` and `rlfabric system up` share: config overrides, how many of each service to
+    start (checked by `service_count_error`), and how long they may take to register."""
+    p.add_argument("-o", "--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="dotted config override, repeatable")
+    p.add_argument("--reward-workers", type=int, default=1, help="reward worker processes (default 1)")
+    p.add_argument("--reward-processes", type=int, default=1, help="verifier pool processes per worker (default 1)")
+    p.add_argument("--rollout-replicas", type=int, default=1, help="rollout replicas, each a vLLM engine (default 1)")
+    p.add_argument("--tool-servers", type=int, default=1,
+                   help="tool servers of a multi-turn config (rl_config.multi_turn_enable; default 1)")
+    p.add_argument("--trainer-threads", type=int, default=1, metavar="N",
+                   help="torch threads of each trainer rank (default 1; 2 on a 2-core host makes a synchronous run's "
+                        "update, which runs alone, faster)")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for services (default 600)")
+
+
+# The count flags of `add_service_arguments`: none may be under 1.
+_COUNT_FLAGS = ("--reward-workers", "--reward-processes", "--rollout-replicas", "--tool-servers", "--trainer-threads")
+
+
+def service_count_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the first count flag under 1, or None."""
+    for flag in _COUNT_FLAGS:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value < 1:
+            return f"{flag} must be at least 1, got {value}"
+    return None
+
+
 def verifiers_from_args(args: argparse.Namespace) -> list:
     """CustomVerifiers of the flags; ValueError naming the bad flag."""
     from services.launcher.verifiers import parse_command, parse_endpoint
@@ -51,28 +84,13 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("up", help="run GRPO on this host: start Redis and every service, train, stop",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", type=Path, help="MindSpeed-RL GRPO YAML")
-    p.add_argument("-o", "--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="dotted config override, repeatable")
+    add_service_arguments(p)
     p.add_argument("--redis-url", default=env_redis_url(),
                    help="use this Redis instead of starting a private one (default: $REDIS_URL)")
     p.add_argument("--run-dir", type=Path, default=None, help="logs and metrics (default: runs/up-TIMESTAMP)")
     p.add_argument("--run-id", default="", help="run id (default: generated)")
     p.add_argument("--resume", action="store_true", help="continue --run-id from its journal (needs --redis-url "
                    "or the same --run-dir, whose Redis keeps an append-only file)")
-    p.add_argument("--reward-workers", type=int, default=1,
-                   help="reward worker processes (default 1); with 2 or more, one may die: the others take its "
-                        "samples and it is restarted")
-    p.add_argument("--rollout-replicas", type=int, default=1,
-                   help="rollout replicas, each a vLLM engine (default 1); with 2 or more, one may die: the others "
-                        "take its prompts and it is restarted")
-    p.add_argument("--reward-processes", type=int, default=1, help="verifier pool processes per worker (default 1)")
-    p.add_argument("--tool-servers", type=int, default=1,
-                   help="tool servers of a multi-turn run (rl_config.multi_turn_enable; default 1); one that dies "
-                        "is restarted, its calls meanwhile answered as tool errors")
-    p.add_argument("--trainer-threads", type=int, default=1, metavar="N",
-                   help="torch threads of each trainer rank (default 1; 2 on a 2-core host makes a synchronous run's "
-                        "update, which runs alone, faster)")
-    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for services (default 600)")
     p.add_argument("--full-metrics", action="store_true",
                    help="print every metric of each iteration (default: a short line; all of them are in "
                         "RUN_DIR/runs/RUN_ID/metrics.jsonl)")
@@ -106,12 +124,10 @@ def _up(args: argparse.Namespace) -> int:
     from services.common.config import ConfigError, check_run_files, load_config
     from services.common.security import resolve_secrets
 
-    for flag, value in (("--trainer-threads", args.trainer_threads), ("--reward-workers", args.reward_workers),
-                        ("--rollout-replicas", args.rollout_replicas), ("--reward-processes", args.reward_processes),
-                        ("--tool-servers", args.tool_servers)):
-        if value < 1:
-            print(f"error: {flag} must be at least 1, got {value}", file=sys.stderr)
-            return 2
+    count_error = service_count_error(args)
+    if count_error is not None:
+        print(f"error: {count_error}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config, args.override)
         check_run_files(cfg)  # every missing file and model-block mismatch named before anything starts

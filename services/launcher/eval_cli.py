@@ -15,7 +15,6 @@ coordinator's (services/coordinator/evaluation.py), which validation during trai
 from __future__ import annotations
 
 import argparse
-import json
 import secrets
 import sys
 import time
@@ -151,7 +150,9 @@ MIN_ENGINE_LENGTH = 256
 
 
 def _engine_length(problems: list, max_tokens: int, model: str) -> int:
-    positions = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings", 1 << 30)
+    from services.common.model_spec import read_config_json
+
+    positions = read_config_json(model).get("max_position_embeddings", 1 << 30)
     needed = max(len(p.prompt_ids) for p in problems) + max_tokens
     if needed > positions:
         raise ValueError(f"the longest prompt plus --max-tokens needs {needed} positions; the model has {positions}: "

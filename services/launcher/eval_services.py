@@ -13,10 +13,16 @@ from typing import Any
 
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.client import make_channel
+from services.common.deadlines import INFO_DEADLINE_S
 from services.common.redis_store import Registry, connect
+from services.common.service_kind import ServiceKind
 from services.coordinator.reward_pool import RewardClientPool
 from services.coordinator.weight_sync import Replica
 from services.launcher.stack import Expected, LocalStack, ServiceStartError
+
+# Sequences the eval's own replica batches at once (the value a replica without a config had before it took the
+# schema's generate_config defaults).
+EVAL_MAX_NUM_SEQS = 64
 
 
 class EvalServices:
@@ -32,9 +38,10 @@ class EvalServices:
 
     def _infos(self) -> list[Any]:
         infos = []
-        for address in self.stack.endpoints("rollout"):
+        for address in self.stack.endpoints(ServiceKind.ROLLOUT):
             with make_channel(address) as channel:
-                infos.append(rollout_pb2_grpc.RolloutStub(channel).Info(rollout_pb2.RolloutInfoRequest(), timeout=60))
+                stub = rollout_pb2_grpc.RolloutStub(channel)
+                infos.append(stub.Info(rollout_pb2.RolloutInfoRequest(), timeout=INFO_DEADLINE_S))
         if not infos:
             raise ServiceStartError(f"no rollout replica is registered in {self.stack.redis_url}")
         return infos
@@ -57,15 +64,18 @@ class EvalServices:
             print(f"starting services (logs in {stack.logs_dir})", file=stack.out, flush=True)
             stack.spawn_reward_workers(1, 1)
             stack.spawn_verifiers()
+            # One engine on this machine, batching the eval's prompts (a replica without a config would take the
+            # training config schema's defaults: tensor parallel 8, one sequence at a time).
             stack.spawn("rollout-0", ["rollout", "serve", "--model", str(model), "--address", "127.0.0.1:0",
-                                      *stack.redis_args(), "--dtype", dtype, "--max-model-len", str(max_model_len)],
-                        Expected("rollout-0 (vLLM)", "rollout"))
+                                      *stack.redis_args(), "--dtype", dtype, "--max-model-len", str(max_model_len),
+                                      "--tensor-parallel-size", "1", "--max-num-seqs", str(EVAL_MAX_NUM_SEQS)],
+                        Expected("rollout-0 (vLLM)", ServiceKind.ROLLOUT))
             stack.wait_ready()
         self._pool = RewardClientPool(Registry(connect(url)))
 
     def replicas(self) -> list[Any]:
         out = []
-        for address in self.stack.endpoints("rollout"):
+        for address in self.stack.endpoints(ServiceKind.ROLLOUT):
             channel = make_channel(address)
             self._channels.append(channel)
             out.append(Replica(address, rollout_pb2_grpc.RolloutStub(channel)))

@@ -23,10 +23,10 @@ from typing import Any
 import grpc
 
 from services.common.processes import Reaper, ServiceProcess, ServiceStartError, tail
+from services.common.service_kind import ServiceKind
 from services.launcher.stack import Expected, LocalStack
 from services.launcher.supervision import Supervisor
 from services.launcher.tools import (
-    TOOLS_KIND,
     ToolPlan,
     plan_tools,
     start_sandboxes,
@@ -73,20 +73,19 @@ class GrpoStack:
         rollout_overrides = [a for o in self.overrides for a in ("--set", o)]
         for i in range(self.rollout_replicas):
             stack.spawn(f"rollout-{i}", ["rollout", "serve", *cfg_args, *rollout_overrides, "--address", "127.0.0.1:0",
-                                         *url], Expected(f"rollout-{i} (vLLM)", "rollout"))
+                                         *url], Expected(f"rollout-{i} (vLLM)", ServiceKind.ROLLOUT))
         trainer_overrides = [a for o in self.overrides for a in ("--override", o)]
-        roles = ["actor", "reference"] if self.cfg.derived.use_kl_loss else ["actor"]
-        for role in roles:
+        for role in self.cfg.derived.trainer_roles:
             stack.spawn(f"trainer-{role}", ["trainer", "serve", *cfg_args, *trainer_overrides, "--role", role,
                                             "--threads", str(self.trainer_threads), *url],
-                        Expected(f"trainer-{role} (Megatron)", "trainer", role))
+                        Expected(f"trainer-{role} (Megatron)", ServiceKind.TRAINER, role))
         stack.spawn("coordinator", ["coordinator", "serve", *url, "--runs-dir", str(stack.run_dir / "runs")],
-                    Expected("coordinator", "coordinator"))
+                    Expected("coordinator", ServiceKind.COORDINATOR))
         stack.wait_ready()
         if tools is not None:
             plan, sandboxes = tools
             wait_sandboxes(plan, sandboxes, max(10.0, stack.startup_timeout_s), say=stack._say)
-        self.coordinator_address = stack.endpoints("coordinator")[0]
+        self.coordinator_address = stack.endpoints(ServiceKind.COORDINATOR)[0]
         print(f"services up; coordinator at {self.coordinator_address}", file=stack.out, flush=True)
 
     def _spawn_tools(self, redis_args: list[str]) -> tuple[ToolPlan, list[ServiceProcess]] | None:
@@ -97,17 +96,16 @@ class GrpoStack:
         sandboxes = start_sandboxes(plan, self.stack.logs_dir, detached=self.stack.detached)
         self.stack.processes.extend(sandboxes)
         for i in range(self.tool_servers):
-            self.stack.spawn(f"{TOOLS_KIND}-{i}", tool_server_args(plan, redis_args),
-                             Expected(f"{TOOLS_KIND}-{i}", TOOLS_KIND))
+            self.stack.spawn(f"{ServiceKind.TOOLS}-{i}", tool_server_args(plan, redis_args),
+                             Expected(f"{ServiceKind.TOOLS}-{i}", ServiceKind.TOOLS))
         return plan, sandboxes
 
     def train(self, run_id: str = "", resume: bool = False) -> int:
         with self.supervisor:
             return self._train(run_id, resume)
 
-    def _after_iteration(self, iteration: int) -> None:
+    def _logged(self, iteration: int) -> None:
         self.last_logged = iteration
-        self.supervisor.check()
 
     def _train(self, run_id: str, resume: bool) -> int:
         from rlfabric.v1 import coordinator_pb2
@@ -120,7 +118,8 @@ class GrpoStack:
             final = start_and_follow(self.coordinator_address, request,
                                      total=int(self.cfg.actor_config.train_iters or 0) or None,
                                      on_started=lambda rid: setattr(self, "run_id", rid),
-                                     after_iteration=self._after_iteration, full_metrics=self.full_metrics)
+                                     after_iteration=lambda _: self.supervisor.check(),
+                                     on_iteration=self._logged, full_metrics=self.full_metrics)
         except grpc.RpcError as e:
             self.supervisor.settle()  # a dead child explains a broken stream better than its status code
             raise ServiceStartError(f"coordinator: {e.code().name}: {e.details()}") from e

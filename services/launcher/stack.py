@@ -21,6 +21,7 @@ from services.common.credentials import ClientCredentials, set_client_credential
 from services.common.processes import ServiceProcess, ServiceStartError
 from services.common.redis_store import RedisServer, Registry, connect, start_private_redis
 from services.common.security import child_args, generate_tls, private_dir, write_secret_file
+from services.common.service_kind import ServiceKind
 from services.launcher import verifiers as custom
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class Expected:
     """A registration a started child will make: its Redis service name and, for trainers, the role."""
 
     label: str
-    service: str
+    service: ServiceKind
     role: str | None = None
 
 
@@ -140,7 +141,7 @@ class LocalStack:
     def spawn_reward_workers(self, count: int, processes: int) -> None:
         for i in range(count):
             self.spawn(f"reward-{i}", ["reward", "serve", *self.redis_args(), "--processes", str(processes)],
-                       Expected(f"reward-{i}", "reward"))
+                       Expected(f"reward-{i}", ServiceKind.REWARD))
 
     def spawn_verifiers(self) -> None:
         """Starts the command verifiers (their servers load while the services do)."""
@@ -178,11 +179,11 @@ class LocalStack:
             return
         for v, proc in self._verifier_procs:
             custom.wait_serving(v, proc, max(10.0, self.startup_timeout_s - (time.monotonic() - self._started)))
-        custom.register([v for v, _ in self._verifier_procs], self.endpoints("reward"), token)
+        custom.register([v for v, _ in self._verifier_procs], self.endpoints(ServiceKind.REWARD), token)
         for v, _ in self._verifier_procs:
             self._say(f"  verifier {v.name} registered ({v.endpoint})")
 
-    def endpoints(self, service: str, role: str | None = None) -> list[str]:
+    def endpoints(self, service: ServiceKind, role: str | None = None) -> list[str]:
         registry = Registry(connect(str(self.redis_url)))
         return sorted(m.endpoint for m in registry.members(service)
                       if role is None or m.metadata.get("role") == role)

@@ -42,12 +42,14 @@ from services.common.processes import (
     process_table,
     stopped_members,
 )
+from services.common.service_kind import ServiceKind
 from services.launcher.stack import LocalStack
+from services.launcher.tools import SANDBOX_KIND
 
 # Kinds of child that may die while another of the kind carries on (the part of the name before "-N").
-REDUNDANT = ("reward", "rollout")
+REDUNDANT = (ServiceKind.REWARD, ServiceKind.ROLLOUT)
 # Kinds of child whose death costs the samples using them a tool error, never the run (see the module doc).
-EXPENDABLE = ("tools", "sandbox")
+EXPENDABLE = (ServiceKind.TOOLS, SANDBOX_KIND)
 # Restarts of one child per run: past this it is left dead (its kind carries on while one is alive).
 MAX_RESTARTS = 3
 # How long a broken coordinator stream waits for a dying child to be seen dead (the kernel closes a killed

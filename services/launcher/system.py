@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 
 from services.common.credentials import ClientCredentials, set_client_credentials
 from services.common.processes import ServiceStartError, group_members
+from services.common.service_kind import ServiceKind
 from services.launcher.stack import Expected, LocalStack
 
 STATE = "state.json"
@@ -87,7 +88,7 @@ def secret(state: dict, key: str) -> str:
 def system_client_args(args) -> None:
     """`rlfabric train` without --coordinator: the address, and the token file unless given, from the state."""
     state = read_state(args.system_dir)
-    args.coordinator = next(e.address for e in entries(state) if e.service == "coordinator")
+    args.coordinator = next(e.address for e in entries(state) if e.service == ServiceKind.COORDINATOR)
     if not getattr(args, "auth_token_file", None):
         args.auth_token_file = state["token_file"]
 
@@ -180,20 +181,19 @@ class SystemStack(LocalStack):
 
     def spawn_reward(self, instance: str, processes: int) -> None:
         self.spawn(instance, ["reward", "serve", *self.redis_args(), "--worker-id", instance,
-                              "--processes", str(processes)], Expected(instance, "reward"))
+                              "--processes", str(processes)], Expected(instance, ServiceKind.REWARD))
 
     def spawn_rollout(self, instance: str, config: str, overrides: list[str]) -> None:
         self.spawn(instance, ["rollout", "serve", "--config", config, *[a for o in overrides for a in ("--set", o)],
                               "--address", "127.0.0.1:0", *self.redis_args(), "--instance-id", instance],
-                   Expected(f"{instance} (vLLM)", "rollout"))
+                   Expected(f"{instance} (vLLM)", ServiceKind.ROLLOUT))
 
     def entries(self) -> list[Entry]:
         """Every live child with the address it registered (Redis first)."""
         from services.common.redis_store import Registry, connect
 
         registry = Registry(connect(str(self.redis_url)))
-        members = {(s, m.instance_id): m for s in ("reward", "rollout", "trainer", "coordinator", "tools")
-                   for m in registry.members(s)}
+        members = {(s, m.instance_id): m for s in ServiceKind for m in registry.members(s)}
         out = []
         if self.redis is not None:
             url = urlparse(str(self.redis_url))  # the address only: the URL carries the password
@@ -253,14 +253,16 @@ def weights_version(entry: Entry) -> str:
 
     from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
     from services.common.client import make_channel
+    from services.common.deadlines import PS_PROBE_DEADLINE_S
 
-    calls = {"rollout": lambda ch: rollout_pb2_grpc.RolloutStub(ch).Info(rollout_pb2.RolloutInfoRequest(), timeout=5),
-             "trainer": lambda ch: trainer_pb2_grpc.TrainerStub(ch).Info(trainer_pb2.TrainerInfoRequest(), timeout=5)}
-    if entry.service not in calls or not entry.address:
+    infos = {ServiceKind.ROLLOUT: (rollout_pb2_grpc.RolloutStub, rollout_pb2.RolloutInfoRequest),
+             ServiceKind.TRAINER: (trainer_pb2_grpc.TrainerStub, trainer_pb2.TrainerInfoRequest)}
+    if entry.service not in infos or not entry.address:
         return "-"
+    stub, request = infos[entry.service]
     try:
         with make_channel(entry.address) as channel:
-            return str(calls[entry.service](channel).weights_version)
+            return str(stub(channel).Info(request(), timeout=PS_PROBE_DEADLINE_S).weights_version)
     except grpc.RpcError:
         return "?"
 

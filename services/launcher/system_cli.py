@@ -13,6 +13,9 @@ import sys
 import time
 from pathlib import Path
 
+from services.common.service_kind import ServiceKind
+from services.launcher.cli import add_service_arguments, service_count_error
+
 DEFAULT_DIR = Path("runs/system")
 
 
@@ -21,26 +24,17 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                                              "down", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="system_command", metavar="COMMAND", required=True)
-    up = sub.add_parser("up", help="start Redis and every service detached; return once all report SERVING")
+    up = sub.add_parser("up", help="start Redis and every service detached; return once all report SERVING",
+                        description="The -o overrides reach the services; give `rlfabric train` the same ones.")
     up.add_argument("config", type=Path, help="MindSpeed-RL GRPO YAML (rollout and trainers are built from it)")
-    up.add_argument("-o", "--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="dotted config override for the services, repeatable (give `rlfabric train` the same)")
-    up.add_argument("--reward-workers", type=int, default=1, help="reward workers (default 1)")
-    up.add_argument("--reward-processes", type=int, default=1, help="verifier processes per worker (default 1)")
-    up.add_argument("--rollout-replicas", type=int, default=1, help="rollout replicas (default 1)")
-    up.add_argument("--tool-servers", type=int, default=1,
-                    help="tool servers of a multi-turn config (rl_config.multi_turn_enable; default 1)")
-    up.add_argument("--trainer-threads", type=int, default=1, metavar="N",
-                    help="torch threads of each trainer rank (default 1; 2 on a 2-core host makes a synchronous run's "
-                         "update, which runs alone, faster)")
-    up.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for services (default 600)")
+    add_service_arguments(up)
     ps = sub.add_parser("ps", help="service, instance, pid, address, health and weights version of each process")
     logs = sub.add_parser("logs", help="the last lines of every log, or of SERVICE's")
     logs.add_argument("service", nargs="?", default="", help="a service (reward, rollout, trainer, coordinator, "
                                                              "redis) or an instance (reward-1)")
     logs.add_argument("-n", "--lines", type=int, default=20, help="lines per log (default 20)")
     scale = sub.add_parser("scale", help="start or drain reward workers / rollout replicas on a running system")
-    scale.add_argument("service", choices=("reward", "rollout"))
+    scale.add_argument("service", choices=(ServiceKind.REWARD, ServiceKind.ROLLOUT))
     scale.add_argument("count", type=int, help="how many there should be")
     scale.add_argument("--drain-timeout", type=float, default=60.0,
                        help="seconds a removed one may take to finish what it holds (default 60)")
@@ -61,11 +55,9 @@ def _up(args: argparse.Namespace) -> int:
     from services.common.config import ConfigError, check_run_files, load_config
     from services.launcher.system import SystemStateError, locked, state_path
 
-    for flag, value in (("--reward-workers", args.reward_workers), ("--rollout-replicas", args.rollout_replicas),
-                        ("--reward-processes", args.reward_processes), ("--trainer-threads", args.trainer_threads),
-                        ("--tool-servers", args.tool_servers)):
-        if value < 1:
-            return _fail(f"{flag} must be at least 1, got {value}", 2)
+    count_error = service_count_error(args)
+    if count_error is not None:
+        return _fail(count_error, 2)
     try:
         cfg = load_config(args.config, args.override)
         check_run_files(cfg)  # every missing file and model-block mismatch named before anything starts
@@ -96,16 +88,15 @@ def _start(args: argparse.Namespace, cfg) -> int:
         tools = _spawn_tools(stack, cfg, redis, args.tool_servers)
         for i in range(args.rollout_replicas):
             stack.spawn_rollout(f"rollout-{i}", config, args.override)
-        roles = ["actor", "reference"] if cfg.derived.use_kl_loss else ["actor"]
-        for role in roles:
+        for role in cfg.derived.trainer_roles:
             stack.spawn(f"trainer-{role}", ["trainer", "serve", "--config", config,
                                             *[a for o in args.override for a in ("--override", o)], "--role", role,
                                             "--threads", str(args.trainer_threads),
                                             *redis, "--instance-id", f"trainer-{role}"],
-                        Expected(f"trainer-{role} (Megatron)", "trainer", role))
+                        Expected(f"trainer-{role} (Megatron)", ServiceKind.TRAINER, role))
         stack.spawn("coordinator", ["coordinator", "serve", *redis, "--runs-dir",
                                     str(stack.run_dir / "runs"), "--instance-id", "coordinator"],
-                    Expected("coordinator", "coordinator"))
+                    Expected("coordinator", ServiceKind.COORDINATOR))
         stack.wait_ready()
         if tools is not None:
             wait_sandboxes(*tools, timeout_s=max(10.0, args.startup_timeout), say=stack._say)
@@ -129,7 +120,7 @@ def _start(args: argparse.Namespace, cfg) -> int:
 def _spawn_tools(stack, cfg, redis: list[str], count: int):
     """With multi_turn_enable: the sandboxes and `count` tool servers (services/launcher/tools.py), else None."""
     from services.launcher.stack import Expected
-    from services.launcher.tools import TOOLS_KIND, plan_tools, start_sandboxes, tool_server_args
+    from services.launcher.tools import plan_tools, start_sandboxes, tool_server_args
 
     plan = plan_tools(cfg, stack.run_dir)
     if plan is None:
@@ -138,13 +129,13 @@ def _spawn_tools(stack, cfg, redis: list[str], count: int):
     stack.processes.extend(sandboxes)
     stack.addresses.update({p.name: f"127.0.0.1:{s.port}" for p, s in zip(sandboxes, plan.sandboxes, strict=True)})
     for i in range(count):
-        stack.spawn(f"{TOOLS_KIND}-{i}", [*tool_server_args(plan, redis), "--instance-id", f"{TOOLS_KIND}-{i}"],
-                    Expected(f"{TOOLS_KIND}-{i}", TOOLS_KIND))
+        name = f"{ServiceKind.TOOLS}-{i}"
+        stack.spawn(name, [*tool_server_args(plan, redis), "--instance-id", name], Expected(name, ServiceKind.TOOLS))
     return plan, sandboxes
 
 
 def _print_summary(root: Path, items, cfg) -> None:
-    coordinator = next(e.address for e in items if e.service == "coordinator")
+    coordinator = next(e.address for e in items if e.service == ServiceKind.COORDINATOR)
     print(f"system up ({len(items)} processes; `make ps`, `make logs SERVICE=...`, `make down`)")
     print(f"  coordinator   {coordinator}   run: make train [ARGS='-o ...'] (rlfabric train [CONFIG] [-o ...] "
           f"--system-dir {root}, or --coordinator {coordinator} --auth-token-file {root / 'secrets' / 'token'})")
@@ -205,8 +196,9 @@ def _scale(args: argparse.Namespace) -> int:
     from services.launcher.system import SystemStateError, locked
     from services.launcher.system_scale import scale
 
-    if args.count < 0 or (args.service == "rollout" and args.count < 1):
-        return _fail(f"{args.service} count must be at least {0 if args.service == 'reward' else 1}", 2)
+    least = 0 if args.service == ServiceKind.REWARD else 1
+    if args.count < least:
+        return _fail(f"{args.service} count must be at least {least}", 2)
     try:
         with locked(args.dir):
             return scale(args.dir.resolve(), args.service, args.count, drain_s=args.drain_timeout)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from services.common.processes import ServiceStartError, group_members, wait_until
+from services.common.service_kind import ServiceKind
 from services.launcher.system import (
     SECRETS,
     Entry,
@@ -36,7 +37,7 @@ def _index(entry: Entry) -> int:
     return int(found.group(1)) if found else -1
 
 
-def scale(root: Path, service: str, count: int, *, drain_s: float) -> int:
+def scale(root: Path, service: ServiceKind, count: int, *, drain_s: float) -> int:
     state = read_state(root)
     items = [e for e in entries(state) if pid_alive(e.pid)]
     current = sorted((e for e in items if e.service == service), key=_index)
@@ -58,7 +59,7 @@ def scale(root: Path, service: str, count: int, *, drain_s: float) -> int:
     return 0
 
 
-def _add(root: Path, state: dict, service: str, n: int, *, start_index: int) -> list[Entry]:
+def _add(root: Path, state: dict, service: ServiceKind, n: int, *, start_index: int) -> list[Entry]:
     """Starts `n` more, named from `start_index`; on any failure stops them all and raises."""
     from services.common.redis_store import Registry, connect
 
@@ -66,7 +67,7 @@ def _add(root: Path, state: dict, service: str, n: int, *, start_index: int) -> 
     stack = SystemStack(root, redis_url=url, auth_token=secret(state, "token_file"))
     names = [f"{service}-{i}" for i in range(start_index, start_index + n)]
     for name in names:
-        if service == "reward":
+        if service == ServiceKind.REWARD:
             stack.spawn_reward(name, int(state.get("reward_processes", 1)))
         else:
             stack.spawn_rollout(name, state["config"], list(state.get("overrides", [])))

@@ -30,8 +30,7 @@ from urllib.parse import urlsplit, urlunsplit
 from services.common.processes import ServiceProcess, ServiceStartError, tail
 
 LOCAL_HOSTS = ("localhost",)
-SANDBOX_KIND = "sandbox"
-TOOLS_KIND = "tools"
+SANDBOX_KIND = "sandbox"  # a child process that does not register in Redis (tool servers: ServiceKind.TOOLS)
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,7 @@ def register(verifiers: Sequence[CustomVerifier], workers: Sequence[str], token:
 
     from rlfabric.v1 import reward_pb2, reward_pb2_grpc
     from services.common.client import make_channel
+    from services.common.deadlines import DEFAULT_DEADLINE_S
 
     if not verifiers:
         return
@@ -106,7 +107,8 @@ def register(verifiers: Sequence[CustomVerifier], workers: Sequence[str], token:
             try:
                 stubs[0].RegisterVerifier(reward_pb2.RegisterVerifierRequest(
                     name=v.name, version="1", endpoint=v.endpoint,
-                    description=" ".join(v.command) if v.command else f"given as {v.endpoint}"), timeout=30)
+                    description=" ".join(v.command) if v.command else f"given as {v.endpoint}"),
+                    timeout=DEFAULT_DEADLINE_S)
             except grpc.RpcError as e:
                 raise ServiceStartError(f"registering verifier {v.name!r} at {v.endpoint} with reward worker "
                                         f"{workers[0]}: {e.code().name}: {e.details()}") from e
@@ -114,7 +116,7 @@ def register(verifiers: Sequence[CustomVerifier], workers: Sequence[str], token:
         deadline = time.monotonic() + timeout_s
         for worker, stub in zip(workers, stubs, strict=True):
             while not wanted <= {i.name for i in stub.ListVerifiers(reward_pb2.ListVerifiersRequest(),
-                                                                   timeout=30).verifiers}:
+                                                                   timeout=DEFAULT_DEADLINE_S).verifiers}:
                 if time.monotonic() > deadline:
                     raise ServiceStartError(f"reward worker {worker} does not list {sorted(wanted)} after "
                                             f"{timeout_s:.0f}s")

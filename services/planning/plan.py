@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.common import pipeline_layout
+from services.common.config.rl import RLConfig
 from services.planning.activations import (
     UNFUSED,
     Kernels,
@@ -55,7 +56,8 @@ from services.planning.inputs import Offload, PlanInputs, RolloutLayout, Trainer
 if TYPE_CHECKING:
     from services.planning.advice import Advice
 
-DEFAULT_PACKING_TOKENS = 4096  # MindSpeed-RL's per-pass default (services/common/config/rl.py)
+# MindSpeed-RL's per-pass budget when unset: max_packing_token_size's default, not its value.
+DEFAULT_PACKING_TOKENS = RLConfig().max_packing_token_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +212,7 @@ def inputs_from_config(cfg: Any, device_memory: int, *, cpu: bool = False) -> Pl
     dyn = rl.use_dynamic_bsz
 
     def budget(v: int | None) -> int | None:
-        return (v or DEFAULT_PACKING_TOKENS) if dyn else None
+        return (DEFAULT_PACKING_TOKENS if v is None else v) if dyn else None
 
     def batch(rows: int, tokens: int | None) -> MicroBatch:
         return _micro_batch(rows, seq, resp, packed=rl.use_remove_padding, budget=budget(tokens))
@@ -230,14 +232,14 @@ def inputs_from_config(cfg: Any, device_memory: int, *, cpu: bool = False) -> Pl
             stages=pipeline_layout.stage_layers(mt.num_layers, mt.pipeline_model_parallel_size, mt.num_layer_list,
                                                 mt.noop_layers))
 
-    actor_experts = ExpertLayout(ep=d.actor_expert_parallel_size or 1, etp=d.actor_expert_tensor_parallel_size)
+    actor_experts = ExpertLayout(ep=d.actor_expert_parallel_size, etp=d.actor_expert_tensor_parallel_size)
     actor = layout(a, d.actor_data_parallel_size, d.actor_forward_micro_batch_size, rl.actor_max_packing_token_size,
                    True, actor_experts)
     ref_experts = actor_experts if r is a else ExpertLayout.of(tp=r.tensor_model_parallel_size,
                                                                ep=r.expert_model_parallel_size,
                                                                tp_extend_ep=r.moe_tp_extend_ep)
     reference = layout(r, d.ref_data_parallel_size, d.ref_forward_micro_batch_size, rl.ref_max_packing_token_size,
-                       False, ref_experts) if d.use_kl_loss else None
+                       False, ref_experts) if d.use_reference else None
     wbytes = DTYPE_BYTES.get(gen.dtype, actor.params_bytes)  # "auto": the model's dtype
     rollout = RolloutLayout(infer_tp=gen.infer_tensor_parallel_size, weight_bytes=wbytes,
                             gpu_memory_utilization=gen.gpu_memory_utilization, max_num_seqs=gen.max_num_seqs,

@@ -27,6 +27,15 @@ SEED_SIZES = ("response_length/mean", "response_length/min", "response_length/ma
 SEED_THROUGHPUT = {"e2e_tps": "timing/all", "update_tps": "timing/update", "vllm_tps": "timing/rollout"}
 
 
+# rlfabric's metrics of wall time beside the seed's timing/* and throughputs.
+CLOCK_METRICS = ("val/seconds", "tool/latency_s_mean")
+
+
+def reads_the_clock(name: str) -> bool:
+    """Whether metric `name` measures wall time: what two runs of `rlfabric.deterministic` may differ in."""
+    return name.startswith(("timing/", "timeline/")) or name in SEED_THROUGHPUT or name in CLOCK_METRICS
+
+
 def seed_metric_names(verifiers: Sequence[str]) -> list[str]:
     """Every metric of the seed's table for a run scoring with `verifiers` (rl_config.verifier_function)."""
     return [*SEED_TIMINGS, *SEED_TRAINING, *(f"{v}_rewards/mean" for v in verifiers), *SEED_REWARDS,

@@ -165,33 +165,28 @@ def run_score(args: argparse.Namespace) -> int:
 
 
 def run_registry_command(args: argparse.Namespace) -> int:
-    import grpc
+    from rlfabric.v1 import reward_pb2_grpc
+    from services.common.client_command import call_service
 
-    from rlfabric.v1 import reward_pb2, reward_pb2_grpc
-    from services.common.client import DEFAULT_DEADLINE_S, make_channel
-    from services.common.security import configure_client
+    return call_service(f"rlfabric reward {args.reward_command}", args, args.worker, reward_pb2_grpc.RewardStub,
+                        lambda stub: _registry_calls(args, stub))
 
-    try:
-        configure_client(args)
-    except ValueError as e:
-        print(f"rlfabric reward {args.reward_command}: {e}", file=sys.stderr)
-        return 2
-    stub = reward_pb2_grpc.RewardStub(make_channel(args.worker))
-    try:
-        if args.reward_command == "register":
-            reply = stub.RegisterVerifier(reward_pb2.RegisterVerifierRequest(
-                name=args.name, version=args.version, endpoint=args.endpoint, timeout_s=args.timeout_s,
-                max_concurrency=args.max_concurrency, description=args.description), timeout=DEFAULT_DEADLINE_S)
-            print(f"registered {reply.verifier.name} v{reply.verifier.version} at {reply.verifier.endpoint}")
-        elif args.reward_command == "unregister":
-            stub.UnregisterVerifier(reward_pb2.UnregisterVerifierRequest(name=args.name), timeout=DEFAULT_DEADLINE_S)
-            print(f"unregistered {args.name}")
-        else:
-            reply = stub.ListVerifiers(reward_pb2.ListVerifiersRequest(), timeout=DEFAULT_DEADLINE_S)
-            for info in reply.verifiers:
-                where = "built-in" if info.builtin else info.endpoint
-                print(f"{info.name:20s} v{info.version:8s} {where:22s} {info.description}")
-    except grpc.RpcError as e:
-        print(f"rlfabric reward {args.reward_command}: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
+
+def _registry_calls(args: argparse.Namespace, stub) -> int:
+    from rlfabric.v1 import reward_pb2
+    from services.common.deadlines import DEFAULT_DEADLINE_S
+
+    if args.reward_command == "register":
+        reply = stub.RegisterVerifier(reward_pb2.RegisterVerifierRequest(
+            name=args.name, version=args.version, endpoint=args.endpoint, timeout_s=args.timeout_s,
+            max_concurrency=args.max_concurrency, description=args.description), timeout=DEFAULT_DEADLINE_S)
+        print(f"registered {reply.verifier.name} v{reply.verifier.version} at {reply.verifier.endpoint}")
+    elif args.reward_command == "unregister":
+        stub.UnregisterVerifier(reward_pb2.UnregisterVerifierRequest(name=args.name), timeout=DEFAULT_DEADLINE_S)
+        print(f"unregistered {args.name}")
+    else:
+        reply = stub.ListVerifiers(reward_pb2.ListVerifiersRequest(), timeout=DEFAULT_DEADLINE_S)
+        for info in reply.verifiers:
+            where = "built-in" if info.builtin else info.endpoint
+            print(f"{info.name:20s} v{info.version:8s} {where:22s} {info.description}")
     return 0

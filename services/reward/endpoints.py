@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import redis
 
 from services.common.redis_store import Registry
+from services.common.service_kind import ServiceKind
 from services.common.status import echo
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class EndpointPolicy:
 
 
 # The registry services whose hosts `--verifier-allow members` admits.
-_RLFABRIC_SERVICES = ("rollout", "trainer", "reward", "coordinator")
+_RLFABRIC_SERVICES = (ServiceKind.ROLLOUT, ServiceKind.TRAINER, ServiceKind.REWARD, ServiceKind.COORDINATOR)
 
 
 def member_hosts(registry: Registry | None) -> set[str]:

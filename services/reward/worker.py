@@ -1,6 +1,6 @@
 """A reward worker: pool + servicer + gRPC server + Redis registration, started and stopped as one.
 
-Workers are independent: each registers itself under service "reward" in the Redis `Registry` with a
+Workers are independent: each registers itself as `ServiceKind.REWARD` in the Redis `Registry` with a
 lease kept alive by heartbeats, and reads the remote-verifier registry from the same Redis. Start as
 many as there are cores to spare (`rlfabric reward serve`); clients find them through Redis.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from services.common.net import advertised_address
 from services.common.redis_store import Registration, Registry, connect
 from services.common.server import ServiceServer, ServiceSpec, create_server
+from services.common.service_kind import ServiceKind
 from services.reward.endpoints import DEFAULT_ALLOW, EndpointPolicy, member_hosts
 from services.reward.metrics import SCORES
 from services.reward.pool import VerifierPool
@@ -27,7 +28,7 @@ from services.reward.verifier_store import VerifierStore
 
 logger = logging.getLogger(__name__)
 
-REGISTRY_SERVICE = "reward"
+
 @dataclass
 class RewardWorkerOptions:
     """How to run one reward worker (the flags of `rlfabric reward serve`)."""
@@ -89,7 +90,7 @@ class RewardWorker:
         self.server.start()
         if self._redis is not None:
             self.registration = Registry(self._redis).register(
-                REGISTRY_SERVICE, self.worker_id, self.endpoint, lease_s=self.options.lease_s,
+                ServiceKind.REWARD, self.worker_id, self.endpoint, lease_s=self.options.lease_s,
                 metadata={"processes": self.pool.size, "metrics_port": self.server.metrics_port},
             )
         logger.info("reward worker %s serving on %s with %d pool processes", self.worker_id, self.endpoint,

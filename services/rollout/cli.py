@@ -6,17 +6,22 @@ import argparse
 import sys
 
 from services.common.net import add_network_arguments, advertised_address, check_network_arguments
-from services.rollout.options import SamplingOptions  # no vLLM: cheap
+from services.rollout.options import EngineOptions, SamplingOptions  # no vLLM: cheap
 
-# Without a config, a request that sets no max_tokens gets SamplingOptions' default, or half the engine when that
-# is shorter: `--max-model-len 128` alone starts, and a request still has half the engine for its prompt.
+# The engine a replica without a config gets (the schema's generate_config defaults), for the flags' help.
+_ENGINE_DEFAULTS = EngineOptions(model="")
+
+# Without a config, a request that sets no max_tokens gets the schema's sampling_config.max_tokens, or half the
+# engine when that is shorter: `--max-model-len 128` alone starts, and a request still has half the engine for its
+# prompt.
 DEFAULT_MAX_TOKENS = SamplingOptions().max_tokens
 
 _DESCRIPTION = (
     "Serves the rlfabric.v1.Rollout gRPC API around one vLLM engine. Engine and sampling defaults come from "
     "the MindSpeed-RL YAML's generate_config (infer_tensor_parallel_size, max_num_seqs, max_model_len, "
     "max_num_batched_tokens, dtype, gpu_memory_utilization, enforce_eager, enable_prefix_caching, "
-    "trust_remote_code, sampling_config); without --config, the flags below and built-in defaults apply. "
+    "trust_remote_code, sampling_config); without --config, the flags below and the defaults of those keys "
+    "(docs/config.md) apply, as for a config that sets none of them. "
     "The replica starts at weights version 0 (as loaded from --model). A usage or config mistake exits 2 with "
     "one line naming it."
 )
@@ -36,13 +41,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="override a YAML key, e.g. --set generate_config.max_num_seqs=32; repeatable")
     p.add_argument("--model", help="HF model folder to load (default: the config's rollout tokenizer/model path)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 picks one (default 0)")
-    p.add_argument("--dtype", help="engine dtype, overriding generate_config.dtype (e.g. float32 on CPU)")
+    p.add_argument("--dtype", help="engine dtype, overriding generate_config.dtype (e.g. float32 on CPU; without "
+                                   f"--config: {_ENGINE_DEFAULTS.dtype})")
     p.add_argument("--return-routed-experts", action="store_true",
                    help="MoE: every sample carries the experts each MoE layer chose (routing replay); without "
                         "--config only (with it, rlfabric.routing_replay decides)")
-    p.add_argument("--tensor-parallel-size", type=int, help="overrides generate_config.infer_tensor_parallel_size")
-    p.add_argument("--max-num-seqs", type=int, help="overrides generate_config.max_num_seqs")
-    p.add_argument("--max-model-len", type=int, help="overrides generate_config.max_model_len")
+    p.add_argument("--tensor-parallel-size", type=int, help="overrides generate_config.infer_tensor_parallel_size "
+                                                            f"(without --config: {_ENGINE_DEFAULTS.tensor_parallel_size})")
+    p.add_argument("--max-num-seqs", type=int, help="overrides generate_config.max_num_seqs (without --config: "
+                                                    f"{_ENGINE_DEFAULTS.max_num_seqs})")
+    p.add_argument("--max-model-len", type=int, help="overrides generate_config.max_model_len (without --config: "
+                                                     f"{_ENGINE_DEFAULTS.max_model_len})")
     p.add_argument("--max-tokens", type=int,
                    help="response tokens of a request that sets none; overrides "
                         f"generate_config.sampling_config.max_tokens (without --config: {DEFAULT_MAX_TOKENS}, or half "
@@ -51,9 +60,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="samples admitted into the engine at once (default 2 x max_num_seqs)")
     p.add_argument("--max-samples-per-group", type=int, default=None,
                    help="largest PromptGroup.n served; a larger one is refused (default 4 x max_num_seqs)")
-    p.add_argument("--cpu-kv-cache-gib", type=int, default=1, help="CPU only: KV-cache size in GiB (default 1)")
+    p.add_argument("--cpu-kv-cache-gib", type=int, default=_ENGINE_DEFAULTS.cpu_kv_cache_gib,
+                   help=f"CPU only: KV-cache size in GiB (default {_ENGINE_DEFAULTS.cpu_kv_cache_gib})")
     p.add_argument("--num-threads", type=int, default=None, help="CPU only: torch threads for the engine")
-    p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    p.add_argument("--seed", type=int, default=_ENGINE_DEFAULTS.seed, help=f"engine seed (default {_ENGINE_DEFAULTS.seed})")
     add_network_arguments(p, default_address="0.0.0.0:50052",
                           redis_help="register this replica in Redis as service 'rollout' (default: $REDIS_URL)")
     p.add_argument("--instance-id", default=None, help="registry instance id (default rollout-HOST-PORT)")
@@ -72,7 +82,7 @@ def build_options(args: argparse.Namespace):
 
     from services.common.errors import DataError
     from services.common.model_paths import require_model_dir
-    from services.rollout.options import EngineOptions, options_from_config
+    from services.rollout.options import options_from_config
 
     extra = {"cpu_kv_cache_gib": args.cpu_kv_cache_gib, "num_threads": args.num_threads, "seed": args.seed}
     if args.config and args.return_routed_experts:
@@ -89,20 +99,26 @@ def build_options(args: argparse.Namespace):
         require_model_dir(model, "--model" if args.model else "tokenizer_name_or_path")
         # Routing replay needs each sample's routing from the engine (a MoE model; checked when the config loaded).
         replay = cfg.rlfabric.routing_replay == "rollout"
-        engine, sampling = options_from_config(cfg.generate_config, model, return_routed_experts=replay, **extra)
+        engine, sampling = options_from_config(cfg.generate_config, model, return_routed_experts=replay,
+                                               batch_invariant=cfg.rlfabric.deterministic, **extra)
     else:
         if not args.model:
             raise DataError("pass --model DIR (or --config YAML)")
         require_model_dir(args.model, "--model")
-        engine = EngineOptions(model=args.model, return_routed_experts=args.return_routed_experts, **extra)
-        length = args.max_model_len or engine.max_model_len
-        sampling = SamplingOptions(max_tokens=min(DEFAULT_MAX_TOKENS, max(1, length // 2)))
+        from services.common.config import GenerateConfig
+
+        # The schema's generate_config, every key at its default: what a config that sets none of them gives.
+        engine, sampling = options_from_config(GenerateConfig(), args.model,
+                                               return_routed_experts=args.return_routed_experts, **extra)
     changes = {k: v for k, v in (("dtype", args.dtype), ("tensor_parallel_size", args.tensor_parallel_size),
                                  ("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len))
                if v is not None}
+    engine = dataclasses.replace(engine, **changes)
     if args.max_tokens is not None:
         sampling = dataclasses.replace(sampling, max_tokens=args.max_tokens)
-    return dataclasses.replace(engine, **changes), sampling
+    elif not args.config:
+        sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, max(1, engine.max_model_len // 2)))
+    return engine, sampling
 
 
 def _usage_error(message: str) -> int:
@@ -143,10 +159,11 @@ def run_serve(args: argparse.Namespace) -> int:
     registration = None
     if args.redis_url:
         from services.common.redis_store import Registry, connect
+        from services.common.service_kind import ServiceKind
 
         endpoint = advertised_address(args, server.port)
         registration = Registry(connect(args.redis_url)).register(
-            "rollout", args.instance_id or f"rollout-{endpoint.replace(':', '-')}", endpoint,
+            ServiceKind.ROLLOUT, args.instance_id or f"rollout-{endpoint.replace(':', '-')}", endpoint,
             metadata={"model": engine_options.model, "metrics_port": server.metrics_port},
         )
     print(f"rollout serving on {server.address} (metrics :{server.metrics_port})", flush=True)

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from services.common.weight_version import serves
 from services.rollout import metrics, routed_experts, worker_ops
 from services.rollout.engine_thread import EngineThread, EngineUnavailableError
 from services.rollout.options import EngineOptions
@@ -223,7 +224,7 @@ class RolloutEngine(EngineThread):
 
         reason = self.unavailable_reason()
         expected, version = request.expected_weights_version, self._weights.version
-        if reason is None and expected and expected != version:
+        if reason is None and not serves(expected, version):
             # The version changed between the caller's check and this point: never mix versions.
             self._deliver(on_finish, SampleResult.failed(request, version, FINISH_ABORT,
                                              f"the weights changed to version {version} before this sample "

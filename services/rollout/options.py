@@ -1,7 +1,9 @@
 """What a rollout replica is configured with: engine options, default sampling values, and their checks.
 
-Both mirror MindSpeed-RL's `generate_config` (`options_from_config` maps the YAML section). No vLLM and no
-gRPC here, so the CLI validates a configuration before it builds an engine.
+Both mirror MindSpeed-RL's `generate_config` (`options_from_config` maps the YAML section). A field with a
+`generate_config` key takes its default from the config schema (services/common/config/sections.py), the one
+home of those defaults: a replica started without a config runs as one whose config sets none of the keys.
+No vLLM and no gRPC here, so the CLI validates a configuration before it builds an engine.
 """
 
 from __future__ import annotations
@@ -9,6 +11,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from services.common.config.sections import GenerateConfig
+
+# generate_config (with sampling_config) as a config that sets none of its keys has it.
+_SCHEMA_GENERATE = GenerateConfig()
+_SCHEMA_SAMPLING = _SCHEMA_GENERATE.sampling_config
+
+
+def _top_k(value: int) -> int:
+    """sampling_config.top_k as SamplingOptions holds it: MindSpeed-RL's 0 (off) is -1 (off) here."""
+    return -1 if int(value) == 0 else int(value)
 
 
 class InvalidSamplingValueError(ValueError):
@@ -24,15 +37,16 @@ class EngineOptions:
     """How to build the engine; the fields mirror `generate_config` (see `options_from_config`)."""
 
     model: str
-    tensor_parallel_size: int = 1
-    max_num_seqs: int = 64
-    max_model_len: int = 2048
-    max_num_batched_tokens: int | None = None
-    dtype: str = "auto"
-    gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = True
-    enable_prefix_caching: bool = False
-    trust_remote_code: bool = False
+    tensor_parallel_size: int = _SCHEMA_GENERATE.infer_tensor_parallel_size
+    max_num_seqs: int = _SCHEMA_GENERATE.max_num_seqs
+    max_model_len: int = _SCHEMA_GENERATE.max_model_len
+    max_num_batched_tokens: int | None = _SCHEMA_GENERATE.max_num_batched_tokens
+    dtype: str = _SCHEMA_GENERATE.dtype
+    gpu_memory_utilization: float = _SCHEMA_GENERATE.gpu_memory_utilization
+    enforce_eager: bool = _SCHEMA_GENERATE.enforce_eager
+    enable_prefix_caching: bool = _SCHEMA_GENERATE.enable_prefix_caching
+    trust_remote_code: bool = _SCHEMA_GENERATE.trust_remote_code
+    # The fields below have no generate_config key: the service's own (flags of `rollout serve`, or fixed).
     seed: int = 0
     logprobs_mode: str = "processed_logprobs"
     # CPU only: GiB of host memory for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE).
@@ -43,24 +57,26 @@ class EngineOptions:
     num_threads: int | None = None
     # vllm-ascend's options as MindSpeed-RL passes them (`generate_config.vllm_additional_config()`, expert
     # parallelism); vLLM hands `additional_config` to its platform plugin, so other platforms ignore it.
-    additional_config: dict[str, Any] = field(default_factory=dict)
-    enable_expert_parallel: bool = False
+    additional_config: dict[str, Any] = field(default_factory=_SCHEMA_GENERATE.vllm_additional_config)
+    enable_expert_parallel: bool = _SCHEMA_GENERATE.enable_expert_parallel
     # MoE models: each sample carries the experts every MoE layer chose per token (routed_experts.py), for
     # routing replay in training; needs enable_prefix_caching off.
     return_routed_experts: bool = False
+    # rlfabric.deterministic: vLLM's batch-invariant kernels where vLLM has them (services/common/determinism.py).
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)
 class SamplingOptions:
     """Sampling values for one sample; mirrors `generate_config.sampling_config`."""
 
-    max_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    logprobs: int = 0
-    seed: int | None = None
+    max_tokens: int = _SCHEMA_SAMPLING.max_tokens
+    temperature: float = _SCHEMA_SAMPLING.temperature
+    top_p: float = _SCHEMA_SAMPLING.top_p
+    top_k: int = _top_k(_SCHEMA_SAMPLING.top_k)
+    min_p: float = _SCHEMA_SAMPLING.min_p
+    logprobs: int = _SCHEMA_SAMPLING.logprobs
+    seed: int | None = _SCHEMA_SAMPLING.seed
 
     def validate(self, max_model_len: int | None = None) -> None:
         """Raises InvalidSamplingValueError naming the first field out of range.
@@ -116,9 +132,9 @@ def options_from_config(generate_config: Any, model: str, **extra: Any) -> tuple
         max_tokens=int(s.max_tokens),
         temperature=float(s.temperature),
         top_p=float(s.top_p),
-        top_k=int(s.top_k) if int(s.top_k) != 0 else -1,
+        top_k=_top_k(s.top_k),
         min_p=float(s.min_p),
-        logprobs=int(s.logprobs or 0),
+        logprobs=int(s.logprobs),
         seed=s.seed,
     )
     return engine, sampling

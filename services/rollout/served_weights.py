@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from services.common.weight_version import moves_forward
 from services.rollout import metrics, worker_ops
 from services.rollout.engine_thread import EngineUnavailableError
 from services.rollout.weights import StagedUpdate, WeightsVersionBehindError, WeightUpdateError
@@ -55,7 +56,7 @@ class ServedWeights:
             if asleep:
                 # vLLM's sleep mode has moved or discarded the device weights; writing them now would be lost.
                 raise EngineUnavailableError("the replica is asleep; call Wake before UpdateWeights")
-            if update.version < self.version:
+            if not moves_forward(update.version, self.version):
                 raise WeightsVersionBehindError(update.version, self.version)
             abort_in_flight(f"weights changed from version {self.version} to {update.version} during generation; "
                             "regenerate at the new version")

@@ -35,6 +35,7 @@ from services.common.server import ServiceServer, ServiceSpec, create_server
 from services.common.status import abort, echo
 from services.common.tensors import TensorDecodeError, dtype_code, to_numpy, to_proto
 from services.common.transports.wire import receiving_views
+from services.common.weight_version import serves
 from services.rollout import metrics
 from services.rollout.engine import RolloutEngine
 from services.rollout.engine_thread import EngineUnavailableError
@@ -146,7 +147,7 @@ class _GenerateStream:
         engine = servicer.engine
         group = request.group
         where = f"group {echo(group.group_id)}"
-        if request.expected_weights_version and request.expected_weights_version != engine.weights_version:
+        if not serves(request.expected_weights_version, engine.weights_version):
             raise _StreamError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"{where}: this replica holds weights version {engine.weights_version}, the request expects "

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from rlfabric.v1 import rollout_pb2
+from services.common.weight_version import AS_LOADED
 from services.rollout.engine import RolloutEngine
 from services.rollout.engine_thread import EngineUnavailableError
 from services.rollout.weights import COLLECTIVE, StagedUpdate, WeightStager, WeightUpdateError
@@ -91,8 +92,9 @@ class UpdateStream:
         bucket = chunk.bucket
         if bucket.HasField("collective"):
             self._groups.add(bucket.collective.group_id)
-        if bucket.version == 0:
-            raise WeightUpdateError("bucket.version must be >= 1 (0 means 'as loaded from disk')")
+        if bucket.version == AS_LOADED:
+            raise WeightUpdateError(f"bucket.version must be above {AS_LOADED} (the version of the weights as loaded "
+                                    "from disk)")
         data = getattr(chunk, "data", None)
         self.stager.add_bucket(bucket, data)
         mode = "shm" if bucket.HasField("shm") else "grpc" if data is not None else None

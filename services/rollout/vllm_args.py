@@ -10,6 +10,7 @@ import os
 import tempfile
 from typing import Any
 
+from services.common import determinism
 from services.rollout.options import EngineOptions, SamplingOptions
 
 
@@ -20,6 +21,10 @@ def configure_environment(options: EngineOptions) -> None:
     cache_root = options.cache_root or os.path.join(tempfile.gettempdir(), f"rlfabric-vllm-cache-{os.getuid()}")
     os.environ["VLLM_CACHE_ROOT"] = cache_root
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(options.cpu_kv_cache_gib))
+    if options.batch_invariant:
+        from services.common.accelerator import accelerator_present  # torch: imported only when asked
+
+        os.environ.update(determinism.batch_invariant_environment(accelerator_present()))
     # vLLM's loggers keep their own level (INFO unless VLLM_LOGGING_LEVEL says otherwise), set when vLLM is first
     # imported: follow the service's (`--log-level`, WARNING by default), so that a quiet service does not log
     # a vLLM line per weight update.

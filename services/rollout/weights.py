@@ -45,6 +45,7 @@ from services.common.tensors import TensorDecodeError, dtype_name, itemsize
 from services.common.transports.collective import CollectiveReceiver
 from services.common.transports.collective_group import CollectiveError
 from services.common.transports.shm import SegmentCache, SegmentOpenError
+from services.common.weight_version import moves_forward
 from services.rollout.weight_checks import (
     ParamSpec,
     Verification,
@@ -109,7 +110,7 @@ class WeightStager:
         the engine, as it applies it); `commit` and every later `add_bucket` surface its failure. Other
         buckets (and retries) are verified here, before this returns."""
         if self._version is None:
-            if bucket.version < self._held_version:
+            if not moves_forward(bucket.version, self._held_version):
                 raise WeightsVersionBehindError(bucket.version, self._held_version)
             self._version = bucket.version
         elif bucket.version != self._version:

@@ -148,32 +148,27 @@ def run_retrieval_serve(args: argparse.Namespace) -> int:
 
 
 def run_client_command(args: argparse.Namespace) -> int:
-    import grpc
+    from rlfabric.v1 import tool_pb2_grpc
+    from services.common.client_command import call_service
 
-    from rlfabric.v1 import tool_pb2, tool_pb2_grpc
-    from services.common.client import DEFAULT_DEADLINE_S, make_channel
-    from services.common.security import configure_client
+    return call_service(f"rlfabric tools {args.tools_command}", args, args.server, tool_pb2_grpc.ToolStub,
+                        lambda stub: _client_calls(args, stub))
 
-    try:
-        configure_client(args)
-    except ValueError as e:
-        print(f"rlfabric tools {args.tools_command}: {e}", file=sys.stderr)
-        return 2
-    stub = tool_pb2_grpc.ToolStub(make_channel(args.server))
-    try:
-        if args.tools_command == "list":
-            reply = stub.ListTools(tool_pb2.ListToolsRequest(), timeout=DEFAULT_DEADLINE_S)
-            for info in reply.tools:
-                print(f"{info.name:20s} {info.implementation:50s} workers={info.max_concurrency} "
-                      f"deadline={info.default_deadline_s:g}s  {info.description}")
-            return 0
-        rpc_timeout = (args.deadline_s or 3600.0) + 5.0
-        reply = stub.Call(tool_pb2.ToolCallRequest(call_id="cli", name=args.name, arguments_json=args.arguments,
-                                                   deadline_s=args.deadline_s), timeout=rpc_timeout)
-        status = tool_pb2.ToolCallStatus.Name(reply.status).removeprefix("TOOL_CALL_STATUS_")
-        print(f"{status} in {reply.latency_s:.2f} s" + (f" ({reply.error})" if reply.error else ""), file=sys.stderr)
-        print(reply.text)
-        return 0 if status == "OK" else 1
-    except grpc.RpcError as e:
-        print(f"rlfabric tools {args.tools_command}: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
+
+def _client_calls(args: argparse.Namespace, stub) -> int:
+    from rlfabric.v1 import tool_pb2
+    from services.common.deadlines import DEFAULT_DEADLINE_S
+
+    if args.tools_command == "list":
+        reply = stub.ListTools(tool_pb2.ListToolsRequest(), timeout=DEFAULT_DEADLINE_S)
+        for info in reply.tools:
+            print(f"{info.name:20s} {info.implementation:50s} workers={info.max_concurrency} "
+                  f"deadline={info.default_deadline_s:g}s  {info.description}")
+        return 0
+    rpc_timeout = (args.deadline_s or 3600.0) + 5.0
+    reply = stub.Call(tool_pb2.ToolCallRequest(call_id="cli", name=args.name, arguments_json=args.arguments,
+                                               deadline_s=args.deadline_s), timeout=rpc_timeout)
+    status = tool_pb2.ToolCallStatus.Name(reply.status).removeprefix("TOOL_CALL_STATUS_")
+    print(f"{status} in {reply.latency_s:.2f} s" + (f" ({reply.error})" if reply.error else ""), file=sys.stderr)
+    print(reply.text)
+    return 0 if status == "OK" else 1

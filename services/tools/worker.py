@@ -21,13 +21,12 @@ from services.common.config.tools import ToolConfigFile
 from services.common.net import advertised_address
 from services.common.redis_store import Registration, Registry, connect
 from services.common.server import ServiceServer, ServiceSpec, create_server
+from services.common.service_kind import ServiceKind
 from services.tools.host import DEFAULT_MAX_RESULT_CHARS, ToolHost
 from services.tools.limits import limiter_client
 from services.tools.server import AUTH_METHODS, SERVICE_NAME, ToolServicer
 
 logger = logging.getLogger(__name__)
-
-REGISTRY_SERVICE = "tools"
 
 
 @dataclass
@@ -79,7 +78,7 @@ class ToolWorker:
         self.server.start()
         if self._redis is not None:
             self.registration = Registry(self._redis).register(
-                REGISTRY_SERVICE, self.instance_id, self.endpoint, lease_s=self.options.lease_s,
+                ServiceKind.TOOLS, self.instance_id, self.endpoint, lease_s=self.options.lease_s,
                 metadata={"tools": list(self.host.tools), "metrics_port": self.server.metrics_port},
             )
         else:

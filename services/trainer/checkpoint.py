@@ -8,7 +8,17 @@ Owns what goes into `iter_XXXXXXX/mp_rank_*/model_optim_rng.pt` and how it is re
     rng_state             [{random_rng_state, np_rng_state, torch_rng_state, cuda_rng_state?,
                             rng_tracker_states}] as Megatron names them
     args                  argparse.Namespace with consumed_train_samples, iteration, TP/PP/EP sizes
-    iteration, checkpoint_version (3.0), rlfabric {hf_config, tp, pp, ep, stage_layers}
+    iteration, checkpoint_version (3.0), rlfabric {hf_config, tp, pp, ep, stage_layers, adapters_only}
+
+LoRA (services/trainer/lora.py): a LoRA model's state dict holds its adapters beside the base weights
+(`<layer>.lora_A.weight`, `<layer>.lora_B.weight`), so a full checkpoint resumes base and adapters alike. With
+`lora_ckpt_filter` (`adapters_only`) `model` holds the adapters alone, MindSpeed-LLM's filtered checkpoint: the
+frozen base never changes, so a resume takes it from the HF weights the run started from (the trainer loads them
+first, `holds_adapters_only` tells it so) and the adapters, optimizer and RNG from here. A LoRA model also loads a
+full checkpoint without adapters (a converted base): its base only, the adapters as they are.
+
+PPO's critic: its `value_head.*` are in `model` and resume with it; weights without them (HF, the actor's) load into
+a critic with the head initialised afresh, and with `finetune` or `no_load_optim` only (services/trainer/value_head.py).
 
 Semantics as Megatron's `load_checkpoint`: `finetune` loads weights only and restarts at iteration 0
 with fresh optimizer and RNG; a `release` checkpoint (converted weights) also starts at 0; otherwise
@@ -41,7 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from services.trainer import ckpt_layout
+from services.trainer import ckpt_layout, lora, value_head
 from services.trainer.model import canonical_name, canonical_state_dict, config_stage_layers, unwrap
 from services.trainer.weights_export import check_expert_layout
 
@@ -111,10 +121,14 @@ def save_checkpoint(
     consumed_samples: int = 0,
     hf_config: dict | None = None,
     hf_assets_dir: str | Path | None = None,
+    adapters_only: bool = False,
 ) -> Path:
-    """Collective: every rank calls it. Returns the committed `iter_XXXXXXX` directory."""
+    """Collective: every rank calls it. Returns the committed `iter_XXXXXXX` directory. `adapters_only`
+    (lora_ckpt_filter): the model part holds the LoRA adapters alone."""
     from megatron.core import parallel_state as ps
 
+    if adapters_only and not lora.adapters(model):
+        raise ValueError("adapters_only (lora_ckpt_filter) saves LoRA adapters, and this model has none")
     t0 = time.monotonic()
     root = Path(root)
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
@@ -143,14 +157,15 @@ def save_checkpoint(
         sizes = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                  "expert_model_parallel_size": ep}
         payload = {
-            "model": canonical_state_dict(model),
+            "model": lora.adapter_state_dict(model) if adapters_only else canonical_state_dict(model),
             "iteration": iteration,
             "checkpoint_version": 3.0,
             "args": argparse.Namespace(consumed_train_samples=consumed_samples, iteration=iteration, **sizes),
             "rng_state": [rng_state()],
             # The layers of each pipeline stage (uneven under num_layer_list / noop_layers): layer numbers are local.
             "rlfabric": {"hf_config": hf_config, **sizes,
-                         "stage_layers": list(config_stage_layers(unwrap(model).config))},
+                         "stage_layers": list(config_stage_layers(unwrap(model).config)),
+                         "adapters_only": adapters_only},
         }
         if optimizer_state is not None:
             payload["optimizer"] = optimizer_state
@@ -208,7 +223,15 @@ def load_checkpoint(
     iteration_read = check_counter(f"{path}: iteration", int(payload.get("iteration", 0 if release else it)))
     consumed = check_counter(f"{path}: consumed_train_samples",
                              int(getattr(args, "consumed_train_samples", 0)) if args is not None else 0)
-    _load_model_state(model, payload["model"], path)
+    value_head.check_optimizer_resume(model, payload["model"], path, wants_optimizer=optimizer is not None and not (
+        finetune or release or no_load_optim))
+    if _adapters_only(payload):
+        if not lora.adapters(model):
+            raise ValueError(f"{path} holds LoRA adapters only (lora_ckpt_filter), and this trainer has none: load "
+                             f"the base weights (the HF folder, or a full checkpoint) and set lora_target_modules")
+        lora.load_adapter_state_dict(model, payload["model"])
+    else:
+        _load_model_state(model, payload["model"], path)
     if optimizer is not None:
         optimizer.reload_model_params()  # fp32 masters follow the loaded weights unless the state below has its own
     if finetune or release:
@@ -228,6 +251,21 @@ def load_checkpoint(
         set_rng_state(payload["rng_state"][0])
         loaded_rng = True
     return LoadResult(iter_dir, iteration_read, consumed, loaded_optim, loaded_rng)
+
+
+def _adapters_only(payload: dict) -> bool:
+    return bool((payload.get("rlfabric") or {}).get("adapters_only"))
+
+
+def holds_adapters_only(root: str | Path, iteration: int | None = None) -> bool:
+    """Whether the checkpoint under `root` (its latest iteration, or `iteration`) was saved with lora_ckpt_filter:
+    its model part is LoRA adapters, and the base weights must come from elsewhere. Reads one rank's file
+    memory-mapped (only the small record is touched)."""
+    iter_dir, _ = ckpt_layout.resolve_iter_dir(root, iteration)
+    path = next(iter_dir.glob(f"mp_rank_*/{ckpt_layout.FILENAME}"), None)
+    if path is None:
+        return False
+    return _adapters_only(torch.load(path, map_location="cpu", weights_only=False, mmap=True))
 
 
 def _check_stage_layers(model, payload: dict, path: Path) -> None:
@@ -321,6 +359,12 @@ def _load_model_state(model, state: dict, path: Path) -> None:
     """Copy a canonical (local-spec names) state dict into `model`, checking names and shapes."""
     own = {canonical_name(k): v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     have = {k for k in state if not k.endswith("_extra_state")}
+    if not any(lora.is_adapter_name(k) for k in have):
+        # Base weights (HF, converted, or a full-weights run) into a LoRA model: the adapters stay as they are.
+        own = {k: v for k, v in own.items() if not lora.is_adapter_name(k)}
+    fresh_head = not any(value_head.is_head_name(k) for k in have)
+    if fresh_head:  # weights without a value head (HF, the actor's) into a critic: its head starts afresh
+        own = {k: v for k, v in own.items() if not value_head.is_head_name(k)}
     if set(own) != have:
         missing, extra = sorted(set(own) - have), sorted(have - set(own))
         raise ValueError(f"{path}: model keys do not match this model: missing {missing[:5]}, unexpected {extra[:5]}")
@@ -330,6 +374,8 @@ def _load_model_state(model, state: dict, path: Path) -> None:
     with torch.no_grad():
         for k, t in own.items():
             t.copy_(state[k])
+    if fresh_head:
+        value_head.reset_value_head(model)
 
 
 class CheckpointPathError(ValueError):

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from services.common.net import add_network_arguments
+from services.trainer.roles import ACTOR, ROLES
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
@@ -42,7 +43,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     m2h.add_argument("--quiet", action="store_true", help="no progress output")
     m2h.set_defaults(func=_convert)
 
-    tr = subparsers.add_parser("trainer", help="the trainer service (Megatron-core actor / reference)")
+    tr = subparsers.add_parser("trainer", help="the trainer service (Megatron-core actor / reference / critic)")
     tr_sub = tr.add_subparsers(dest="trainer_command", metavar="COMMAND", required=True)
     serve = tr_sub.add_parser("serve", help="start one process per rank; rank 0 serves the Trainer gRPC API")
     add_group_arguments(serve)
@@ -83,7 +84,8 @@ def add_group_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `trainer serve` and `trainer rank` (serve hands them on to every rank)."""
     p.add_argument("--config", default=None, help="MindSpeed-RL YAML (actor_config / rl_config are read)")
     p.add_argument("--override", action="append", default=[], help="dotted config override, repeatable")
-    p.add_argument("--role", default="actor", choices=("actor", "reference"), help="model role (default: actor)")
+    p.add_argument("--role", default=ACTOR, choices=ROLES,
+                   help="model role (default: actor); critic: PPO's value model, from the config's critic_config")
     p.add_argument("--hf-dir", default=None, help="HF model folder (architecture, tokenizer, initial weights)")
     p.add_argument("--load", default=None, help="Megatron checkpoint dir to load (overrides the config)")
     p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: config or 1)")

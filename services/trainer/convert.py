@@ -221,7 +221,7 @@ def convert_mcore_to_hf(
     describe the same layout."""
     import json
 
-    from services.common.model_spec import spec_from_hf_config
+    from services.common.model_spec import read_config_json, spec_from_hf_config
 
     t0 = time.monotonic()
     root, out = Path(mcore_dir), Path(out_dir)
@@ -232,7 +232,7 @@ def convert_mcore_to_hf(
         cfg_path = assets / "config.json"
         if not cfg_path.is_file():
             raise FileNotFoundError(f"{iter_dir}: no HF config stored and no {cfg_path}; pass --hf-assets HF_DIR")
-        hf_config = json.loads(cfg_path.read_text())
+        hf_config = read_config_json(assets)
     spec = spec_from_hf_config(hf_config, source=str(iter_dir))
     stages = stored_stage_layers(shards, pp)
     if num_layer_list is not None or noop_layers is not None:

@@ -4,7 +4,9 @@ This module owns the math of one actor update step on one micro-batch. The train
 calls it; everything about batching, Megatron and gradients lives there.
 
 Formulas (per response token t of sample i; `A_i` is the group-normalised advantage from
-`services/coordinator/advantages.py`, broadcast over the sample's response tokens)::
+`services/coordinator/advantages.py`, broadcast over the sample's response tokens, or with PPO's GAE a per-token
+`A_t`, `UpdateRequest.token_advantages`: then, with no KL term and token-mean, this is MindSpeed-RL's PPO actor loss,
+`PPOActorLossFunc._compute_ppo_policy_loss`, tests/trainer/test_ppo_actor_loss.py)::
 
     log p_t   = log_softmax(logits_t / temperature)[token_t]        compute_log_probs
     ratio_t   = exp(log p_t - log p_old_t)
@@ -83,22 +85,19 @@ log-probs also the rollout correction's (services/trainer/rollout_correction.py)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from services.common import kl as kl_estimators
 from services.common.config.loss_variants import POLICY_LOSS_MODES
+from services.common.kl import KL_PENALTIES, kl_penalty  # re-exported: the loss's estimators (one home)
 from services.trainer.loss_agg import LOSS_AGG_MODES, aggregate_loss, masked_mean
 from services.trainer.rollout_correction import RolloutCorrection, correct
 
 __all__ = ["LOSS_AGG_MODES", "KL_PENALTIES", "LossVariant", "aggregate_loss", "compute_log_probs", "grpo_loss",
            "kl_penalty", "masked_mean", "policy_loss"]
 
-# Clamps of the k3 estimator: exp(20) is finite in bf16/fp32, and bounding k3 keeps one
-# off-support token from dominating the loss.
-_K3_LOG_RATIO_CLAMP = 20.0
-_K3_VALUE_CLAMP = 10.0
 _GSPO_LOG_RATIO_MAX = 10.0  # verl's clamp of the sequence log-ratio before exp
 
 
@@ -217,55 +216,6 @@ def policy_loss(
     return per_token, metrics
 
 
-def _kl_k3(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
-    d = torch.clamp(ref_log_probs - log_probs, -_K3_LOG_RATIO_CLAMP, _K3_LOG_RATIO_CLAMP)
-    return torch.clamp(torch.exp(d) - d - 1.0, -_K3_VALUE_CLAMP, _K3_VALUE_CLAMP)
-
-
-def _kl_k1(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
-    return log_probs - ref_log_probs
-
-
-def _kl_abs(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
-    return (log_probs - ref_log_probs).abs()
-
-
-def _kl_k2(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
-    return 0.5 * (log_probs - ref_log_probs).square()
-
-
-# YAML `rl_config.kl_penalty` -> per-token estimator of KL(pi || pi_ref), `[batch, seq]`.
-KL_PENALTIES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "low_var_kl": _kl_k3,
-    "kl": _kl_k1,
-    "abs": _kl_abs,
-    "mse": _kl_k2,
-}
-
-
-def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl") -> Tensor:
-    """Per-token KL penalty between the current policy and the reference.
-
-    Args:
-        log_probs: `[batch, seq]` current policy, with gradient.
-        ref_log_probs: `[batch, seq]` reference policy (no gradient needed).
-        kind: one of `KL_PENALTIES` (YAML `rl_config.kl_penalty`).
-
-    Returns:
-        `[batch, seq]`; the caller masks and aggregates it.
-    """
-    return _kl_estimator(kind)(log_probs, ref_log_probs)
-
-
-def _kl_estimator(kind: str) -> Callable[[Tensor, Tensor], Tensor]:
-    try:
-        return KL_PENALTIES[kind]
-    except KeyError:
-        raise ValueError(
-            f"unsupported kl_penalty {kind!r} (rl_config.kl_penalty); supported: {sorted(KL_PENALTIES)}"
-        ) from None
-
-
 def _checked_clip_bounds(
     clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None, entropy_coeff: float,
     entropy: Tensor | None,
@@ -353,7 +303,7 @@ def grpo_loss(
                 "use_kl=True needs ref_log_probs (the reference model's log-probs); "
                 "pass them, or set use_kl=False for a run without KL (DAPO)"
             )
-        kl = masked_mean(_kl_estimator(kl_penalty)(log_probs, ref_log_probs), response_mask)
+        kl = masked_mean(kl_estimators.kl_penalty(log_probs, ref_log_probs, kl_penalty), response_mask)
         loss = loss + kl_coef * kl
         kl_value = kl.item()
     else:

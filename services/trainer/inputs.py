@@ -2,7 +2,7 @@
 
 Every check raises ValueError (the servicer answers INVALID_ARGUMENT) naming the field, and the first bad
 value where there is one: token ids inside the model's vocabulary, a finite positive temperature, finite
-advantages and log-probs of the right sizes. Rank 0 runs them on the whole request, so a bad batch never
+advantages, log-probs, returns and values of the right sizes, and the Update fields of the trainer's role. Rank 0 runs them on the whole request, so a bad batch never
 reaches a rank, never yields NaN metrics and never moves the weights version. Client values are quoted
 through services/common/status.py.
 """
@@ -67,37 +67,16 @@ def check_routed_experts(routed: np.ndarray, moe: MoeSpec | None) -> None:
                          f"the model (0 to {moe.num_experts - 1}; a row of -1 leaves the router free)")
 
 
-def experience_arrays(parts: Sequence[trainer_pb2.UpdateRequest], seqs: Sequence[Sequences]
+# What each role's Update reads (rlfabric/v1/trainer.proto, UpdateRequest); a field of the other role is refused.
+ACTOR_FIELDS = ("advantages", "token_advantages", "old_log_probs", "ref_log_probs", "behavior_log_probs")
+CRITIC_FIELDS = ("returns", "values")
+
+
+def experience_arrays(parts: Sequence[trainer_pb2.UpdateRequest], seqs: Sequence[Sequences], role: str = "actor"
                       ) -> dict[str, np.ndarray | None]:
-    """The request slices of one Update call as one global batch (numpy arrays, sizes and values checked)."""
-    tokens = np.concatenate([s.token_ids for s in seqs]).astype(np.int64)
-    prompt = np.concatenate([s.prompt_lengths for s in seqs]).astype(np.int64)
-    resp = np.concatenate([s.response_lengths for s in seqs]).astype(np.int64)
-    adv = []
-    for p, s in zip(parts, seqs, strict=True):
-        a = to_numpy(p.advantages).astype(np.float32).reshape(-1)
-        if a.shape[0] != len(s):
-            raise ValueError(f"advantages has {a.shape[0]} values for {len(s)} sequences")
-        adv.append(a)
-    advantages = np.concatenate(adv)
-    _require_finite("advantages", advantages)
-
-    def per_token(field: str) -> np.ndarray | None:
-        present = [p.HasField(field) and to_numpy(getattr(p, field)).size > 0 for p in parts]
-        if not any(present):
-            return None
-        if not all(present):
-            raise ValueError(f"{field} is set on some UpdateRequests of the call but not on others")
-        out = []
-        for p, s in zip(parts, seqs, strict=True):
-            v = to_numpy(getattr(p, field)).astype(np.float32).reshape(-1)
-            if v.shape[0] != int(s.response_lengths.sum()):
-                raise ValueError(f"{field} has {v.shape[0]} values for {int(s.response_lengths.sum())} response tokens")
-            out.append(v)
-        values = np.concatenate(out)
-        _require_finite(field, values)
-        return values
-
+    """The request slices of one Update call as one global batch (numpy arrays, sizes and values checked), with the
+    inputs `role` trains on: an actor's advantages (exactly one kind) and log-probs, or a critic's returns and
+    values; a field of the other role is refused."""
     routed = [s.routed_experts for s in seqs]
     if any(r is None for r in routed) and not all(r is None for r in routed):
         raise ValueError("batch.routed_experts is set on some UpdateRequests of the call but not on others")
@@ -108,13 +87,78 @@ def experience_arrays(parts: Sequence[trainer_pb2.UpdateRequest], seqs: Sequence
                                                                                                    strict=True)])
     if response_mask is not None and not response_mask.any():
         raise ValueError("batch.response_mask leaves no generated token to train on")
-    return {
-        "token_ids": tokens, "prompt_lengths": prompt, "response_lengths": resp, "advantages": advantages,
-        "old_log_probs": per_token("old_log_probs"), "ref_log_probs": per_token("ref_log_probs"),
-        "behavior_log_probs": per_token("behavior_log_probs"),
+    arrays = {
+        "token_ids": np.concatenate([s.token_ids for s in seqs]).astype(np.int64),
+        "prompt_lengths": np.concatenate([s.prompt_lengths for s in seqs]).astype(np.int64),
+        "response_lengths": np.concatenate([s.response_lengths for s in seqs]).astype(np.int64),
         "routed_experts": None if routed[0] is None else np.concatenate(routed),
         "response_mask": response_mask,
     }
+    arrays.update(_critic_inputs(parts, seqs) if role == "critic" else _actor_inputs(parts, seqs))
+    return arrays
+
+
+def _actor_inputs(parts: Sequence[trainer_pb2.UpdateRequest], seqs: Sequence[Sequences]) -> dict:
+    _refuse(parts, CRITIC_FIELDS, "an actor's Update reads advantages and log-probs; returns and values are the "
+                                  "critic's")
+    per_sequence, per_token = any(_present(parts, "advantages")), any(_present(parts, "token_advantages"))
+    if per_sequence and per_token:
+        raise ValueError("advantages and token_advantages are both set: an actor's Update takes one kind (one per "
+                         "sequence, or one per response token with PPO's GAE)")
+    if not (per_sequence or per_token):
+        raise ValueError("advantages is missing: an actor's Update needs advantages (one per sequence) or "
+                         "token_advantages (one per response token)")
+    advantages = None
+    if per_sequence:
+        adv = []
+        for p, s in zip(parts, seqs, strict=True):
+            a = to_numpy(p.advantages).astype(np.float32).reshape(-1)
+            if a.shape[0] != len(s):
+                raise ValueError(f"advantages has {a.shape[0]} values for {len(s)} sequences")
+            adv.append(a)
+        advantages = np.concatenate(adv)
+        _require_finite("advantages", advantages)
+    return {"advantages": advantages, "token_advantages": _per_token(parts, seqs, "token_advantages"),
+            **{f: _per_token(parts, seqs, f) for f in ("old_log_probs", "ref_log_probs", "behavior_log_probs")}}
+
+
+def _critic_inputs(parts: Sequence[trainer_pb2.UpdateRequest], seqs: Sequence[Sequences]) -> dict:
+    _refuse(parts, ACTOR_FIELDS, "a critic's Update reads returns and values; advantages and log-probs are the "
+                                 "actor's")
+    out = {f: _per_token(parts, seqs, f) for f in CRITIC_FIELDS}
+    for field, v in out.items():
+        if v is None:
+            raise ValueError(f"{field} is missing: a critic's Update needs returns and values (one per response "
+                             f"token)")
+    return out
+
+
+def _present(parts: Sequence[trainer_pb2.UpdateRequest], field: str) -> list[bool]:
+    return [p.HasField(field) and to_numpy(getattr(p, field)).size > 0 for p in parts]
+
+
+def _refuse(parts: Sequence[trainer_pb2.UpdateRequest], fields: Sequence[str], why: str) -> None:
+    for field in fields:
+        if any(_present(parts, field)):
+            raise ValueError(f"{field} is set: {why}")
+
+
+def _per_token(parts: Sequence[trainer_pb2.UpdateRequest], seqs: Sequence[Sequences], field: str) -> np.ndarray | None:
+    """`field`, one value per response token, over the call's requests (None when no request sets it)."""
+    present = _present(parts, field)
+    if not any(present):
+        return None
+    if not all(present):
+        raise ValueError(f"{field} is set on some UpdateRequests of the call but not on others")
+    out = []
+    for p, s in zip(parts, seqs, strict=True):
+        v = to_numpy(getattr(p, field)).astype(np.float32).reshape(-1)
+        if v.shape[0] != int(s.response_lengths.sum()):
+            raise ValueError(f"{field} has {v.shape[0]} values for {int(s.response_lengths.sum())} response tokens")
+        out.append(v)
+    values = np.concatenate(out)
+    _require_finite(field, values)
+    return values
 
 
 def _require_finite(field: str, values: np.ndarray) -> None:

@@ -6,7 +6,7 @@ exits, the others get SIGTERM after a grace period (rank 0 has by then failed in
 UNAVAILABLE), so a supervisor sees the group exit and can restart it. Under torchrun or Kubernetes
 the same `rank` entry point runs with the environment those set. The flags are parsed in cli.py.
 
-This module imports only the standard library at top level.
+This module imports only the standard library (and roles.py, which does too) at top level.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from services.common.processes import EXIT_REASON, describe_exit, die_with_parent
+from services.trainer.roles import megatron_section
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,11 @@ def serve_group(args: argparse.Namespace) -> int:
         from services.common.config import load_config  # no torch: cheap
 
         cfg = load_config(args.config, overrides=args.override)
-        mt = cfg.actor_config if args.role == "actor" else cfg.ref_config
+        try:
+            mt = megatron_section(cfg, args.role)
+        except ValueError as e:
+            print(f"rlfabric trainer serve: {e}", file=sys.stderr)
+            return 2
         tp, pp = tp or mt.tensor_model_parallel_size, pp or mt.pipeline_model_parallel_size
     try:
         server_security(args, "rlfabric.v1.Trainer")  # refuse bad security flags here, once, not in every rank
@@ -169,10 +174,12 @@ def run_rank(args: argparse.Namespace) -> int:
     """One rank: join the group, build the worker; rank 0 serves gRPC, the others follow the bus."""
     import torch
 
+    from services.common import determinism
     from services.common.security import server_security
     from services.trainer import parallel
     from services.trainer.group import CommandBus, GroupExecutor, Liveness
-    from services.trainer.server import create_trainer_server, worker_handlers
+    from services.trainer.handlers import worker_handlers
+    from services.trainer.server import create_trainer_server
     from services.trainer.worker import TrainerWorker
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -181,6 +188,8 @@ def run_rank(args: argparse.Namespace) -> int:
     standalone_leader = os.environ.get("RANK", "0") == "0" and args.master_listen_fd is None
     server_security(args, "rlfabric.v1.Trainer" if standalone_leader else None)
     opts, kl_coef, tp, pp = _worker_options(args)
+    if opts.deterministic:
+        determinism.use_deterministic_kernels()
     ep, etp = _expert_sizes(args)
     roots = checkpoint_roots(args, opts)
     parallel.init_distributed(store=_bound_store(args))
@@ -200,12 +209,14 @@ def run_rank(args: argparse.Namespace) -> int:
 
     from services.common.redis_store import Registry, connect
     from services.common.server import serve_until_signal
+    from services.common.service_kind import ServiceKind
 
     registry = Registry(connect(args.redis_url)) if args.redis_url else None
     executor = GroupExecutor(bus, liveness)
     server, _ = create_trainer_server(
         executor, worker, address=args.address, kl_coef=kl_coef, metrics_port=args.metrics_port,
-        checkpoint_roots=roots, push_targets=registry and (lambda: {m.endpoint for m in registry.members("rollout")}),
+        checkpoint_roots=roots,
+        push_targets=registry and (lambda: {m.endpoint for m in registry.members(ServiceKind.ROLLOUT)}),
     )
     server.start()
     if args.port_file:
@@ -218,8 +229,8 @@ def run_rank(args: argparse.Namespace) -> int:
         from services.common.net import advertised_address
 
         registration = registry.register(
-            "trainer", args.instance_id or f"trainer-{opts.role}-{os.getpid()}", advertised_address(args, server.port),
-            lease_s=args.lease_s,
+            ServiceKind.TRAINER, args.instance_id or f"trainer-{opts.role}-{os.getpid()}",
+            advertised_address(args, server.port), lease_s=args.lease_s,
             metadata={"role": opts.role, "tp": tp, "pp": pp, "dp": worker.layout.dp})
     try:
         with registration:
@@ -256,7 +267,7 @@ def checkpoint_roots(args: argparse.Namespace, opts) -> list[Path]:
         from services.common.config import load_config
 
         cfg = load_config(args.config, overrides=args.override)
-        mt = cfg.actor_config if args.role == "actor" else cfg.ref_config
+        mt = megatron_section(cfg, args.role)
         found += [getattr(mt, "save", None), getattr(mt, "load", None)]
     return [Path(p).resolve() for p in dict.fromkeys(found) if p]
 
@@ -270,7 +281,7 @@ def _expert_sizes(args: argparse.Namespace) -> tuple[int, int | None]:
         from services.common.config import load_config
 
         d = load_config(args.config, overrides=args.override).derived
-        return d.actor_expert_parallel_size or 1, d.actor_expert_tensor_parallel_size
+        return d.actor_expert_parallel_size, d.actor_expert_tensor_parallel_size
     return 1, None
 
 
@@ -286,7 +297,7 @@ def _worker_options(args: argparse.Namespace):
 
         cfg = load_config(args.config, overrides=args.override)
         opts, kl_coef = worker_options_from_config(cfg, args.role, hf_dir=args.hf_dir)
-        mt = cfg.actor_config if args.role == "actor" else cfg.ref_config
+        mt = megatron_section(cfg, args.role)
         tp, pp = mt.tensor_model_parallel_size, mt.pipeline_model_parallel_size
     else:
         from services.trainer.update import UpdateOptions

@@ -34,19 +34,8 @@ def compute_log_probs_rows(
     packing_opts: packing.Packing = packing.Packing(),
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Response log-probs (and entropy) of `rows`; returns packed float32 tensors on rank 0, else None."""
-    from megatron.core import parallel_state as ps
-
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if micro_batch_size < 1:
-        raise ValueError(f"forward micro batch size must be >= 1, got {micro_batch_size}")
-    pp = ps.get_pipeline_model_parallel_world_size()
-    groups = packing.dp_groups(rows, range(len(rows)), micro_batch_size, packing_opts,
-                               dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
-                               same_count=moe.lockstep_data_parallel(model))
-    mbs = packing.build_micro_batches(rows, groups, packing_opts, pp=pp,
-                                      tp=ps.get_tensor_model_parallel_world_size(),
-                                      pad_rows_to=0 if packing_opts.dynamic else micro_batch_size)
 
     def loss_fn(logits: torch.Tensor, mb: dict):
         logits = gather_response_logits(logits, mb)
@@ -58,13 +47,8 @@ def compute_log_probs_rows(
         info = {"rows": mb["rows"], "log_probs": logp.float().cpu(), "entropy": None if ent is None else ent.float().cpu()}
         return torch.zeros((), device=logits.device), info
 
-    model.eval()
-    with torch.no_grad(), moe.inert_padding(model, mbs):
-        outputs = run_micro_batches(model, mbs, loss_fn, forward_only=True)
-    # The last pipeline stage of TP rank 0 in each DP replica holds results; collect them on rank 0.
-    mine = outputs if (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0) else []
-    gathered = _gather_to_rank0(mine)
-    if dist.get_rank() != 0:
+    gathered = forward_rows(model, rows, micro_batch_size, packing_opts, loss_fn, what="forward")
+    if gathered is None:
         return None, None
     logp_flat = torch.zeros(rows.num_response_tokens, dtype=torch.float32)
     ent_flat = torch.zeros(rows.num_response_tokens, dtype=torch.float32) if with_entropy else None
@@ -75,7 +59,33 @@ def compute_log_probs_rows(
     return logp_flat, ent_flat
 
 
-def _gather_to_rank0(items: list) -> list:
+def forward_rows(model, rows: SequenceRows, micro_batch_size: int, packing_opts: packing.Packing, loss_fn,
+                 *, what: str) -> list[dict] | None:
+    """The forward-only pass every per-token read shares (the log-probs here, the critic's values in critic.py):
+    each data-parallel rank runs its share of `rows` in micro-batches (`micro_batch_size` rows, or the token budget
+    under use_dynamic_bsz; padded or packed) through Megatron's schedule and `loss_fn` ((output, micro-batch) ->
+    (zero, info dict with "rows")). Returns every micro-batch's info on global rank 0, None on the other ranks.
+    `what` names the micro-batch size in the error for one below 1."""
+    from megatron.core import parallel_state as ps
+
+    if micro_batch_size < 1:
+        raise ValueError(f"{what} micro batch size must be >= 1, got {micro_batch_size}")
+    groups = packing.dp_groups(rows, range(len(rows)), micro_batch_size, packing_opts,
+                               dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+                               same_count=moe.lockstep_data_parallel(model))
+    mbs = packing.build_micro_batches(rows, groups, packing_opts, pp=ps.get_pipeline_model_parallel_world_size(),
+                                      tp=ps.get_tensor_model_parallel_world_size(),
+                                      pad_rows_to=0 if packing_opts.dynamic else micro_batch_size)
+    model.eval()
+    with torch.no_grad(), moe.inert_padding(model, mbs):
+        outputs = run_micro_batches(model, mbs, loss_fn, forward_only=True)
+    # The last pipeline stage of TP rank 0 in each DP replica holds results; collect them on rank 0.
+    mine = outputs if (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0) else []
+    gathered = gather_to_rank0(mine)
+    return gathered if dist.get_rank() == 0 else None
+
+
+def gather_to_rank0(items: list) -> list:
     if dist.get_world_size() == 1:
         return list(items)
     out: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

@@ -6,7 +6,7 @@ with an accelerator present every entry point here is a no-op (or the upstream c
 so the normal NCCL / HCCL path is never altered.
 
 Entry points:
-    accelerator_present()      -> bool: the gate every patch checks.
+    accelerator_present()      -> bool: the gate every patch checks (services/common/accelerator.py).
     apply_cpu_patches()        -> bool: idempotent, process-wide; True when patches were applied
                                  (also keeps freed host memory for reuse: memory.keep_freed_memory).
     apply_moe_patches()        : a MoE model's patches (any platform: Megatron's router without TransformerEngine).
@@ -30,25 +30,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from services.common import memory
+from services.common import determinism, memory
+from services.common.accelerator import accelerator_present
 
 logger = logging.getLogger(__name__)
 
 _PATCHED = False
-
-
-def accelerator_present() -> bool:
-    """True when a CUDA GPU or an Ascend NPU (torch_npu) is usable in this process."""
-    return torch.cuda.is_available() or npu_present()
-
-
-def npu_present() -> bool:
-    """True when an Ascend NPU (torch_npu) is usable: the platform where MindSpeed applies."""
-    npu = getattr(torch, "npu", None)  # registered by torch_npu when installed
-    try:
-        return bool(npu is not None and npu.is_available())
-    except (RuntimeError, AttributeError):
-        return False
 
 
 def apply_cpu_patches() -> bool:
@@ -153,6 +140,8 @@ def seed_model_parallel_rng(seed: int) -> None:
     """Seed Megatron's RNG tracker for this rank (call after parallel_state is initialised)."""
     from megatron.core import tensor_parallel
 
+    # As Megatron's _set_random_seed: the host generators too (a checkpoint saves their state).
+    determinism.seed_host_rngs(seed)
     if accelerator_present():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         return
@@ -160,8 +149,7 @@ def seed_model_parallel_rng(seed: int) -> None:
     # CudaRNGStatesTracker.add -> torch.cuda.get_rng_state, which asserts CUDA. Attention always
     # enters `get_cuda_rng_tracker().fork()` (dot_product_attention.py), so a tracker must exist:
     # the inference tracker is a no-op one, which is exact because rlfabric trains with dropout 0
-    # (see model.py). The CPU generator is seeded as Megatron seeds the data-parallel state.
-    torch.manual_seed(seed)
+    # (see model.py).
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
 
 

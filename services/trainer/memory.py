@@ -41,8 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from services.common.accelerator import npu_present
 from services.planning.arithmetic import StateBytes
-from services.trainer import megatron_compat
 
 # Metric names under `memory/{role}/` (docs/memory.md).
 PARAMS = "params_bytes"
@@ -280,7 +280,7 @@ def _device_module() -> Any:
     """torch.cuda or torch.npu (torch_npu) when its device is in use, else None."""
     if torch.cuda.is_available():
         return torch.cuda
-    return torch.npu if megatron_compat.npu_present() else None  # torch.npu: registered by torch_npu
+    return torch.npu if npu_present() else None  # torch.npu: registered by torch_npu
 
 
 def _collective_device() -> torch.device:

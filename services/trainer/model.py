@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from services.common import pipeline_layout, weight_layout
+from services.common.accelerator import npu_present
 from services.common.model_spec import ModelSpec, check_expert_parallel, check_tensor_parallel
 from services.trainer import activation_memory, megatron_compat, mla, moe, sequence_parallel
 from services.trainer.activation_memory import ActivationMemory
@@ -53,7 +54,7 @@ def _have_te() -> bool:
 
 def _maybe_import_mindspeed(memory: ActivationMemory) -> None:
     # MindSpeed adapts Megatron to Ascend NPUs by patching it at import time.
-    if megatron_compat.npu_present():
+    if npu_present():
         activation_memory.pass_to_mindspeed(memory)
     try:
         import mindspeed.megatron_adaptor  # noqa: F401
@@ -63,10 +64,12 @@ def _maybe_import_mindspeed(memory: ActivationMemory) -> None:
 
 def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
                        memory: ActivationMemory = ActivationMemory(), ep: int = 1, etp: int | None = None,
-                       moe_opts: MoeOptions = MoeOptions(), stages: weight_layout.StageLayers | None = None):
+                       moe_opts: MoeOptions = MoeOptions(), stages: weight_layout.StageLayers | None = None,
+                       deterministic: bool = False):
     """Megatron TransformerConfig for `spec` at this TP/PP (and EP / expert TP, for a MoE model; etp None: TP);
     MLATransformerConfig for multi-latent attention. `stages`: the layers of each pipeline stage (None: an even
-    split; `weight_layout.stage_layer_counts`)."""
+    split; `weight_layout.stage_layer_counts`). `deterministic`: Megatron's deterministic_mode (rlfabric.deterministic:
+    an embedding backward without atomics, TransformerEngine's deterministic attention)."""
     on_accel = megatron_compat.accelerator_present()
     stages = weight_layout.stage_layer_counts(spec, pp, stages)
     uneven = len(set(stages)) > 1
@@ -94,6 +97,7 @@ def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch
         qk_layernorm=spec.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        deterministic_mode=deterministic,
         use_cpu_initialization=not on_accel,
         # Weights always come from a checkpoint or HF conversion, but Megatron sets the TP attributes
         # (`tensor_model_parallel`, `partition_dim`) that grad-norm and weight export rely on only in
@@ -144,7 +148,7 @@ def layer_spec(spec: ModelSpec, memory: ActivationMemory = ActivationMemory(), *
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    activation_memory.note_platform_only(memory, on_ascend=megatron_compat.npu_present())
+    activation_memory.note_platform_only(memory, on_ascend=npu_present())
     latent = spec.mla is not None
     if megatron_compat.accelerator_present():
         _maybe_import_mindspeed(memory)
@@ -181,6 +185,7 @@ def build_gpt_model(
     memory: ActivationMemory = ActivationMemory(),
     moe_opts: MoeOptions = MoeOptions(),
     stages: weight_layout.StageLayers | None = None,
+    deterministic: bool = False,
 ):
     """This rank's GPTModel (parallel_state must be initialised; EP and expert TP are read from it), with `stages`
     layers on each pipeline stage (None: an even split). Weights are uninitialised."""
@@ -193,7 +198,7 @@ def build_gpt_model(
     config = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, memory=memory,
                                 ep=parallel_state.get_expert_model_parallel_world_size(),
                                 etp=parallel_state.get_expert_tensor_parallel_world_size(), moe_opts=moe_opts,
-                                stages=stages)
+                                stages=stages, deterministic=deterministic)
     # With tied embeddings and PP > 1 Megatron moves the embedding to "cuda" to all-reduce it
     # between the first and last stage (see megatron_compat.cpu_device_mode).
     with megatron_compat.cpu_device_mode():

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from services.common.config.megatron import MegatronConfig
 from services.trainer import expert_grads, optimizer_state
 from services.trainer.model import canonical_name, unwrap
 from services.trainer.optimizer_layout import (
@@ -65,27 +66,32 @@ from services.trainer.optimizer_layout import (
 )
 from services.trainer.reuse_fp32_param import split_master
 
+# megatron_training as a config that sets none of its keys has it: the defaults of OptimizerOptions.
+_SCHEMA = MegatronConfig()
+
 # reuse_fp32_param: elements of fp32 masters rebuilt at once for Adam (256 MiB).
 _REUSE_CHUNK = 1 << 26
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerOptions:
-    """Adam, LR schedule and precision (names as `megatron_training` keys)."""
+    """Adam, LR schedule and precision (names as `megatron_training` keys); built from a config by
+    services/trainer/options.py. The defaults are the config schema's, but for the keys a config must set."""
 
+    # Required in a config (no schema default): a trainer started without one (tests, `trainer serve` alone).
     lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_decay_style: str = "constant"
-    lr_warmup_iters: int = 0
-    lr_decay_iters: int | None = None  # None: train_iters
     train_iters: int = 1000
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    use_distributed_optimizer: bool = False
-    reuse_fp32_param: bool = False
+    min_lr: float = _SCHEMA.min_lr
+    lr_decay_style: str = _SCHEMA.lr_decay_style
+    lr_warmup_iters: int = 0  # from lr_warmup_fraction (unset: none) and train_iters
+    lr_decay_iters: int | None = None  # None: train_iters
+    weight_decay: float = _SCHEMA.weight_decay
+    adam_beta1: float = _SCHEMA.adam_beta1
+    adam_beta2: float = _SCHEMA.adam_beta2
+    adam_eps: float = 1e-8  # not a MindSpeed-RL key: Megatron's default
+    clip_grad: float = _SCHEMA.clip_grad
+    use_distributed_optimizer: bool = _SCHEMA.use_distributed_optimizer
+    reuse_fp32_param: bool = _SCHEMA.reuse_fp32_param
     # Not a config key: False trains bf16 weights without fp32 masters (the measured baseline; see module docstring).
     master_weights: bool = True
 

@@ -39,13 +39,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from services.common.config.rl import RLConfig
 from services.trainer import megatron_compat
 from services.trainer.model import unwrap
 from services.trainer.step import SequenceRows, dp_share, make_micro_batch, response_token_mask
 
 # MindSpeed-RL's per-pass budget when the YAML leaves it unset (RLConfig copies max_packing_token_size's
-# default into it before reading the file).
-DEFAULT_MAX_PACKING_TOKENS = 4096
+# default, not its value, into it before reading the file).
+DEFAULT_MAX_PACKING_TOKENS = RLConfig().max_packing_token_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,13 +56,18 @@ class Packing:
     remove_padding: bool = False  # rl_config.use_remove_padding
     max_tokens: int | None = None  # rl_config.<pass>_max_packing_token_size under use_dynamic_bsz; None: fixed rows
     max_rows: int | None = None  # rl_config.<pass>_dynamic_max_batch_size; None: no limit
-    key_prefix: str = ""  # "actor" / "ref" / "update": names the keys in error messages
+    # "actor" / "ref" / "update": names the keys in error messages; "" the unprefixed ones (the critic's)
+    key_prefix: str = ""
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"rl_config.{self.key_prefix}_max_packing_token_size must be >= 1, got {self.max_tokens}")
+            raise ValueError(f"rl_config.{self.key('max_packing_token_size')} must be >= 1, got {self.max_tokens}")
         if self.max_rows is not None and self.max_rows < 1:
-            raise ValueError(f"rl_config.{self.key_prefix}_dynamic_max_batch_size must be >= 1, got {self.max_rows}")
+            raise ValueError(f"rl_config.{self.key('dynamic_max_batch_size')} must be >= 1, got {self.max_rows}")
+
+    def key(self, name: str) -> str:
+        """The rl_config key of this pass's `name` budget."""
+        return f"{self.key_prefix}_{name}" if self.key_prefix else name
 
     @property
     def dynamic(self) -> bool:
@@ -116,7 +122,7 @@ def group_rows(rows: SequenceRows, share: Sequence[int], rows_per_micro_batch: i
         return [share[i : i + rows_per_micro_batch] for i in range(0, len(share), rows_per_micro_batch)]
     lengths = (rows.prompt_lengths + rows.response_lengths)[share].tolist() if share else []
     groups = token_budget_groups(lengths, packing.max_tokens, packing.max_rows, min_groups=min_groups,
-                                 key=f"{packing.key_prefix}_max_packing_token_size")
+                                 key=packing.key("max_packing_token_size"))
     return [[share[j] for j in g] for g in groups]
 
 

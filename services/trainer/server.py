@@ -1,8 +1,10 @@
 """The `rlfabric.v1.Trainer` servicer (rank 0 of a trainer group): proto <-> worker operations.
 
-Each RPC is validated here (inputs.py), then run on every rank through `GroupExecutor` (group.py),
-awaited with the call's deadline. Status codes: INVALID_ARGUMENT for malformed input, FAILED_PRECONDITION
-for a batch from another weights version, ALREADY_EXISTS for a repeated Update step, UNAVAILABLE
+Each RPC is validated here (inputs.py), then run on every rank through `GroupExecutor` (group.py; the operations
+are handlers.py's), awaited with the call's deadline. Status codes: INVALID_ARGUMENT for malformed input,
+FAILED_PRECONDITION for a batch from another weights version or an RPC of another role (roles.py: ComputeValues is
+the critic's; ComputeLogProbs and PushWeights the actor's and the reference's; Update the actor's and the
+critic's), ALREADY_EXISTS for a repeated Update step, UNAVAILABLE
 when a rank died (the group is broken and the server reports NOT_SERVING), DEADLINE_EXCEEDED when
 an operation outlives the call, INTERNAL when an operation failed on some rank. Messages are capped and
 client values quoted through services/common/status.py.
@@ -29,9 +31,11 @@ from services.common.server import ServiceServer, ServiceSpec, create_server
 from services.common.status import abort, echo
 from services.common.tensors import dtype_code, to_proto
 from services.common.transports import TRANSPORTS
-from services.trainer import inputs
+from services.common.weight_version import moves_forward, outside_fence
+from services.trainer import inputs, roles
 from services.trainer import metrics as trainer_metrics
 from services.trainer.group import GroupBrokenError, GroupExecutor, OperationFailedError
+from services.trainer.roles import update_timing_key
 
 logger = logging.getLogger(__name__)
 
@@ -82,16 +86,29 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return inputs.sequences(batch, self.worker.spec.vocab_size, self.worker.spec.moe)
 
     # ---- RPCs -------------------------------------------------------------------------------
+    def _require_role(self, context: grpc.ServicerContext, what: str, wanted: tuple[str, ...], why: str) -> None:
+        """FAILED_PRECONDITION unless this trainer's role is one of `wanted` (before any rank works)."""
+        role = self.worker.opts.role
+        if role not in wanted:
+            abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"{what}: this trainer is the {role}; {why}")
+
     def ComputeLogProbs(self, request_iterator, context) -> Iterator[trainer_pb2.LogProbResponse]:
+        self._require_role(context, "ComputeLogProbs", (roles.ACTOR, roles.REFERENCE),
+                           "the critic's output is a value per position (ComputeValues), not log-probs")
         for req in request_iterator:
             with self._errors(context, "ComputeLogProbs"):
                 inputs.check_temperature(req.temperature)
+                if req.adapters_off and self.worker.opts.lora is None:
+                    abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                          f"adapters_off: the {self.worker.opts.role} trainer has no LoRA adapters (share_backbone "
+                          f"needs an actor with lora_target_modules)")
                 seqs = self._rows(req.batch)
                 logp, ent = self._run(
                     context, "log_probs",
                     token_ids=np.array(seqs.token_ids), prompt_lengths=np.array(seqs.prompt_lengths),
                     response_lengths=np.array(seqs.response_lengths), temperature=float(req.temperature),
                     with_entropy=req.with_entropy, routed_experts=seqs.routed_experts,
+                    adapters_off=req.adapters_off,
                 )
             resp = trainer_pb2.LogProbResponse(
                 sample_ids=seqs.sample_ids, log_probs=to_proto(logp.numpy()),
@@ -101,43 +118,74 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 resp.entropy.CopyFrom(to_proto(ent.numpy()))
             yield resp
 
+    def ComputeValues(self, request_iterator, context) -> Iterator[trainer_pb2.ValueResponse]:
+        self._require_role(context, "ComputeValues", (roles.CRITIC,),
+                           "only PPO's critic has a value head (trainer serve --role critic)")
+        for req in request_iterator:
+            with self._errors(context, "ComputeValues"):
+                seqs = self._rows(req.batch)
+                values = self._run(context, "values", token_ids=np.array(seqs.token_ids),
+                                   prompt_lengths=np.array(seqs.prompt_lengths),
+                                   response_lengths=np.array(seqs.response_lengths), routed_experts=seqs.routed_experts)
+            yield trainer_pb2.ValueResponse(sample_ids=seqs.sample_ids, values=to_proto(values.numpy()),
+                                            weights_version=self.worker.weights_version)
+
     def Update(self, request_iterator, context) -> trainer_pb2.UpdateResponse:
+        role = self.worker.opts.role
+        self._require_role(context, "Update", roles.TRAINING_ROLES, "the reference does not train")
         with self._errors(context, "Update"):
             parts = list(request_iterator)
             if not parts:
                 raise ValueError("Update needs at least one UpdateRequest")
-            step, temperature = parts[0].step, parts[0].temperature
+            step = parts[0].step
             _counters(step=step)  # the step becomes the trainer's iteration
-            kl_coef = parts[0].kl_coef if parts[0].HasField("kl_coef") else self.kl_coef
-            inputs.check_temperature(temperature)
-            inputs.check_kl_coef(kl_coef)
-            if any(p.step != step or p.temperature != temperature
-                   or (p.kl_coef if p.HasField("kl_coef") else self.kl_coef) != kl_coef for p in parts):
-                raise ValueError("all UpdateRequests of one call must carry the same step, temperature and kl_coef")
+            if any(p.step != step for p in parts):
+                raise ValueError("all UpdateRequests of one call must carry the same step")
+            # The critic reads neither the temperature nor the KL coefficient (rlfabric/v1/trainer.proto).
+            loss_args = {} if role == roles.CRITIC else self._policy_loss_args(parts)
             seqs = [self._rows(p.batch) for p in parts]
-            arrays = inputs.experience_arrays(parts, seqs)
+            arrays = inputs.experience_arrays(parts, seqs, role)
             with self._update_lock:
-                last = self.worker.last_update_step
-                if last is not None and step <= last:
-                    abort(context, grpc.StatusCode.ALREADY_EXISTS, f"step {step} already applied (last step {last})")
-                version = self.worker.weights_version
-                # Version fence: a sample is at most max_staleness versions behind (pipelined mode), never ahead.
-                bound = self.worker.opts.update.max_staleness
-                stale = {s.weights_version for s in seqs if not version - bound <= s.weights_version <= version}
-                if stale:
-                    abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                          f"batch generated with weights version(s) {echo(sorted(stale))}, trainer holds version "
-                          f"{version} and accepts samples at most {bound} version(s) old (rlfabric.max_staleness)")
+                self._check_step_and_versions(context, step, seqs)
                 t0 = time.monotonic()
-                metrics = self._run(context, "update", step=int(step), temperature=float(temperature),
-                                    kl_coef=float(kl_coef), **arrays)
-                metrics["timing/update"] = time.monotonic() - t0
+                metrics = self._run(context, "update", step=int(step), **loss_args, **arrays)
+                metrics[update_timing_key(role)] = time.monotonic() - t0
                 trainer_metrics.observe_update(metrics)
         return trainer_pb2.UpdateResponse(
             metrics=common_pb2.Metrics(values=metrics),
             weights_version=self.worker.weights_version,
             num_tokens=int(arrays["response_lengths"].sum()),
         )
+
+    def _policy_loss_args(self, parts: list[trainer_pb2.UpdateRequest]) -> dict[str, float]:
+        """The actor's temperature and KL coefficient, the same on every request of the call."""
+        temperature = parts[0].temperature
+        kl_coef = parts[0].kl_coef if parts[0].HasField("kl_coef") else self.kl_coef
+        inputs.check_temperature(temperature)
+        inputs.check_kl_coef(kl_coef)
+        if any(p.temperature != temperature or (p.kl_coef if p.HasField("kl_coef") else self.kl_coef) != kl_coef
+               for p in parts):
+            raise ValueError("all UpdateRequests of one call must carry the same step, temperature and kl_coef")
+        return {"temperature": float(temperature), "kl_coef": float(kl_coef)}
+
+    def _check_step_and_versions(self, context: grpc.ServicerContext, step: int, seqs: list[Sequences]) -> None:
+        """ALREADY_EXISTS for a step already applied; for the actor, FAILED_PRECONDITION for samples outside its
+        version fence. The critic has no fence: a batch's weights_version names the policy that generated it, and
+        the critic's own version counts critic updates (its `values` come from ComputeValues of the same call
+        sequence, and pipelined mode is refused with a critic: services/common/config/ppo.py)."""
+        last = self.worker.last_update_step
+        if last is not None and step <= last:
+            abort(context, grpc.StatusCode.ALREADY_EXISTS, f"step {step} already applied (last step {last})")
+        if self.worker.opts.role == roles.CRITIC:
+            return
+        version = self.worker.weights_version
+        # Version fence: a sample is at most max_staleness versions behind (pipelined mode), never ahead.
+        bound = self.worker.opts.update.max_staleness
+        stale = outside_fence((s.weights_version for s in seqs), version, bound)
+        if stale:
+            abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                  f"batch generated with weights version(s) {echo(stale)}, trainer holds version "
+                  f"{version} and accepts samples at most {bound} version(s) old (rlfabric.max_staleness)")
 
     def SaveCheckpoint(self, request, context) -> trainer_pb2.CheckpointResponse:
         with self._errors(context, "SaveCheckpoint"):
@@ -171,6 +219,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         from services.trainer import weight_sync
 
         t0 = time.monotonic()
+        self._require_role(context, "PushWeights", (roles.ACTOR, roles.REFERENCE),
+                           "the critic's weights serve no rollout (its output layer is a value head)")
         with self._errors(context, "PushWeights"):
             targets = list(request.targets)
             if not targets:
@@ -183,7 +233,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 raise ValueError(f"transport {transport} is unknown; available: "
                                  f"{[trainer_pb2.WeightTransport.Name(t) for t in TRANSPORTS]}")
             _counters(version=request.version)
-            if request.version < self.worker.weights_version:
+            if not moves_forward(request.version, self.worker.weights_version):
                 abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                       f"push of version {request.version} asked, the trainer holds version "
                       f"{self.worker.weights_version}; versions only move forward")
@@ -271,64 +321,6 @@ def _counters(**values: int) -> None:
 def _outbound_token() -> str | None:
     # This process's service token (`--auth-token-file`, services/common/security.py).
     return client_credentials().token
-
-
-def worker_handlers(worker) -> dict:
-    """Operation name -> callable on this rank's worker (same table on every rank)."""
-    import torch
-
-    from services.trainer.step import SequenceRows
-    from services.trainer.update import Experience
-
-    def rows(token_ids, prompt_lengths, response_lengths, routed_experts=None) -> SequenceRows:
-        return SequenceRows(torch.from_numpy(np.asarray(token_ids, dtype=np.int64)),
-                            torch.from_numpy(np.asarray(prompt_lengths, dtype=np.int64)),
-                            torch.from_numpy(np.asarray(response_lengths, dtype=np.int64)),
-                            None if routed_experts is None else torch.from_numpy(np.asarray(routed_experts,
-                                                                                            dtype=np.int64)))
-
-    def log_probs(token_ids, prompt_lengths, response_lengths, temperature, with_entropy, routed_experts=None):
-        return worker.compute_log_probs(rows(token_ids, prompt_lengths, response_lengths, routed_experts),
-                                        temperature, with_entropy)
-
-    def update(step, temperature, kl_coef, token_ids, prompt_lengths, response_lengths, advantages,
-               old_log_probs, ref_log_probs, behavior_log_probs=None, routed_experts=None, response_mask=None):
-        def t(x):
-            return None if x is None else torch.from_numpy(np.asarray(x, dtype=np.float32))
-
-        sequences = rows(token_ids, prompt_lengths, response_lengths, routed_experts)
-        if response_mask is not None:
-            sequences.response_mask = torch.from_numpy(np.asarray(response_mask, dtype=np.bool_))
-        exp = Experience(sequences, t(advantages), t(old_log_probs), t(ref_log_probs), t(behavior_log_probs))
-        return worker.update(exp, temperature=temperature, kl_coef=kl_coef, step=step)
-
-    def push_weights(**kwargs):
-        from services.trainer.weight_sync import push_weights as push
-
-        return push(worker, **kwargs)
-
-    def shards():
-        from megatron.core import parallel_state as ps
-
-        from services.trainer.worker import gather_objects
-
-        # One copy of each (tp, pp, ep) rank's shards: data-parallel replicas hold the same ones. With expert
-        # parallelism the first copy of each EP rank's experts is on its expert-data-parallel rank 0.
-        first_copy = ps.get_expert_data_parallel_rank() == 0 if worker.layout.ep > 1 else worker.layout.dp_rank == 0
-        parts = gather_objects(worker.shard_infos() if first_copy else [])
-        return [s for part in (parts or []) for s in part]
-
-    return {
-        "log_probs": log_probs,
-        "update": update,
-        "save": lambda root, iteration, consumed_samples: worker.save(root, iteration, consumed_samples),
-        "load": lambda root, iteration, finetune, no_load_optim, no_load_rng: worker.load(
-            root, iteration=iteration, finetune=finetune, no_load_optim=no_load_optim, no_load_rng=no_load_rng),
-        "offload": lambda params, grads, optimizer: worker.offload(params=params, grads=grads, optimizer=optimizer),
-        "onload": lambda params, grads, optimizer: worker.onload(params=params, grads=grads, optimizer=optimizer),
-        "shards": shards,
-        "push_weights": push_weights,
-    }
 
 
 def create_trainer_server(

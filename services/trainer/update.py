@@ -1,6 +1,8 @@
-"""The GRPO actor update: mini-batches x epochs of Megatron forward/backward, Adam, LR schedule.
+"""The actor update: mini-batches x epochs of Megatron forward/backward, Adam, LR schedule.
 
-Owns the optimisation loop around the loss in `grpo_loss.py`:
+Owns the optimisation loop (`optimize`, which PPO's critic shares: services/trainer/critic.py) around the loss in
+`grpo_loss.py`. The actor's advantages are one per sequence (GRPO and the other outcome estimators, broadcast over
+the response tokens) or one per response token (PPO's GAE, `Experience.token_advantages`).
 - The global batch (all rows of one iteration) is cut into mini-batches of `mini_batch_rows`
   (`rl_config.mini_batch_size` prompts x `n_samples_per_prompt`), optionally shuffled per epoch
   (`shuffle_mini_batch`, seeded by (seed, step, epoch) so every rank draws the same order), for
@@ -28,6 +30,9 @@ import math
 import torch
 import torch.distributed as dist
 
+from services.common.config.megatron import MegatronConfig
+from services.common.config.rl import RLConfig
+from services.common.config.sections import FabricConfig
 from services.trainer import grpo_loss, moe, packing, rollout_correction, routing_replay
 from services.trainer.expert_bias import update_expert_bias
 from services.trainer.step import (
@@ -37,70 +42,92 @@ from services.trainer.step import (
     run_micro_batches,
 )
 
-METRIC_KEYS = (
-    "actor/pg_loss",
-    "actor/pg_clipfrac",
-    "actor/ppo_kl",
-    "actor/kl_loss",
-    "actor/entropy",
-    "grad_norm",
-    "actor/lr",
-)
+# The per-micro-batch loss metrics the actor's Update averages (grpo_loss's; `actor/loss` the total).
+ACTOR_LOSS_KEYS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy", "actor/loss")
+
+
+# The config schema's defaults: the one home of the defaults below that have a config key, so that a trainer run
+# without a config (`trainer serve` without --config, tests) updates as one whose config sets none of those keys.
+_RL, _FABRIC = RLConfig(), FabricConfig()
 
 
 @dataclasses.dataclass(frozen=True)
 class UpdateOptions:
-    """One iteration's optimisation settings (names as `rl_config` / `megatron_training` keys)."""
+    """One iteration's optimisation settings (names as `rl_config` / `megatron_training` keys); built from a config
+    by services/trainer/options.py."""
 
+    # No config default: micro_batch_size is required in a config, mini_batch_rows derived from its keys.
     micro_batch_size: int = 1
     mini_batch_rows: int = 0  # rows per optimizer step; 0 = the whole batch
-    epochs: int = 1
-    shuffle_mini_batch: bool = False
-    seed: int = 1
-    clip_ratio: float = 0.2
+    epochs: int = _RL.epochs
+    shuffle_mini_batch: bool = _RL.shuffle_mini_batch
+    seed: int = MegatronConfig().seed
+    clip_ratio: float = _RL.clip_ratio
+    # rl_config.clip_ratio_low / clip_ratio_high with clip_higher_enable; None: clip_ratio on both sides.
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
-    kl_penalty: str = "low_var_kl"
+    kl_penalty: str = _RL.kl_penalty
+    # Derived (a KL term iff GRPO's init_kl_coef is non-zero), as for the default config.
     use_kl: bool = True
-    entropy_coeff: float = 0.0
-    token_level_loss: bool = True
+    entropy_coeff: float = _RL.entropy_coeff
+    token_level_loss: bool = _RL.token_level_loss
     # Truncation of the off-policy importance weight (rlfabric.importance_sampling_cap); only applied to an
     # Experience that carries behaviour log-probs (pipelined mode).
-    is_cap: float = 2.0
+    is_cap: float = _FABRIC.importance_sampling_cap
     # verl's loss keys (rlfabric.policy_loss_mode, loss_agg_mode, loss_scale_factor, rollout_*).
     variant: grpo_loss.LossVariant = grpo_loss.LossVariant()
     # Versions a trained sample may lag the actor (rlfabric.max_staleness): the Update RPC's version fence.
-    max_staleness: int = 0
+    max_staleness: int = _FABRIC.max_staleness
     # use_remove_padding / use_dynamic_bsz with the update_* budgets (services/trainer/packing.py).
     packing: packing.Packing = packing.Packing(key_prefix="update")
+    # PPO's critic only: the clipped value loss's range (rl_config.cliprange_value; services/trainer/value_loss.py).
+    cliprange_value: float = _RL.cliprange_value
 
 
 @dataclasses.dataclass
 class Experience:
-    """One global batch for Update: rows and their GRPO inputs (packed like the rows' responses)."""
+    """One global batch for the actor's Update: rows and their policy-loss inputs (packed like the rows' responses).
+
+    Exactly one of `advantages` (one per sequence) and `token_advantages` (one per response token) is set."""
 
     rows: SequenceRows
-    advantages: torch.Tensor  # float32 [B]
+    advantages: torch.Tensor | None  # float32 [B], or None with token_advantages
     old_log_probs: torch.Tensor | None  # float32 [sum(response_lengths)] or None (on-policy)
     ref_log_probs: torch.Tensor | None  # same, or None (no KL)
     # The rollout's log-probs of the samples (the behaviour policy), same layout; None when every sample is
     # on-policy (synchronous mode): then no importance weight is applied.
     behavior_log_probs: torch.Tensor | None = None
+    # PPO's GAE advantages, float32 [sum(response_lengths)] like the log-probs; None with `advantages`.
+    token_advantages: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        n, t = len(self.rows), self.rows.num_response_tokens
-        self.advantages = torch.as_tensor(self.advantages, dtype=torch.float32).reshape(-1)
-        if self.advantages.numel() != n:
-            raise ValueError(f"advantages has {self.advantages.numel()} values for {n} sequences")
-        for name in ("old_log_probs", "ref_log_probs", "behavior_log_probs"):
-            v = getattr(self, name)
-            if v is not None and v.numel() == 0:
-                v = None
-            if v is not None:
-                v = torch.as_tensor(v, dtype=torch.float32).reshape(-1)
-                if v.numel() != t:
-                    raise ValueError(f"{name} has {v.numel()} values for {t} response tokens")
-            setattr(self, name, v)
+        n = len(self.rows)
+        for name in ("old_log_probs", "ref_log_probs", "behavior_log_probs", "token_advantages"):
+            setattr(self, name, per_token(name, getattr(self, name), self.rows))
+        if (self.advantages is None) == (self.token_advantages is None):
+            raise ValueError("an actor update needs exactly one of advantages (one per sequence) and "
+                             "token_advantages (one per response token)")
+        if self.advantages is not None:
+            self.advantages = torch.as_tensor(self.advantages, dtype=torch.float32).reshape(-1)
+            if self.advantages.numel() != n:
+                raise ValueError(f"advantages has {self.advantages.numel()} values for {n} sequences")
+
+    def advantages_of(self, rows_idx: list[int], width: int) -> torch.Tensor:
+        """The advantages of rows `rows_idx`: [b] per sequence, or [b, width] per token (right-padded)."""
+        if self.token_advantages is None:
+            return self.advantages[rows_idx]
+        return response_slices(self.token_advantages, self.rows, rows_idx, width)
+
+
+def per_token(name: str, values, rows: SequenceRows) -> torch.Tensor | None:
+    """`values` as float32 [sum(response_lengths)] (None or empty: None); a ValueError naming `name` on a size
+    that is not the rows' response-token count."""
+    if values is None or torch.as_tensor(values).numel() == 0:
+        return None
+    v = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
+    if v.numel() != rows.num_response_tokens:
+        raise ValueError(f"{name} has {v.numel()} values for {rows.num_response_tokens} response tokens")
+    return v
 
 
 # Most float32 logits one chunk of the no-grad entropy pass holds: ~110 tokens of a 150k vocabulary.
@@ -158,47 +185,71 @@ def grpo_update(
     step: int = 0,
 ) -> dict[str, float]:
     """One iteration's update; returns the averaged metrics (identical on every rank)."""
-    from megatron.core import parallel_state as ps
-
     if opts.use_kl and exp.ref_log_probs is None:
         # A KL run (init_kl_coef != 0) that trained without its KL term would diverge silently from the config.
         raise ValueError("ref_log_probs is required: this trainer's loss has a KL term (rl_config.init_kl_coef != 0), "
                          "so every UpdateRequest must carry the reference model's log-probs")
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    mb_metrics: list[dict[str, float]] = []
-    step_metrics: list[tuple[float, float]] = []
-    lockstep = moe.lockstep_data_parallel(model)
-    load = moe.ExpertLoad(model) if moe.is_moe(model) else None
-    real_micro_batches = 0
-
-    loss_fn = _micro_batch_loss(exp, opts, temperature, kl_coef)
-    model.train()
-    try:
-        for epoch in range(opts.epochs):
-            for mini in mini_batches(len(exp.rows), opts, step, epoch):
-                groups = packing.dp_groups(exp.rows, mini, opts.micro_batch_size, opts.packing, dp=dp,
-                                           dp_rank=dp_rank, same_count=lockstep)
-                real_micro_batches += sum(1 for g in groups if g)
-                _step_mini_batch(model, optimizer, scheduler, exp, groups, opts, loss_fn, clip_grad, mb_metrics,
-                                 step_metrics)
-    finally:
-        if load is not None:
-            load.remove()
+    trained = optimize(model, optimizer, scheduler, exp.rows, opts, _micro_batch_loss(exp, opts, temperature, kl_coef),
+                       clip_grad, step)
     corrected = exp.behavior_log_probs is not None
-    metrics = _reduce_metrics(mb_metrics, step_metrics, corrected and opts.variant.weights_tokens)
+    keys = ACTOR_LOSS_KEYS + (("actor/is_weight_mean", "actor/is_clipfrac")
+                              if corrected and opts.variant.weights_tokens else ())
+    metrics = reduce_mean_metrics(trained.mb_metrics, keys)
+    metrics.update(step_means(trained.step_metrics, "grad_norm", "actor/lr"))
     if corrected:  # rollout_mismatch/*: token sums and a max over every rank (a collective: decided by the batch)
         # measured here only when the current weights are the rollout's (synchronous, old-log-prob pass skipped)
         same_weights = exp.old_log_probs is None and not opts.max_staleness
-        metrics.update(rollout_correction.reduce_metrics(mb_metrics, measured=same_weights))
-    if load is not None:
-        metrics.update(moe.moe_metrics(model, load, num_micro_batches=_mean_over_dp(real_micro_batches)))
-    if exp.rows.routed_experts is not None:
-        metrics.update(routing_replay.take_metrics(model))
+        metrics.update(rollout_correction.reduce_metrics(trained.mb_metrics, measured=same_weights))
+    metrics.update(trained.tail_metrics(model, exp.rows))
     return metrics
 
 
-def _step_mini_batch(model, optimizer, scheduler, exp: Experience, groups: list[list[int]], opts: UpdateOptions,
-                     loss_fn, clip_grad: float, mb_metrics: list, step_metrics: list) -> None:
+@dataclasses.dataclass
+class Trained:
+    """What `optimize` saw: each micro-batch's loss metrics (this rank's, from the last pipeline stage of TP rank 0),
+    each optimizer step's (grad norm, lr), and the MoE expert-load record of the pass."""
+
+    mb_metrics: list[dict[str, float]]
+    step_metrics: list[tuple[float, float]]
+    load: moe.ExpertLoad | None
+    real_micro_batches: int
+
+    def tail_metrics(self, model, rows: SequenceRows) -> dict[str, float]:
+        """The MoE and routing-replay metrics of the pass (collectives: every rank calls it)."""
+        out: dict[str, float] = {}
+        if self.load is not None:
+            out.update(moe.moe_metrics(model, self.load, num_micro_batches=_mean_over_dp(self.real_micro_batches)))
+        if rows.routed_experts is not None:
+            out.update(routing_replay.take_metrics(model))
+        return out
+
+
+def optimize(model, optimizer, scheduler, rows: SequenceRows, opts: UpdateOptions, loss_fn, clip_grad: float,
+             step: int) -> Trained:
+    """`opts.epochs` passes over `rows` in mini-batches (one optimizer step each), each data-parallel rank running
+    its share in micro-batches through `loss_fn` ((model output, micro-batch) -> (loss, metrics)): the update
+    machinery the actor and PPO's critic share."""
+    from megatron.core import parallel_state as ps
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    trained = Trained([], [], moe.ExpertLoad(model) if moe.is_moe(model) else None, 0)
+    lockstep = moe.lockstep_data_parallel(model)
+    model.train()
+    try:
+        for epoch in range(opts.epochs):
+            for mini in mini_batches(len(rows), opts, step, epoch):
+                groups = packing.dp_groups(rows, mini, opts.micro_batch_size, opts.packing, dp=dp,
+                                           dp_rank=dp_rank, same_count=lockstep)
+                trained.real_micro_batches += sum(1 for g in groups if g)
+                _step_mini_batch(model, optimizer, scheduler, rows, groups, opts, loss_fn, clip_grad, trained)
+    finally:
+        if trained.load is not None:
+            trained.load.remove()
+    return trained
+
+
+def _step_mini_batch(model, optimizer, scheduler, rows: SequenceRows, groups: list[list[int]], opts: UpdateOptions,
+                     loss_fn, clip_grad: float, trained: Trained) -> None:
     """One mini-batch: this rank's micro-batches `groups` forward and backward, then one optimizer step."""
     from megatron.core import parallel_state as ps
 
@@ -209,7 +260,7 @@ def _step_mini_batch(model, optimizer, scheduler, exp: Experience, groups: list[
             f"{share} rows per data-parallel rank is not a multiple of micro_batch_size "
             f"{opts.micro_batch_size} (needed with pipeline parallelism)"
         )
-    mbs = packing.build_micro_batches(exp.rows, groups, opts.packing, pp=pp,
+    mbs = packing.build_micro_batches(rows, groups, opts.packing, pp=pp,
                                       tp=ps.get_tensor_model_parallel_world_size())
     for mb, scale in zip(mbs, packing.loss_scales(groups, opts.packing), strict=True):
         mb["loss_scale"] = scale
@@ -218,12 +269,12 @@ def _step_mini_batch(model, optimizer, scheduler, exp: Experience, groups: list[
         out = run_micro_batches(model, mbs, loss_fn, forward_only=False)
     update_expert_bias(model)  # DeepSeek-V3's aux-loss-free balancing, where Megatron's finalize_model_grads does it
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
-        mb_metrics.extend(m for m in out if m)  # a padding micro-batch reports nothing
+        trained.mb_metrics.extend(m for m in out if m)  # a padding micro-batch reports nothing
     lr = optimizer.param_groups[0]["lr"]
     norm = optimizer.step(clip_grad)
     if math.isfinite(norm):
         scheduler.step(increment=1)
-    step_metrics.append((norm, lr))
+    trained.step_metrics.append((norm, lr))
 
 
 def _mean_over_dp(count: int) -> float:
@@ -263,7 +314,7 @@ def _micro_batch_loss(exp: Experience, opts: UpdateOptions, temperature: float, 
             logp,
             None if old is None else old.to(dev),
             None if ref is None else ref.to(dev),
-            exp.advantages[rows_idx].to(dev),
+            exp.advantages_of(rows_idx, width).to(dev),
             mask,
             clip_ratio=opts.clip_ratio,
             clip_ratio_low=opts.clip_ratio_low,
@@ -284,12 +335,9 @@ def _micro_batch_loss(exp: Experience, opts: UpdateOptions, temperature: float, 
     return loss_fn
 
 
-def _reduce_metrics(mb_metrics: list[dict[str, float]], step_metrics: list[tuple[float, float]],
-                    off_policy: bool = False) -> dict[str, float]:
-    """Mean of every micro-batch's metrics over all ranks that computed a loss, plus step means."""
-    keys = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy", "actor/loss")
-    if off_policy:  # decided by the batch, not by this rank's metrics: every rank all-reduces the same shape
-        keys = (*keys, "actor/is_weight_mean", "actor/is_clipfrac")
+def reduce_mean_metrics(mb_metrics: list[dict[str, float]], keys: tuple[str, ...]) -> dict[str, float]:
+    """Mean of every micro-batch's `keys` over all ranks that computed a loss (a collective of the whole group: every
+    rank all-reduces the same shape, ranks without a loss contributing nothing)."""
     sums = torch.tensor([[sum(m[k] for m in mb_metrics) for k in keys] + [float(len(mb_metrics))]], dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -297,7 +345,10 @@ def _reduce_metrics(mb_metrics: list[dict[str, float]], step_metrics: list[tuple
         dist.all_reduce(sums)
         sums = sums.cpu()
     count = max(float(sums[0, -1]), 1.0)
-    result = {k: float(sums[0, i]) / count for i, k in enumerate(keys)}
-    result["grad_norm"] = sum(n for n, _ in step_metrics) / max(len(step_metrics), 1)
-    result["actor/lr"] = sum(lr for _, lr in step_metrics) / max(len(step_metrics), 1)
-    return result
+    return {k: float(sums[0, i]) / count for i, k in enumerate(keys)}
+
+
+def step_means(step_metrics: list[tuple[float, float]], norm_key: str, lr_key: str) -> dict[str, float]:
+    """The mean gradient norm and learning rate of the optimizer steps (the same on every rank)."""
+    n = max(len(step_metrics), 1)
+    return {norm_key: sum(norm for norm, _ in step_metrics) / n, lr_key: sum(lr for _, lr in step_metrics) / n}

@@ -12,6 +12,9 @@ local expert by its number on this EP rank (`mlp.experts.local_experts.i`, the m
 `ep_rank * E/EP + i`), which is the naming weight_layout expects; the other parameters (the router included)
 are the same on every EP rank and reported with its ep_rank too, as the mirrors weight_layout lists.
 Expert-tensor parallelism other than the TP size has no layout there and is refused (`check_expert_layout`).
+
+LoRA: the rollout serves the merged weights W + (alpha / r) B A under the base names (`lora.merged_parameters`,
+one new tensor per adapted weight, made as the export reaches it); the adapters themselves are never exported.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from services.common.model_spec import ModelSpec
 from services.common.weight_layout import global_layer_name, stage_layer_counts
+from services.trainer import lora
 from services.trainer.model import canonical_name, config_stage_layers, unwrap
 
 
@@ -56,9 +60,10 @@ def check_expert_layout() -> None:
 
 
 def exported_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """What the rollout serves of this rank's model: every parameter (in `named_parameters` order), then the routers'
-    expert bias (DeepSeek-V3's `e_score_correction_bias`: a buffer, trained outside the gradient, read when routing)."""
-    yield from model.named_parameters()
+    """What the rollout serves of this rank's model: every parameter (in `named_parameters` order; a LoRA model's
+    adapted weights merged, its adapters left out), then the routers' expert bias (DeepSeek-V3's
+    `e_score_correction_bias`: a buffer, trained outside the gradient, read when routing)."""
+    yield from lora.merged_parameters(model)
     for name, buffer in model.named_buffers():
         if name.endswith(".router.expert_bias"):
             yield name, buffer

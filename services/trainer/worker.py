@@ -1,24 +1,29 @@
 """One rank's trainer state and the operations every rank runs in lockstep (no gRPC here).
 
-Owns a `TrainerWorker`: this rank's GPTModel, optimizer, scheduler, iteration, consumed samples and
-weights version, and the collective operations the server fans out (log-probs, update, checkpoint
-save/load, offload/onload, info). Every method must be called on every rank of the group with the
+Owns a `TrainerWorker`: this rank's GPTModel (with PPO's value head for the critic), optimizer, scheduler,
+iteration, consumed samples and weights version, and the collective operations the server fans out (log-probs,
+values, update, checkpoint save/load, offload/onload, info). Every method must be called on every rank of the group with the
 same arguments; results that only rank 0 needs are returned there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from services.common.config.architecture import ModelConfig
 from services.common.model_spec import ModelSpec, read_hf_config, spec_from_hf_config
-from services.trainer import checkpoint, convert, megatron_compat
+from services.common.weight_version import after_update
+from services.trainer import checkpoint, convert, lora, megatron_compat, roles, value_head
 from services.trainer.activation_memory import ActivationMemory
+from services.trainer.lora import LoraOptions
 from services.trainer.memory import UpdateMemory
 from services.trainer.model import build_gpt_model
 from services.trainer.moe import MoeOptions
@@ -29,6 +34,9 @@ from services.trainer.parallel import Layout, current_layout
 from services.trainer.step import SequenceRows
 from services.trainer.update import Experience, UpdateOptions, grpo_update
 
+if TYPE_CHECKING:
+    from services.trainer.critic import CriticExperience
+
 logger = logging.getLogger(__name__)
 
 
@@ -36,13 +44,13 @@ logger = logging.getLogger(__name__)
 class WorkerOptions:
     """What a trainer rank is (role, weights) and how it trains."""
 
-    role: str = "actor"  # "actor" or "reference"
+    role: str = roles.ACTOR  # services/trainer/roles.py: "actor", "reference" or "critic"
     hf_dir: str | None = None  # HF folder: architecture, tokenizer assets, and initial weights if no load
     load: str | None = None  # Megatron checkpoint dir (`megatron_training.load`)
     finetune: bool = False
     no_load_optim: bool = False
     no_load_rng: bool = False
-    forward_micro_batch_size: int = 1  # actor_/ref_forward_micro_batch_size
+    forward_micro_batch_size: int = 1  # actor_/ref_forward_micro_batch_size; the critic's micro_batch_size
     # use_remove_padding / use_dynamic_bsz with the actor_* or ref_* budgets, for ComputeLogProbs
     forward_packing: Packing = Packing()
     update: UpdateOptions = UpdateOptions()
@@ -52,6 +60,14 @@ class WorkerOptions:
     moe: MoeOptions = MoeOptions()  # moe_aux_loss_coeff, moe_router_load_balancing_type, moe_token_dispatcher_type
     # The model's layers on each pipeline stage (num_layer_list / noop_layers); None: Megatron's even split.
     stage_layers: tuple[int, ...] | None = None
+    # rlfabric.deterministic: torch's deterministic kernels in this process (services/common/determinism.py).
+    deterministic: bool = False
+    # lora_r / lora_alpha / lora_target_modules (the actor only; None: full weights), and lora_ckpt_filter:
+    # checkpoints hold the adapters alone, the base coming from the HF weights (services/trainer/checkpoint.py).
+    lora: LoraOptions | None = None
+    lora_ckpt_filter: bool = False
+    # The critic's value head starts as normal(0, init_method_std) (services/trainer/value_head.py).
+    init_method_std: float = ModelConfig().init_method_std
 
 
 class TrainerWorker:
@@ -61,21 +77,25 @@ class TrainerWorker:
         from megatron.core import parallel_state as ps
 
         self.opts = opts
+        roles.check_role(opts.role)
         self.layout: Layout = current_layout()
         self.spec, self.hf_config = self._read_spec()
         dtype = getattr(torch, opts.params_dtype)
         self.model = build_gpt_model(self.spec, tp=self.layout.tp, pp=self.layout.pp, params_dtype=dtype,
-                                     memory=opts.activation_memory, moe_opts=opts.moe, stages=opts.stage_layers)
+                                     memory=opts.activation_memory, moe_opts=opts.moe, stages=opts.stage_layers,
+                                     deterministic=opts.deterministic)
+        if opts.lora is not None and opts.role != roles.ACTOR:
+            raise ValueError(f"the {opts.role} trainer is the base model: LoRA is for the actor")
+        if opts.role == roles.CRITIC:
+            value_head.attach_value_head(self.model, init_std=opts.init_method_std, seed=opts.update.seed)
         self.optimizer = self.scheduler = None
-        if opts.role == "actor":
-            self.optimizer, self.scheduler = build_optimizer(self.model, opts.optimizer)
         self.iteration = 0
         self.consumed_samples = 0
         self.weights_version = 0
         self.last_update_step: int | None = None
-        self.offloader = StateOffloader(self.model, self.optimizer, _training_device())
         self._tp_rank, self._pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self._load_initial()
+        self.offloader = StateOffloader(self.model, self.optimizer, _training_device())
 
     # ---- set-up -----------------------------------------------------------------------------
     def _read_spec(self) -> tuple[ModelSpec, dict]:
@@ -93,13 +113,33 @@ class TrainerWorker:
         raise ValueError("the trainer needs hf_dir (an HF model folder) or a load dir written by rlfabric")
 
     def _load_initial(self) -> None:
+        """Base weights, then LoRA's adapters (which freeze the base), then the optimizer over what trains, then a
+        checkpoint's state (weights, adapters, optimizer, RNG): the optimizer must exist before a checkpoint
+        restores its state, and must see only the parameters that train."""
         load_is_hf = bool(self.opts.load) and not (Path(self.opts.load) / convert.ckpt_layout.TRACKER).is_file() \
             and (Path(self.opts.load) / "config.json").is_file()
+        from_checkpoint = bool(self.opts.load) and not load_is_hf
         if load_is_hf:
             # MindSpeed-RL configs sometimes point `load` at the HF folder to start from: take its weights.
             logger.info("load=%s is a Hugging Face folder: converting its weights in memory", self.opts.load)
             self.load_hf_weights(self.opts.load)
-        elif self.opts.load:
+        elif from_checkpoint and checkpoint.holds_adapters_only(self.opts.load):
+            # A lora_ckpt_filter checkpoint: the frozen base comes from the HF weights the run started from.
+            if not self.opts.hf_dir:
+                raise ValueError(f"{self.opts.load} holds LoRA adapters only (lora_ckpt_filter); the base weights "
+                                 "come from the HF folder (tokenizer_name_or_path), which is not set")
+            self.load_hf_weights(self.opts.hf_dir)
+        elif not from_checkpoint:
+            if not self.opts.hf_dir:
+                raise ValueError("no initial weights: set hf_dir or load")
+            self.load_hf_weights(self.opts.hf_dir)
+        if self.opts.lora is not None:
+            layers = lora.apply_lora(self.model, self.opts.lora)
+            logger.info("LoRA r=%d alpha=%g on %d layers of this rank (%d adapter elements)", self.opts.lora.rank,
+                        self.opts.lora.alpha, layers, lora.adapter_numel(self.model))
+        if self.opts.role in roles.TRAINING_ROLES:
+            self.optimizer, self.scheduler = build_optimizer(self.model, self.opts.optimizer)
+        if from_checkpoint:
             res = checkpoint.load_checkpoint(
                 self.opts.load,
                 model=self.model,
@@ -111,10 +151,6 @@ class TrainerWorker:
             )
             self.iteration, self.consumed_samples = res.iteration, res.consumed_samples
             logger.info("rank %d loaded %s (iteration %d)", self.layout.rank, res.path, res.iteration)
-        elif self.opts.hf_dir:
-            self.load_hf_weights(self.opts.hf_dir)
-        else:
-            raise ValueError("no initial weights: set hf_dir or load")
 
     def load_hf_weights(self, hf_dir: str | Path) -> None:
         """Load this rank's shard of an HF folder's weights (converted in memory)."""
@@ -126,42 +162,64 @@ class TrainerWorker:
             self.optimizer.reload_model_params()
 
     # ---- operations -------------------------------------------------------------------------
-    def compute_log_probs(self, rows: SequenceRows, temperature: float, with_entropy: bool = False):
+    def compute_log_probs(self, rows: SequenceRows, temperature: float, with_entropy: bool = False,
+                          adapters_off: bool = False):
+        """Log-probs (and entropy) of `rows`' response tokens; `adapters_off`: of the frozen backbone alone, the
+        reference under share_backbone (a ValueError on a model without LoRA adapters)."""
         from services.trainer.logprobs import compute_log_probs_rows
 
+        if self.opts.role == roles.CRITIC:
+            raise ValueError("the critic's output is a value per position, not log-probs: ComputeLogProbs is the "
+                             "actor's and the reference's")
         self.offloader.require("params", what="ComputeLogProbs")
-        return compute_log_probs_rows(
-            self.model,
-            rows,
-            temperature=temperature,
-            micro_batch_size=self.opts.forward_micro_batch_size,
-            with_entropy=with_entropy,
-            packing_opts=self.opts.forward_packing,
-        )
+        if adapters_off and not lora.adapters(self.model):
+            raise ValueError(f"adapters_off: the {self.opts.role} trainer has no LoRA adapters")
+        with lora.adapters_disabled(self.model) if adapters_off else contextlib.nullcontext():
+            return compute_log_probs_rows(
+                self.model,
+                rows,
+                temperature=temperature,
+                micro_batch_size=self.opts.forward_micro_batch_size,
+                with_entropy=with_entropy,
+                packing_opts=self.opts.forward_packing,
+            )
 
-    def update(self, exp: Experience, *, temperature: float, kl_coef: float, step: int) -> dict[str, float]:
+    def compute_values(self, rows: SequenceRows):
+        """PPO's critic: the values of `rows`' response tokens (packed float32 on rank 0, else None)."""
+        from services.trainer.critic import compute_values_rows
+
+        if self.opts.role != roles.CRITIC:
+            raise ValueError(f"the {self.opts.role} trainer has no value head: ComputeValues is the critic's")
+        self.offloader.require("params", what="ComputeValues")
+        return compute_values_rows(self.model, rows, self.opts.forward_micro_batch_size, self.opts.forward_packing)
+
+    def update(self, exp: Experience | CriticExperience, *, temperature: float = 1.0, kl_coef: float = 0.0,
+               step: int) -> dict[str, float]:
+        """One optimizer pass over `exp`: the policy loss on the actor (an Experience), the clipped value loss on the
+        critic (a CriticExperience; temperature and kl_coef unused)."""
+        from services.trainer.critic import CriticExperience, critic_update
+
+        critic = self.opts.role == roles.CRITIC
         if self.optimizer is None:
-            raise ValueError(f"the {self.opts.role} trainer has no optimizer; Update is for the actor")
+            raise ValueError(f"the {self.opts.role} trainer has no optimizer; Update is for the actor and the critic")
+        if critic != isinstance(exp, CriticExperience):
+            raise ValueError(f"the {self.opts.role} trainer trains on {'returns and values' if critic else 'advantages'}")
         self.offloader.require("params", "grads", "optimizer", what="Update")
         t0 = time.monotonic()
         with UpdateMemory(self.model, self.optimizer) as mem:
-            metrics = grpo_update(
-                self.model,
-                self.optimizer,
-                self.scheduler,
-                exp,
-                self.opts.update,
-                temperature=temperature,
-                kl_coef=kl_coef,
-                clip_grad=self.opts.optimizer.clip_grad,
-                step=step,
-            )
+            if critic:
+                metrics = critic_update(self.model, self.optimizer, self.scheduler, exp, self.opts.update,
+                                        self.opts.optimizer.clip_grad, step)
+            else:
+                metrics = grpo_update(self.model, self.optimizer, self.scheduler, exp, self.opts.update,
+                                      temperature=temperature, kl_coef=kl_coef, clip_grad=self.opts.optimizer.clip_grad,
+                                      step=step)
         metrics.update(mem.metrics(self.opts.role))  # memory/{role}/*: a collective, as every rank runs update
         self.iteration = step
         self.last_update_step = step
-        self.weights_version += 1
+        self.weights_version = after_update(self.weights_version)
         self.consumed_samples += len(exp.rows)
-        metrics["timing/update"] = time.monotonic() - t0
+        metrics[roles.update_timing_key(self.opts.role)] = time.monotonic() - t0
         return metrics
 
     def save(self, root: str | Path, iteration: int | None = None,
@@ -185,6 +243,7 @@ class TrainerWorker:
             consumed_samples=consumed,
             hf_config=self.hf_config,
             hf_assets_dir=self.opts.hf_dir,
+            adapters_only=self.opts.lora is not None and self.opts.lora_ckpt_filter,
         )
         return path, iteration, consumed
 
@@ -204,7 +263,7 @@ class TrainerWorker:
             no_load_rng=no_load_rng,
         )
         self.iteration, self.consumed_samples = res.iteration, res.consumed_samples
-        self.weights_version += 1
+        self.weights_version = after_update(self.weights_version)
         return res
 
     # ---- offload / onload (services/trainer/offload.py) ------------------------------------------

@@ -120,10 +120,10 @@ def test_check_lists_vllm_ascend_keys_as_inactive_here(repo_root: Path):
             "generate_config.ascend_scheduler_config_enabled") in out.stdout
 
 
-def test_check_refuses_ppo_naming_it(repo_root: Path):
-    out = _rlfabric(repo_root, "config", "check", "configs/grpo_qwen25_7b_A3.yaml", "-o", "megatron_training.stage=ray_ppo")
+def test_check_refuses_dpo_naming_it(repo_root: Path):
+    out = _rlfabric(repo_root, "config", "check", "configs/grpo_qwen25_7b_A3.yaml", "-o", "megatron_training.stage=dpo")
     assert out.returncode == 2 and out.stdout == ""
-    assert len(out.stderr.splitlines()) == 1 and "rlfabric does not support PPO" in out.stderr
+    assert len(out.stderr.splitlines()) == 1 and "rlfabric does not support DPO" in out.stderr
 
 
 def test_keys_markdown_prints_the_status_table(repo_root: Path):

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from services.common.redis_store import Registry, RunJournal, connect, start_private_redis
+from services.common.service_kind import ServiceKind
 
 
 def wait_until(predicate, timeout_s: float) -> bool:
@@ -51,6 +52,16 @@ def test_heartbeats_keep_a_registration_alive_past_its_lease(redis_url: str) -> 
         members = registry.members("reward")
         assert [(m.instance_id, m.endpoint, m.metadata) for m in members] == [("w1", "127.0.0.1:1", {"slots": 4})]
     assert registry.members("reward") == []  # close() deregisters at once
+
+
+def test_service_kinds_are_the_key_names_every_process_shares(redis_url: str) -> None:
+    # The enum's values are on the wire: a process of another version reads these exact keys.
+    assert {k.value for k in ServiceKind} == {"coordinator", "reward", "rollout", "tools", "trainer"}
+    client = connect(redis_url)
+    registry = Registry(client, prefix="t-kinds")
+    with registry.register(ServiceKind.REWARD, "w1", "127.0.0.1:1"):
+        assert client.exists("t-kinds:members:reward:w1")
+        assert [m.instance_id for m in registry.members("reward")] == ["w1"]  # a plain name finds it too
 
 
 def test_killed_instance_leaves_the_registry_within_its_lease(redis_url: str) -> None:

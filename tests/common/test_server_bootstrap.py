@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from rlfabric.v1 import reward_pb2, reward_pb2_grpc
 from services.common.client import make_channel
 from services.common.server import ServiceServer, ServiceSpec, create_server
+from services.common.status import echo
 
 TOKEN = "s3cret"
 
@@ -74,6 +75,24 @@ def test_token_guards_only_listed_methods(server: ServiceServer) -> None:
     with make_channel(server.address, token=TOKEN) as channel:
         reply = reward_pb2_grpc.RewardStub(channel).RegisterVerifier(reward_pb2.RegisterVerifierRequest(name="x"), timeout=5)
         assert reply.verifier.name == "x"
+
+
+def test_a_refusal_quotes_the_called_method_cut_short() -> None:
+    # With every method guarded, the refused path is whatever the client sent: echoed, so a long one cannot push
+    # the status past the client's metadata limit (services/common/status.py).
+    srv = create_server([], component="guard-all", metrics_port=None, auth_token=TOKEN, auth_methods=None).start()
+    method = "/rlfabric.v1.Nowhere/" + "x" * 5_000  # under gRPC's own 16 KiB limit on a request's path
+    try:
+        with make_channel(srv.address, token=None) as channel:
+            call = channel.unary_unary(method, request_serializer=bytes, response_deserializer=bytes)
+            with pytest.raises(grpc.RpcError) as err:
+                call(b"", timeout=5)
+    finally:
+        srv.stop(0)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    details = err.value.details()
+    assert details == f"{echo(method)} requires 'authorization: Bearer <token>' metadata with the server's token"
+    assert len(details) < 300
 
 
 def test_stop_turns_health_not_serving() -> None:

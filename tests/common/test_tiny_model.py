@@ -87,14 +87,15 @@ def test_vllm_and_transformers_greedy_tokens_are_identical(tiny_model_dir: Path,
     assert got == expected
 
 
-def test_split_digits_gives_one_token_per_digit(tmp_path: Path) -> None:
+def test_single_digits_give_one_token_per_digit(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     from services.common.tiny_model import write_tiny_model
 
-    out = write_tiny_model(tmp_path / "digits", vocab_size=512, num_layers=1, split_digits=True)
+    out = write_tiny_model(tmp_path / "digits", vocab_size=512, num_layers=1, digits="single")
     tok = AutoTokenizer.from_pretrained(out)
     assert len(tok) == 512 and json.loads((out / "config.json").read_text())["vocab_size"] == 512
     ids = tok("12+340=352<|im_end|>")["input_ids"]
     assert tok.convert_ids_to_tokens(ids) == ["1", "2", "+", "3", "4", "0", "=", "3", "5", "2", "<|im_end|>"]
     assert tok.decode(ids, skip_special_tokens=True) == "12+340=352"
+

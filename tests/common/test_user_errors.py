@@ -100,7 +100,8 @@ def test_tiny_model_refuses_a_non_empty_folder(repo_root: Path, hub: _Hub, tmp_p
 
 def test_tiny_model_too_small_a_vocabulary_is_a_usage_error(repo_root: Path, hub: _Hub, tmp_path: Path) -> None:
     line = _one_line(_rlfabric(repo_root, hub, "tiny-model", str(tmp_path / "m"), "--vocab-size", "10"))
-    assert line == "error: --vocab-size 10 is too small: a byte-level BPE needs at least 300 entries"
+    assert line == "error: vocab_size 10 is too small: a byte-level BPE needs at least 300 entries"
+    assert not (tmp_path / "m").exists()
 
 
 @pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n"], ids=["empty", "comment", "empty-mapping"])

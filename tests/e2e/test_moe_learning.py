@@ -36,6 +36,7 @@ import pytest
 
 from services.report.run_metrics import find_metrics, read_metrics
 from services.report.seed_metrics import check_record
+from tests.e2e.addition_work import write_addition_work
 
 CONFIG = "configs/grpo_demo_moe_cpu.yaml"
 VERIFIER = "leading_number"
@@ -46,30 +47,8 @@ VAL_MARGIN = 0.10
 
 @pytest.fixture(scope="module")
 def moe_addition_warmup(tmp_path_factory: pytest.TempPathFactory, repo_root: Path) -> Path:
-    """A work folder like the demo's, for the MoE: base_model, task/{train,heldout}.jsonl, dataset/{train,heldout},
-    sft_model."""
-    import torch
-
-    from services.common.tiny_model import write_tiny_model
-    from services.data.dataset_config import load_dataset_config
-    from services.data.preprocess import preprocess
-    from services.data.synthetic import write_addition_task
-    from services.sft.train import RECIPES, train
-
-    torch.set_num_threads(1)
-    work = tmp_path_factory.mktemp("moe_addition")
-    base = write_tiny_model(work / "base_model", vocab_size=512, split_digits=True, family="qwen3_moe")
-    train_rows, held_out = write_addition_task(work / "task", held_out=500)
-    for split, path in (("train", train_rows), ("heldout", held_out)):
-        preprocess(load_dataset_config(repo_root / "configs" / "datasets" / "deepscaler.yaml", [
-            f"input={path}", f"tokenizer_name_or_path={base}", f"output_prefix={work / 'dataset' / split}",
-            "prompt_type=empty", "workers=1"]))
-
-    def rows(path: Path) -> list[tuple[str, str]]:
-        return [(r["problem"], r["answer"]) for r in map(json.loads, path.read_text().splitlines())]
-
-    train(base, rows(train_rows), work / "sft_model", RECIPES["addition"], held_out_rows=rows(held_out))
-    return work
+    """The demo's work folder (tests/e2e/addition_work.py) for a tiny Qwen3-MoE."""
+    return write_addition_work(tmp_path_factory.mktemp("moe_addition"), repo_root, family="qwen3_moe")
 
 
 def mean(values: list[float]) -> float:

@@ -53,7 +53,8 @@ class Replicas:
     def start(self, instance_id: str) -> ServiceProcess:
         proc = ServiceProcess(instance_id, [
             "rollout", "serve", "--model", str(self.model), "--address", "127.0.0.1:0", "--dtype", "float32",
-            "--max-model-len", "256", "--max-num-seqs", "16", "--num-threads", "1", "--redis-url", self.redis_url,
+            "--tensor-parallel-size", "1", "--max-model-len", "256", "--max-num-seqs", "16", "--num-threads", "1",
+            "--redis-url", self.redis_url,
             "--instance-id", instance_id, "--insecure"],  # the tests' trainer pushes without a token
             self.log_dir / f"{instance_id}.log", env={"PYTHONPATH": str(self.repo_root)}).start()
         self.started[instance_id] = proc

@@ -17,8 +17,8 @@ from services.rollout.samples import SampleRequest
 
 
 def main(model: str, cache: str) -> int:
-    engine = RolloutEngine(EngineOptions(model=model, dtype="float32", max_model_len=256, max_num_seqs=8,
-                                         num_threads=1, cpu_kv_cache_gib=1, gpu_memory_utilization=0.2,
+    engine = RolloutEngine(EngineOptions(model=model, dtype="float32", tensor_parallel_size=1, max_model_len=256,
+                                         max_num_seqs=8, num_threads=1, cpu_kv_cache_gib=1, gpu_memory_utilization=0.2,
                                          cache_root=cache))
     engine.sleep(1)  # the state the fuzzing leaves most often
     entered, release = threading.Event(), threading.Event()

@@ -26,8 +26,9 @@ def serve_args(service: str, model: Path, tmp_path: Path) -> list[str]:
         "reward": ["reward", "serve", "--drain-timeout-s", str(DRAIN_TIMEOUT_S), "--worker-id", "gone-redis"],
         "coordinator": ["coordinator", "serve", "--instance-id", "gone-redis", "--insecure", "--runs-dir",
                         str(tmp_path / "runs")],
-        "rollout": ["rollout", "serve", "--model", str(model), "--dtype", "float32", "--max-model-len", "256",
-                    "--max-num-seqs", "4", "--num-threads", "1", "--instance-id", "gone-redis", "--insecure"],
+        "rollout": ["rollout", "serve", "--model", str(model), "--dtype", "float32", "--tensor-parallel-size", "1",
+                    "--max-model-len", "256", "--max-num-seqs", "4", "--num-threads", "1", "--instance-id", "gone-redis",
+                    "--insecure"],
         "trainer": ["trainer", "serve", "--hf-dir", str(model), "--instance-id", "gone-redis", "--insecure"],
     }[service]
 

@@ -11,12 +11,15 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 
 from rlfabric.v1 import rollout_pb2, rollout_pb2_grpc
 from services.cli import build_parser
 from services.common.client import make_channel
+from services.common.config import GenerateConfig, SamplingConfig
 from services.common.errors import DataError
 from services.rollout.cli import build_options, run_serve
+from services.rollout.options import EngineOptions, SamplingOptions, options_from_config
 
 
 def test_options_come_from_generate_config(repo_root: Path, tiny_model_dir: Path) -> None:
@@ -37,6 +40,33 @@ def test_options_come_from_generate_config(repo_root: Path, tiny_model_dir: Path
     assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p) == (
         2048, 1.0, 1.0, -1, 0.0)
     assert sampling.logprobs == 1
+
+
+# A config with every generate_config key at its default (and the few other keys validation needs, chosen so
+# that those defaults pass: 8 heads and 8 devices for infer_tensor_parallel_size 8, bf16 for dtype bfloat16).
+_DEFAULT_GENERATE_CONFIG = {
+    "megatron_training": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8, "global_batch_size": 8,
+                          "micro_batch_size": 1, "seq_length": 1024, "train_iters": 1, "lr": 1e-6, "bf16": True,
+                          "attention_dropout": 0.0, "hidden_dropout": 0.0},
+    "rl_config": {"actor_resource": {"num_npus": 8}, "mini_batch_size": 8},
+}
+
+
+def test_serve_without_config_takes_the_defaults_a_config_gives(tiny_model_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / "defaults.yaml"
+    path.write_text(yaml.safe_dump(_DEFAULT_GENERATE_CONFIG))
+    parse = build_parser().parse_args
+    with_config = build_options(parse(["rollout", "serve", "--config", str(path), "--model", str(tiny_model_dir)]))
+    without = build_options(parse(["rollout", "serve", "--model", str(tiny_model_dir)]))
+    assert without == with_config
+    assert with_config[1].temperature == SamplingConfig().temperature  # the schema's, not a default of the rollout's
+
+
+def test_option_defaults_are_the_schemas() -> None:
+    # EngineOptions / SamplingOptions built bare hold what options_from_config reads from a default generate_config.
+    engine, sampling = options_from_config(GenerateConfig(), "m")
+    assert EngineOptions(model="m") == engine
+    assert SamplingOptions() == sampling
 
 
 def test_serve_without_model_says_what_to_pass() -> None:
@@ -79,8 +109,8 @@ def test_cli_serves_a_replica_at_version_zero(repo_root: Path, tiny_model_dir: P
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "rollout", "serve", "--model", str(tiny_model_dir),
-         "--address", "127.0.0.1:0", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4",
-         "--num-threads", "1"],
+         "--address", "127.0.0.1:0", "--dtype", "float32", "--tensor-parallel-size", "1", "--max-model-len", "256",
+         "--max-num-seqs", "4", "--num-threads", "1"],
         cwd=repo_root, env=env, stdout=subprocess.PIPE, stderr=open(tmp_path / "stderr.log", "w"), text=True,
     )
     try:

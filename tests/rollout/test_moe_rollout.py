@@ -161,5 +161,5 @@ def test_routed_experts_with_the_prefix_cache_is_refused(moe_dirs, tmp_path: Pat
     from services.rollout.options import EngineOptions
 
     with pytest.raises(ValueError, match="return_routed_experts needs enable_prefix_caching off"):
-        RolloutEngine(EngineOptions(model=str(moe_dirs[0]), dtype="float32", cache_root=str(tmp_path),
-                                    return_routed_experts=True, enable_prefix_caching=True))
+        RolloutEngine(EngineOptions(model=str(moe_dirs[0]), dtype="float32", tensor_parallel_size=1,
+                                    cache_root=str(tmp_path), return_routed_experts=True, enable_prefix_caching=True))

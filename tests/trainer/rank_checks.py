@@ -86,7 +86,8 @@ def run_checks(a: argparse.Namespace, tp: int, pp: int, load: str | None) -> dic
     results: dict = {}
 
     upd = UpdateOptions(micro_batch_size=2, mini_batch_rows=4, epochs=1, shuffle_mini_batch=True, seed=3)
-    optim = OptimizerOptions(lr=a.lr, clip_grad=1.0, weight_decay=0.01)
+    # Constant LR: the test compares layouts, not the schedule (the default decays linearly).
+    optim = OptimizerOptions(lr=a.lr, lr_decay_style="constant", clip_grad=1.0, weight_decay=0.01)
     wopts = WorkerOptions(role="actor", hf_dir=a.hf, load=load, finetune=True, forward_micro_batch_size=3,
                           update=upd, optimizer=optim)
 

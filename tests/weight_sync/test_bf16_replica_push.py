@@ -36,8 +36,8 @@ def bf16_replica(deepseek_dirs, tmp_path_factory) -> Iterator[tuple]:
     from services.rollout.options import EngineOptions
 
     engine = RolloutEngine(EngineOptions(
-        model=str(deepseek_dirs[0]), dtype="bfloat16", max_model_len=256, max_num_seqs=16, num_threads=1,
-        cpu_kv_cache_gib=1, cache_root=str(tmp_path_factory.mktemp("vllm_deepseek_bf16_cache"))))
+        model=str(deepseek_dirs[0]), dtype="bfloat16", tensor_parallel_size=1, max_model_len=256, max_num_seqs=16,
+        num_threads=1, cpu_kv_cache_gib=1, cache_root=str(tmp_path_factory.mktemp("vllm_deepseek_bf16_cache"))))
     server = serve_rollout(engine)
     yield engine, server
     server.stop(0)

@@ -9,7 +9,9 @@ models/loss/*_actor_loss_func.py, models/rule_verifier.py):
   zero whatever `init_kl_coef` says; `token_level_loss`, `clip_higher_enable` / `clip_ratio_low/high`
   and dynamic sampling (`filter_groups_*`) are read from their keys.
 - Both: overlong reward shaping (`overlong_buffer_*`) lives in the rule reward, keyed by its own switch.
-- `ray_ppo` (a critic) and `dpo` are other programs; rlfabric refuses them naming the feature.
+- `ray_ppo`: PPO, the same actor loss without a KL term, a critic (`critic_config`) and GAE advantages; its own
+  rules are ppo.py's. As under `ray_grpo`, the DAPO-only keys are refused.
+- `dpo` is another program; rlfabric refuses it naming the feature.
 
 So rlfabric refuses what upstream would silently ignore, instead of ignoring it too: the DAPO-only keys
 switched on under `ray_grpo`, and a non-zero `init_kl_coef` written in a `ray_dapo` config (upstream's
@@ -24,28 +26,28 @@ from typing import TYPE_CHECKING
 
 from services.common.config.loss_variants import loss_variant_rules
 from services.common.config.problems import Problem
-from services.common.config.statuses import DPO, PPO
+from services.common.config.statuses import DPO
 
 if TYPE_CHECKING:
     from services.common.config.resolved import RLFabricConfig
-GRPO, DAPO = "grpo", "dapo"
-ALGORITHMS = {"ray_grpo": GRPO, "ray_dapo": DAPO}
-# Stages of MindSpeed-RL that are not GRPO or DAPO: each names the feature it would need.
-OTHER_STAGES = {"ray_ppo": PPO, "dpo": DPO, "ray_dpo": DPO}
+GRPO, DAPO, PPO = "grpo", "dapo", "ppo"
+ALGORITHMS = {"ray_grpo": GRPO, "ray_dapo": DAPO, "ray_ppo": PPO}
+# Stages of MindSpeed-RL that rlfabric does not train: each names the feature it would need.
+OTHER_STAGES = {"dpo": DPO, "ray_dpo": DPO}
 # Keys only the KL term reads: inactive when there is none (DAPO, or init_kl_coef 0).
 KL_KEYS = ("rl_config.init_kl_coef", "rl_config.kl_penalty", "rl_config.kl_ctrl_type", "rl_config.kl_horizon",
            "rl_config.kl_target", "rl_config.ref_forward_micro_batch_size", "rl_config.ref_dispatch_size")
 
 
 def algorithm_of(stage: str | None) -> str | None:
-    """"grpo" or "dapo" for a stage rlfabric trains (unset: grpo); None for any other stage."""
+    """"grpo", "dapo" or "ppo" for a stage rlfabric trains (unset: grpo); None for any other stage."""
     if stage is None:
         return GRPO
     return ALGORITHMS.get(stage)
 
 
 def stage_feature(stage: str | None) -> str | None:
-    """The feature a non-GRPO/DAPO stage of MindSpeed-RL stands for (PPO, DPO), else None."""
+    """The feature a stage of MindSpeed-RL that rlfabric does not train stands for (DPO), else None."""
     return OTHER_STAGES.get(stage) if stage is not None else None
 
 
@@ -55,18 +57,19 @@ def algorithm_rules(cfg: RLFabricConfig) -> Iterable[Problem]:
     yield from loss_variant_rules(cfg)
     algorithm = algorithm_of(stage)
     if algorithm is None:
-        if stage_feature(stage) is None:  # PPO/DPO stages are refused as features, by the loader
-            yield Problem(("stage",), f"stage `{stage}` is not an algorithm rlfabric trains; use ray_grpo (GRPO) or "
-                                      f"ray_dapo (DAPO)")
+        if stage_feature(stage) is None:  # DPO stages are refused as features, by the loader
+            yield Problem(("stage",), f"stage `{stage}` is not an algorithm rlfabric trains; use ray_grpo (GRPO), "
+                                      f"ray_dapo (DAPO) or ray_ppo (PPO)")
         return
-    if algorithm == GRPO:
+    if algorithm in (GRPO, PPO):
         dapo_only = [(rl.clip_higher_enable, "rl_config.clip_higher_enable", "clip-higher"),
                      (not rl.token_level_loss, "rl_config.token_level_loss", "sequence-mean-token-mean loss"),
                      (rl.filter_groups_enable, "rl_config.filter_groups_enable", "dynamic sampling")]
         for switched_on, key, what in dapo_only:
             if switched_on:
+                name = "PPO" if algorithm == PPO else "GRPO"
                 yield Problem((key,), f"{key} asks for DAPO's {what}, but stage is `{stage or 'ray_grpo'}`: "
-                                      f"MindSpeed-RL's GRPO ignores it. Set megatron_training.stage: ray_dapo, "
+                                      f"MindSpeed-RL's {name} ignores it. Set megatron_training.stage: ray_dapo, "
                                       f"or remove {key.split('.')[-1]}")
     elif rl.init_kl_coef != 0 and "rl_config.init_kl_coef" in cfg.provenance.sources:
         yield Problem(("rl_config.init_kl_coef",),
@@ -79,7 +82,10 @@ def inactive_keys(cfg: RLFabricConfig) -> dict[str, str]:
     """Keys the file sets that the selected algorithm does not read: dotted key -> why."""
     rl, algorithm = cfg.rl_config, algorithm_of(cfg.actor_config.stage)
     out: dict[str, str] = {}
-    if not cfg.derived.use_kl_loss:
+    if algorithm == PPO:
+        if not rl.use_kl_in_reward:  # PPO's actor loss has no KL term; its KL is the reward's, when asked
+            out.update(dict.fromkeys(KL_KEYS, "ray_ppo without use_kl_in_reward has no KL (its actor loss has none)"))
+    elif not cfg.derived.use_kl_loss:
         why = ("ray_dapo has no KL term" if algorithm == DAPO else "init_kl_coef is 0: no KL term, no reference model")
         out.update(dict.fromkeys(KL_KEYS, why))
     if not rl.clip_higher_enable:
@@ -87,8 +93,8 @@ def inactive_keys(cfg: RLFabricConfig) -> dict[str, str]:
                                  "clip_higher_enable is false: the clip range is clip_ratio"))
     if cfg.rlfabric.policy_loss_mode == "gspo":
         out["rl_config.token_level_loss"] = "rlfabric.policy_loss_mode gspo always aggregates seq-mean-token-mean"
-    elif algorithm == GRPO:
-        out["rl_config.token_level_loss"] = "ray_grpo's loss is always token-level"
+    elif algorithm in (GRPO, PPO):
+        out["rl_config.token_level_loss"] = f"ray_{algorithm}'s loss is always token-level"
     elif rl.clip_higher_enable:
         out["rl_config.clip_ratio"] = "clip_higher_enable is true: clip_ratio_low / clip_ratio_high apply"
     return {key: why for key, why in out.items() if key in cfg.provenance.sources}

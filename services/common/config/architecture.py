@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config.schema import inert, read, refused, setting
+from services.common.config.schema import read, refused, setting
 from services.common.config.statuses import (
     ACTIVATIONS,
     DERIVED,
@@ -83,8 +83,9 @@ class ModelConfig:
     qk_layernorm: bool = setting(False, "Normalize queries and keys per head (Qwen3).", read(HF_CHECK))
     attention_dropout: float = setting(0.1, "Dropout on attention probabilities.", _NO_DROPOUT)
     hidden_dropout: float = setting(0.1, "Dropout on hidden states.", _NO_DROPOUT)
-    init_method_std: float = setting(0.02, "Standard deviation of the weight initialization.", inert(
-        "weights always load from a checkpoint or a Hugging Face folder, which overwrites the initialisation"))
+    init_method_std: float = setting(0.02, "Standard deviation of the weight initialization.", read(
+        TRAINER_OPTIONS, note="the PPO critic's new value head only; every other weight loads from a checkpoint or a "
+                              "Hugging Face folder, which overwrites the initialisation"))
     multi_latent_attention: bool = setting(False, "Multi-head latent attention (DeepSeek MLA).", _DEEPSEEK)
     qk_pos_emb_head_dim: int | None = setting(None, "MLA: rotary part of the query/key head dimension.", _DEEPSEEK)
     qk_head_dim: int | None = setting(None, "MLA: non-rotary query/key head dimension.", _DEEPSEEK)

@@ -35,12 +35,12 @@ from services.common.config.sections import (
     ProfilerConfig,
     SamplingConfig,
 )
-from services.common.config.statuses import PPO, REWARD_MODEL
+from services.common.config.statuses import REWARD_MODEL
 
 if TYPE_CHECKING:
     from services.common.config.resolved import RLFabricConfig
 
-MEGATRON_SECTIONS = ("megatron_training", "actor_config", "ref_config")
+MEGATRON_SECTIONS = ("megatron_training", "actor_config", "ref_config", "critic_config")
 # Section -> class. `model` maps block names to blocks (each parsed as MegatronConfig, listed as ModelConfig);
 # `profiler_config` maps roles (e.g. `integrated`) to ProfilerConfig.
 SECTIONS: dict[str, type] = {
@@ -48,6 +48,7 @@ SECTIONS: dict[str, type] = {
     "megatron_training": MegatronConfig,
     "actor_config": MegatronConfig,
     "ref_config": MegatronConfig,
+    "critic_config": MegatronConfig,
     "rl_config": RLConfig,
     "generate_config": GenerateConfig,
     "generate_config.sampling_config": SamplingConfig,
@@ -59,7 +60,6 @@ SECTIONS: dict[str, type] = {
 REFUSED_SECTIONS: dict[str, tuple[str, str]] = {
     "reward_config": (REWARD_MODEL, "a reward model's Megatron options; list rule verifiers in "
                                     "rl_config.verifier_function instead"),
-    "critic_config": (PPO, "a critic's Megatron options; rlfabric trains GRPO and DAPO, which have no critic"),
 }
 TOP_LEVEL_KEYS = ("defaults", *(name for name in SECTIONS if "." not in name), *REFUSED_SECTIONS)
 _KEYED_BY_NAME = ("model", "profiler_config")  # one more level: the block name / the role

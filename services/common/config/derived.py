@@ -6,14 +6,16 @@ missing or not divisible (validation.py reports why), so derivation never raises
 Units: `*_batch_size` and `*_dispatch_size` values here are in SAMPLES (one prompt x one response)
 unless the name says prompts; `global_batch_size` and `rl_config.mini_batch_size` are in prompts.
 
-The algorithm (`megatron_training.stage`, see algorithm.py) decides `use_kl_loss` (a KL term and a
-reference model: GRPO with a non-zero `init_kl_coef`; never DAPO) and `dynamic_sampling`; under dynamic
+The algorithm (`megatron_training.stage`, see algorithm.py) decides `use_kl_loss` (a KL term in the loss: GRPO
+with a non-zero `init_kl_coef`; never DAPO or PPO), `use_reference` (reference log-probs: that KL term, or PPO's KL
+in the reward, `use_kl_in_reward`), `critic_trainer` (PPO) and `dynamic_sampling`; under dynamic
 sampling an iteration trains `filter_groups_train_batch_size` prompts, which is what the update-side sizes
 and the skip-old-log-probs rule (MindSpeed-RL's `set_actor_log_prob_skip_flag`) count.
 
 `world_size` is the number of devices the run uses, as MindSpeed-RL's `world_size` metric counts them
 (utils.compute_tps): in integrated mode the actor's devices, which the reference and rollout share;
-disaggregated, rlfabric's actor, reference (when there is one) and rollout each hold their own.
+disaggregated, rlfabric's actor, reference (when there is one) and rollout each hold their own. PPO's critic
+(`critic_resource`, unset: the actor's count) always holds devices of its own, as MindSpeed-RL places it.
 
 Experts (MoE models) in megatron-core's terms: `actor_expert_parallel_size` ranks share one copy of the
 experts, each split over `actor_expert_tensor_parallel_size` ranks. Without `moe_tp_extend_ep` these are
@@ -26,7 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from services.common.config.algorithm import DAPO, GRPO, algorithm_of
+from services.common.config.algorithm import DAPO, GRPO, PPO, algorithm_of
 from services.common.config.megatron import MegatronConfig
 from services.common.config.rl import RLConfig
 from services.common.config.sections import GenerateConfig
@@ -63,6 +65,9 @@ class Derived:
     ref_world_size: int | None
     ref_model_parallel_size: int | None
     ref_data_parallel_size: int | None
+    critic_world_size: int | None
+    critic_model_parallel_size: int | None
+    critic_data_parallel_size: int | None
     rollout_engine_size: int | None
     rollout_data_parallel_size: int | None
     rollout_world_size: int | None
@@ -85,9 +90,16 @@ class Derived:
     actor_update_dispatch_size: int | None
     skip_old_log_probs: bool
     use_kl_loss: bool
+    use_reference: bool
+    # A reference trainer of its own: reference log-probs, and not LoRA's share_backbone (whose reference is the
+    # actor's backbone with its adapters off).
+    reference_trainer: bool
+    # PPO's critic (stage ray_ppo with a critic_config).
+    critic_trainer: bool
     dynamic_sampling: bool
     params_dtype: str
     ref_params_dtype: str
+    critic_params_dtype: str | None
     rollout_dtype: str
     max_response_length: int
     max_sequence_length: int
@@ -100,6 +112,11 @@ class Derived:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def trainer_roles(self) -> list[str]:
+        """The trainer groups the run starts: the actor, then the reference and the critic when it has them."""
+        return ["actor", *(["reference"] if self.reference_trainer else []), *(["critic"] if self.critic_trainer else [])]
 
 
 def _params_dtype(view: MegatronConfig) -> str:
@@ -117,26 +134,35 @@ def compute_derived(
     gen: GenerateConfig,
     *,
     config_dir: Path | None,
+    critic: MegatronConfig | None = None,
 ) -> Derived:
     """Compute the derived values (None where inputs are missing or do not divide)."""
     algorithm = algorithm_of(actor.stage)
-    # The KL term (and so a reference model) exists iff GRPO's coefficient is non-zero; DAPO has none.
+    # The KL loss term exists iff GRPO's coefficient is non-zero; DAPO has none, PPO's KL is in the reward.
     use_kl = (algorithm or GRPO) == GRPO and rl.init_kl_coef != 0
+    kl_in_reward = algorithm == PPO and rl.use_kl_in_reward
+    use_reference = use_kl or kl_in_reward
+    critic = critic if algorithm == PPO else None
     dynamic_sampling = algorithm == DAPO and rl.filter_groups_enable
     # DAPO dynamic sampling trains on filter_groups_train_batch_size prompts instead of gbs.
     train_prompts = rl.filter_groups_train_batch_size if dynamic_sampling else actor.global_batch_size
-    layout = _layout(actor, ref, rl, gen, use_kl)
+    layout = _layout(actor, ref, rl, gen, use_reference, critic)
     return Derived(
         algorithm=algorithm,
         **layout,
         **_batches(actor, ref, rl, layout, train_prompts),
         # Fully on-policy: one optimizer step per iteration over the trained prompts, so old log-probs equal the
-        # current ones and the actor's old-log-prob pass is skipped (MindSpeed-RL's set_actor_log_prob_skip_flag).
-        skip_old_log_probs=rl.mini_batch_size == train_prompts and rl.epochs == 1,
+        # current ones and the actor's old-log-prob pass is skipped (MindSpeed-RL's set_actor_log_prob_skip_flag;
+        # its PPO trainer also needs them for the KL in the reward).
+        skip_old_log_probs=rl.mini_batch_size == train_prompts and rl.epochs == 1 and not kl_in_reward,
         use_kl_loss=use_kl,
+        use_reference=use_reference,
+        reference_trainer=use_reference and not rl.share_backbone,
+        critic_trainer=critic is not None,
         dynamic_sampling=dynamic_sampling,
         params_dtype=_params_dtype(actor),
         ref_params_dtype=_params_dtype(ref),
+        critic_params_dtype=None if critic is None else _params_dtype(critic),
         rollout_dtype=gen.dtype,
         max_response_length=gen.sampling_config.max_tokens,
         max_sequence_length=rl.max_prompt_length + gen.sampling_config.max_tokens,
@@ -145,13 +171,18 @@ def compute_derived(
 
 
 def _layout(actor: MegatronConfig, ref: MegatronConfig, rl: RLConfig, gen: GenerateConfig,
-            use_kl: bool) -> dict[str, int | None]:
-    """Devices and parallel sizes of the actor, the reference (None without a KL term) and the rollout."""
+            use_reference: bool, critic: MegatronConfig | None) -> dict[str, int | None]:
+    """Devices and parallel sizes of the actor, the reference (None without reference log-probs), PPO's critic
+    (None without one) and the rollout."""
     actor_world = _world(rl.actor_resource.num_npus)
     actor_mp = _mul(actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size,
                     actor.context_parallel_size)
     ref_resource = rl.reference_resource if rl.reference_resource is not None else rl.actor_resource
-    ref_world = _world(ref_resource.num_npus) if use_kl else None
+    ref_world = _world(ref_resource.num_npus) if use_reference else None
+    critic_resource = rl.critic_resource if rl.critic_resource is not None else rl.actor_resource
+    critic_world = _world(critic_resource.num_npus) if critic is not None else None
+    critic_mp = None if critic is None else _mul(critic.tensor_model_parallel_size,
+                                                 critic.pipeline_model_parallel_size, critic.context_parallel_size)
     ref_mp = _mul(ref.tensor_model_parallel_size, ref.pipeline_model_parallel_size, ref.context_parallel_size)
     engine = _mul(gen.infer_tensor_parallel_size, gen.infer_pipeline_parallel_size)
     rollout_dp = _div(actor_world, engine)
@@ -160,9 +191,13 @@ def _layout(actor: MegatronConfig, ref: MegatronConfig, rl: RLConfig, gen: Gener
         world = actor_world
     else:
         world = None if None in (actor_world, rollout_world) else actor_world + rollout_world + (ref_world or 0)
+    if world is not None and critic is not None:
+        world = None if critic_world is None else world + critic_world
     return dict(world_size=world, actor_world_size=actor_world, actor_model_parallel_size=actor_mp,
                 actor_data_parallel_size=_div(actor_world, actor_mp), **_experts(actor), ref_world_size=ref_world,
                 ref_model_parallel_size=ref_mp, ref_data_parallel_size=_div(ref_world, ref_mp),
+                critic_world_size=critic_world, critic_model_parallel_size=critic_mp,
+                critic_data_parallel_size=_div(critic_world, critic_mp),
                 rollout_engine_size=engine, rollout_data_parallel_size=rollout_dp, rollout_world_size=rollout_world)
 
 

@@ -26,7 +26,6 @@ compared only when the model has a dense MLP layer (in an all-MoE model it sizes
 from __future__ import annotations
 
 import ast
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -245,9 +244,12 @@ def _describe_layers(freq: Any, pattern: list[int] | None) -> str:
 
 def _deepseek_message(hf_dir: Path) -> str | None:
     """The message for a DeepSeek config.json, whose model_type the model spec refuses generically."""
+    from services.common.errors import DataError
+    from services.common.model_spec import read_config_json
+
     try:
-        model_type = str(json.loads((hf_dir / "config.json").read_text()).get("model_type", ""))
-    except (OSError, ValueError, AttributeError):
+        model_type = str(read_config_json(hf_dir).get("model_type", ""))
+    except DataError:
         return None
     if not model_type.startswith("deepseek") or model_type == "deepseek_v3":
         return None  # a DeepSeek-V3 config.json's refusal names its key (model_spec)

@@ -59,6 +59,8 @@ def _how_to_make_model(cfg: RLFabricConfig, key: str, path: str) -> str:
 def _hf2mcore_flags(cfg: RLFabricConfig, key: str) -> str:
     """The converter's flags for the layout the trainer of `key`'s role loads: TP, PP, EP and uneven stages."""
     mt = cfg.ref_config if key.startswith("ref_config.") else cfg.actor_config
+    if key.startswith("critic_config.") and cfg.critic_config is not None:
+        mt = cfg.critic_config
     flags = [f"--tp {mt.tensor_model_parallel_size}", f"--pp {mt.pipeline_model_parallel_size}"]
     if mt.num_experts is not None and mt.expert_model_parallel_size > 1:
         flags.append(f"--ep {mt.expert_model_parallel_size}")
@@ -75,8 +77,10 @@ def missing_input_paths(cfg: RLFabricConfig) -> list[ConfigIssue]:
     models = {"tokenizer_name_or_path": cfg.actor_config.tokenizer_name_or_path,
               "generate_config.tokenizer_name_or_path": cfg.derived.rollout_tokenizer_name_or_path,
               "actor_config.load": cfg.actor_config.load}
-    if cfg.derived.use_kl_loss:
+    if cfg.derived.reference_trainer:
         models["ref_config.load"] = cfg.derived.ref_model_load_path
+    if cfg.critic_config is not None:
+        models["critic_config.load"] = cfg.critic_config.load
     seen: set[str] = set()
     for key, path in models.items():
         if not path or path in seen:

@@ -109,7 +109,7 @@ def load_config_dict(
                                 for name in ("rl_config", "generate_config", "msprobe_config", "rlfabric"))
     profilers = _profilers(top.get("profiler_config"), raw, issues, bad)
     _check_worker_sections(views.sections, rl, raw, issues)
-    actor, ref = views.actor, views.ref
+    actor, ref, critic = views.actor, views.ref, views.critic
     cfg = RLFabricConfig(
         model_name=views.model_name,
         model=ModelConfig(**{f.name: getattr(actor, f.name) for f in dataclasses.fields(ModelConfig)}),
@@ -121,7 +121,8 @@ def load_config_dict(
         profiler_config=profilers,
         msprobe_config=msprobe,
         rlfabric=fabric,
-        derived=compute_derived(actor, ref, rl, gen, config_dir=config_dir),
+        derived=compute_derived(actor, ref, rl, gen, config_dir=config_dir, critic=critic),
+        critic_config=critic,
         path=path,
         provenance=Provenance(megatron_origin=_megatron_origin(views.sections, views.model_name, views.blocks),
                               sources=_collect_sources(raw, blocks)),
@@ -145,11 +146,13 @@ class _MegatronViews:
     megatron_training: MegatronConfig
     actor: MegatronConfig
     ref: MegatronConfig
+    critic: MegatronConfig | None
 
 
 def _megatron_views(top: Mapping[str, Any], raw: Mapping, blocks: Mapping[str, tuple[Any, str | None]],
                     issues: list[ConfigIssue], bad: set[str], missing: set[str]) -> _MegatronViews:
-    """Parse megatron_training / actor_config / ref_config and merge each view over its model block (blocks
+    """Parse megatron_training / actor_config / ref_config / critic_config and merge each view over its model block
+    (blocks
     whose include file is `missing` were reported already: they count as empty)."""
     sections: dict[str, dict[str, Any]] = {}
     for name in MEGATRON_SECTIONS:
@@ -185,7 +188,11 @@ def _megatron_views(top: Mapping[str, Any], raw: Mapping, blocks: Mapping[str, t
     if "ref_config" in sections:
         ref_kw = {**mt, **sections["ref_config"]}
         ref = MegatronConfig(**{**block(ref_kw.get("model"), "ref_config"), **ref_kw})
-    return _MegatronViews(sections, parsed_blocks, actor.model, megatron_training, actor, ref)
+    critic = None
+    if "critic_config" in sections:  # PPO's critic: over megatron_training alone, as MindSpeed-RL merges it
+        critic_kw = {**mt, **sections["critic_config"]}
+        critic = MegatronConfig(**{**block(critic_kw.get("model"), "critic_config"), **critic_kw})
+    return _MegatronViews(sections, parsed_blocks, actor.model, megatron_training, actor, ref, critic)
 
 
 def _validate(cfg: RLFabricConfig, top: Mapping[str, Any], raw: Mapping, bad: set[str], issues: list[ConfigIssue],

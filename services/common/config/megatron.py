@@ -24,7 +24,7 @@ from services.common.config.statuses import (
     HF_CHECK,
     KERNEL,
     LOADER,
-    LORA,
+    LORA_RULES,
     MEMORY,
     MOE_RULES,
     MULTIMODAL,
@@ -44,8 +44,8 @@ _PLAN = "services/planning/plan.py"
 _SAVES_ALL = inert("rlfabric always saves the optimizer and RNG state, so any checkpoint can resume a run")
 
 
-def _lora() -> object:
-    return refused("rlfabric trains full weights", feature=LORA)
+_LORA_READ = read(TRAINER_OPTIONS, LORA_RULES, note="the actor's adapters (services/trainer/lora.py); the "
+                  "reference is the base model")
 
 
 def _dpo() -> object:
@@ -292,8 +292,11 @@ class MegatronConfig(ModelConfig):
                                    refused("rlfabric trains text-only models", feature=MULTIMODAL))
 
     # LoRA.
-    lora_r: int = setting(8, "LoRA rank.", _lora())
-    lora_alpha: int = setting(16, "LoRA alpha.", _lora())
-    lora_fusion: bool = setting(False, "Fuse LoRA weights into the base weights.", _lora())
-    lora_target_modules: list[str] | None = setting(None, "Modules LoRA adapts; unset disables LoRA.", _lora())
-    lora_ckpt_filter: bool = setting(False, "Save only LoRA parameters.", _lora())
+    lora_r: int = setting(8, "LoRA rank.", _LORA_READ)
+    lora_alpha: int = setting(16, "LoRA alpha (the adapter's output is scaled by alpha / r).", _LORA_READ)
+    lora_fusion: bool = setting(False, "MindSpeed-LLM's CCLoRA: overlap the adapters' compute with communication.",
+                                inert("MindSpeed-LLM's CCLoRA, an Ascend compute/communication overlap of the "
+                                      "adapter path with the same numerics; rlfabric's adapters run unfused"))
+    lora_target_modules: list[str] | None = setting(None, "Modules LoRA adapts; unset disables LoRA.", _LORA_READ)
+    lora_ckpt_filter: bool = setting(False, "Save only LoRA parameters (the base comes from load / the HF weights).",
+                                     read(TRAINER_OPTIONS, LORA_RULES))

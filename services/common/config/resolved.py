@@ -3,7 +3,8 @@
 Sections keep MindSpeed-RL's names. `actor_config` is the merged view trainers use
 (model block < `megatron_training` < `actor_config`, later wins); `megatron_training` is the model
 block plus `megatron_training` alone; `ref_config` is the reference's view (the actor's when the
-YAML has no `ref_config`). `model` holds the architecture keys of the actor view.
+YAML has no `ref_config`); `critic_config` is PPO's critic's (model block < `megatron_training` <
+`critic_config`; None without the section). `model` holds the architecture keys of the actor view.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from services.common.config.sections import (
 )
 
 # Sections printed by `rlfabric config check`, in order.
-SECTION_NAMES = ("model", "megatron_training", "actor_config", "ref_config", "rl_config", "generate_config",
-                 "profiler_config", "msprobe_config", "rlfabric")
+SECTION_NAMES = ("model", "megatron_training", "actor_config", "ref_config", "critic_config", "rl_config",
+                 "generate_config", "profiler_config", "msprobe_config", "rlfabric")
 
 
 @dataclass
@@ -57,6 +58,8 @@ class RLFabricConfig:
     msprobe_config: MsprobeConfig
     rlfabric: FabricConfig
     derived: Derived
+    # PPO's critic (`critic_config` over its model block and `megatron_training`); None without the section.
+    critic_config: MegatronConfig | None = None
     path: Path | None = None
     warnings: list[str] = field(default_factory=list)
     provenance: Provenance = field(default_factory=Provenance, repr=False)
@@ -83,6 +86,8 @@ class RLFabricConfig:
             value = getattr(self, name)
             if isinstance(value, dict):
                 out[name] = {k: dataclasses.asdict(v) for k, v in value.items()}
+            elif value is None:  # a section the YAML need not have (critic_config)
+                continue
             else:
                 out[name] = dataclasses.asdict(value)
         out["derived"] = self.derived.to_dict()

@@ -4,7 +4,8 @@ MindSpeed-RL treats `finetune: false` as "continue from `load`": with a freshly 
 (Megatron's tracker `latest_checkpointed_iteration.txt` says `release` or 0, or there is none yet) that is a
 first run, and the reference loads the same initial weights. Only a checkpoint past iteration 0 holds a
 trained actor; resuming it without separate reference weights would make the trained actor the reference
-(a MindSpeed-RL defect, parity.md), so that case is refused. The checkpoint is read from the file system at
+(a MindSpeed-RL defect, parity.md), so that case is refused, except under LoRA's `share_backbone`, where the
+reference is the frozen backbone itself. The checkpoint is read from the file system at
 load time; a `load` that does not exist yet (a config checked on another machine) is a first run.
 """
 
@@ -48,7 +49,8 @@ def checkpoint_iteration(load: str | Path | None) -> int | None:
 
 def resume_rule(cfg: RLFabricConfig) -> Iterable[Problem]:
     a, d = cfg.actor_config, cfg.derived
-    if a.finetune or a.load is None or not d.use_kl_loss:
+    # No reference trainer: no KL term, or LoRA's share_backbone (the reference is the frozen backbone itself).
+    if a.finetune or a.load is None or not d.reference_trainer:
         return
     iteration = checkpoint_iteration(a.load)
     if iteration is None or iteration == 0:

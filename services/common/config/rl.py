@@ -19,9 +19,10 @@ from services.common.config.statuses import (
     DERIVED,
     DISPATCH,
     ITERATION,
+    LORA_RULES,
     MULTI_TURN_RULES,
     MULTIMODAL,
-    PPO,
+    PPO_RULES,
     RAY,
     REWARD_MODEL,
     TRAINER_OPTIONS,
@@ -33,17 +34,22 @@ KL_PENALTIES = ("low_var_kl", "kl", "abs", "mse")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 # MindSpeed-RL's group_norm, then verl's outcome-reward estimators (services/common/config/loss_variants.py).
 ADV_ESTIMATORS = ("group_norm", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+# PPO's (stage: ray_ppo), over a critic's values: the one estimator of per-token advantages (services/common/config/ppo.py).
+CRITIC_ADV_ESTIMATORS = ("gae",)
 # MindSpeed-RL's default verifier list (RLConfig.verifier_function): the one default of the run's verifiers.
 DEFAULT_VERIFIER_FUNCTION = ("base_acc",)
 DEFAULT_VERIFIER_WEIGHT = (1.0,)
 
-_PPO_ONLY = inert("GAE / critic (PPO) only; GRPO's group_norm advantages do not use it")
+_GAE = read(PPO_RULES, COORDINATOR_SETTINGS, note="PPO (stage: ray_ppo) only: GAE over the critic's values "
+                                                     "(services/coordinator/gae.py); no other estimator reads it")
 _MULTI_TURN = read(MULTI_TURN_RULES, COORDINATOR_SETTINGS, note="with multi_turn_enable (services/coordinator/multi_turn.py)")
 _MULTIMODAL = refused("rlfabric trains text-only models", feature=MULTIMODAL)
 _DYNAMIC_BSZ = read(TRAINER_OPTIONS, note="used with use_dynamic_bsz (services/trainer/packing.py)")
-_PER_PASS_DEFAULT_ONLY = inert(
-    "MindSpeed-RL copies this key's default into the ref_/actor_/update_ keys before it reads the YAML, so a "
-    "value set here reaches no pass there either; rlfabric does the same: set the per-pass keys")
+# Upstream copies these defaults into the per-pass keys before it reads the YAML, so set here they reach no actor or
+# reference pass; its PPO critic alone reads them (critic_worker.py), and so does rlfabric's.
+_CRITIC_BUDGET = read(TRAINER_OPTIONS, note="PPO's critic's budget under use_dynamic_bsz, as MindSpeed-RL's critic "
+                                            "worker reads it; the actor's and reference's passes read their per-pass "
+                                            "keys only (upstream copies this default into them before it reads the YAML)")
 _PARTIAL_ONLY = inert("partial rollout only (partial_rollout_max_split > 1 is refused)")
 _DYNAMIC_SAMPLING = read(COORDINATOR_SETTINGS, ITERATION)
 
@@ -90,17 +96,22 @@ class RLConfig:
 
     # Advantages, loss and KL.
     adv_estimator: str = setting(
-        "group_norm", f"Advantage estimator; rlfabric supports {', '.join(ADV_ESTIMATORS)}.",
+        "group_norm", f"Advantage estimator; rlfabric supports {', '.join(ADV_ESTIMATORS + CRITIC_ADV_ESTIMATORS)}.",
         read(VALIDATION, COORDINATOR_SETTINGS, ALGORITHM_VARIANTS,
-             note="group_norm is MindSpeed-RL's (GRPO and DAPO); rloo and reinforce_plus_plus(_baseline) are verl's"))
+             note="group_norm is MindSpeed-RL's (GRPO and DAPO), gae its PPO's (with a critic); rloo and "
+                  "reinforce_plus_plus(_baseline) are verl's"))
     gamma: float = setting(1.0, "Discount factor (GAE; with reinforce_plus_plus only 1.0).", read(
-        ALGORITHM_VARIANTS, note="GAE's discount upstream (PPO, refused); with the reinforce_plus_plus estimators it "
-                                 "must be 1.0 (one advantage per sample), otherwise unused"))
-    lam: float = setting(0.95, "GAE lambda (GAE only).", _PPO_ONLY)
-    advantage_whiten: bool = setting(True, "Whiten advantages (GAE only).", _PPO_ONLY)
+        ALGORITHM_VARIANTS, PPO_RULES, COORDINATOR_SETTINGS,
+        note="GAE's discount (PPO); with the reinforce_plus_plus estimators it must be 1.0 (one advantage per "
+             "sample), otherwise unused"))
+    lam: float = setting(0.95, "GAE lambda (GAE only).", _GAE)
+    advantage_whiten: bool = setting(True, "Whiten advantages (GAE only).", inert(
+        "declared by MindSpeed-RL and never read there: its GAE always whitens the advantages, as rlfabric's does "
+        "(services/coordinator/gae.py)"))
     clip_ratio: float = setting(0.2, "PPO clip range epsilon: ratio is clipped to [1 - eps, 1 + eps].",
                                 read(TRAINER_OPTIONS))
-    cliprange_value: float = setting(0.5, "Value clip range (PPO critic only).", _PPO_ONLY)
+    cliprange_value: float = setting(0.5, "Value clip range (PPO critic only).", read(
+        PPO_RULES, TRAINER_OPTIONS, note="the critic's clipped value loss (services/trainer/value_loss.py)"))
     entropy_coeff: float = setting(0.0, "Entropy bonus coefficient (entropy is only computed when non-zero).",
                                    read(TRAINER_OPTIONS))
     kl_penalty: str = setting("low_var_kl", f"KL estimator: {', '.join(KL_PENALTIES)}.", read(TRAINER_OPTIONS))
@@ -109,8 +120,11 @@ class RLConfig:
                                   read(COORDINATOR_SETTINGS, DERIVED))
     kl_horizon: int = setting(1000, "Adaptive KL controller horizon.", read(COORDINATOR_SETTINGS))
     kl_target: float = setting(100.0, "Adaptive KL controller target.", read(COORDINATOR_SETTINGS))
-    use_kl_in_reward: bool = setting(False, "Apply the KL penalty in the reward instead of the loss.",
-                                     refused("rlfabric applies KL in the loss (GRPO), never in the reward"))
+    use_kl_in_reward: bool = setting(False, "Apply the KL penalty in the reward instead of the loss (PPO only).",
+                                     read(PPO_RULES, DERIVED, COORDINATOR_SETTINGS,
+                                          note="PPO: reward_t = score_t - kl_coef * kl_t before GAE "
+                                               "(services/coordinator/gae.py); refused under GRPO/DAPO, which never "
+                                               "read it upstream"))
     token_level_loss: bool = setting(True, "Token-mean over the micro-batch (true) or sequence-mean-token-mean (false).",
                                      read(TRAINER_OPTIONS, note="read by DAPO; GRPO's loss is always token-level"))
     clip_higher_enable: bool = setting(False, "DAPO clip-higher: clip to [1 - clip_ratio_low, 1 + clip_ratio_high].",
@@ -152,8 +166,8 @@ class RLConfig:
                                                         read(DERIVED))
     reward_resource: ResourceConfig | None = setting(None, "Devices of a reward model (unsupported).",
                                                      refused("no reward model runs", feature=REWARD_MODEL))
-    critic_resource: ResourceConfig | None = setting(None, "Devices of a critic (unsupported).",
-                                                     refused("no critic runs", feature=PPO))
+    critic_resource: ResourceConfig | None = setting(None, "Devices of PPO's critic; unset means actor_resource.",
+                                                     read(DERIVED))
     vit_resource: ResourceConfig | None = setting(None, "Devices of a vision encoder (unsupported).", _MULTIMODAL)
     use_integrated_worker: bool = setting(True, "Actor, reference and rollout share devices (integrated mode).",
                                           read(COORDINATOR_SETTINGS, COORDINATOR_RUN, DERIVED))
@@ -195,16 +209,16 @@ class RLConfig:
         False, "Form micro-batches by token budget (*_max_packing_token_size, *_dynamic_max_batch_size) "
         "instead of micro_batch_size rows.", read(TRAINER_OPTIONS, note="each micro-batch's token mean is "
                                                  "weighted by its share of the mini-batch's rows, as upstream"))
-    max_packing_token_size: int = setting(4096, "Dynamic batch size: default of the per-pass token budgets.",
-                                          _PER_PASS_DEFAULT_ONLY)
+    max_packing_token_size: int = setting(4096, "Dynamic batch size: the critic's token budget (PPO); default of the "
+                                                "per-pass token budgets.", _CRITIC_BUDGET)
     ref_max_packing_token_size: int | None = setting(None, "Reference pass: most tokens (prompt + response) per "
                                                            "micro-batch; unset means 4096.", _DYNAMIC_BSZ)
     actor_max_packing_token_size: int | None = setting(None, "Old-log-prob pass: most tokens per micro-batch; "
                                                              "unset means 4096.", _DYNAMIC_BSZ)
     update_max_packing_token_size: int | None = setting(None, "Update pass: most tokens per micro-batch; unset "
                                                               "means 4096.", _DYNAMIC_BSZ)
-    dynamic_max_batch_size: int | None = setting(None, "Dynamic batch size: default of the per-pass row limits.",
-                                                 _PER_PASS_DEFAULT_ONLY)
+    dynamic_max_batch_size: int | None = setting(None, "Dynamic batch size: the critic's row limit (PPO); default of "
+                                                       "the per-pass row limits.", _CRITIC_BUDGET)
     ref_dynamic_max_batch_size: int | None = setting(None, "Reference pass: most rows per micro-batch; unset "
                                                            "means no limit.", _DYNAMIC_BSZ)
     actor_dynamic_max_batch_size: int | None = setting(None, "Old-log-prob pass: most rows per micro-batch; "
@@ -216,8 +230,10 @@ class RLConfig:
     is_multimodal: bool = setting(False, "Multimodal model (unsupported).", _MULTIMODAL)
     reuse_image_embeds: bool = setting(False, "Reuse image embeddings (unsupported).", _MULTIMODAL)
     colocate_actor_and_vit: bool = setting(False, "Colocate actor and vision encoder (unsupported).", _MULTIMODAL)
-    share_backbone: bool = setting(False, "LoRA: share the backbone between actor and reference.",
-                                   refused("rlfabric trains full weights", feature="LoRA"))
+    share_backbone: bool = setting(False, "LoRA: share the backbone between actor and reference.", read(
+        DERIVED, LORA_RULES,
+        note="the reference is the actor's backbone with its LoRA adapters off (ComputeLogProbs adapters_off), no "
+             "reference trainer (derived.reference_trainer); needs LoRA"))
     multi_turn_enable: bool = setting(False, "Multi-turn tool use: the model's tool calls are answered by the tool "
                                              "servers between turns.", _MULTI_TURN)
     tool_config_path: str | None = setting(None, "Multi-turn: the tool YAML (MindSpeed-RL's format).", _MULTI_TURN)
@@ -245,12 +261,9 @@ class RLConfig:
     actor_update_dispatch_size: int | None = setting(None, "Samples per update call; unset: gbs * n / actor DP.",
                                                      DISPATCH)
     dynamic_sampling_dispatch_size: int | None = setting(None, "DAPO: samples per dynamic sampling call.", DISPATCH)
-    critic_update_dispatch_size: int | None = setting(None, "Critic update dispatch (unsupported).",
-                                                      refused("no critic runs", feature=PPO))
-    critic_value_dispatch_size: int | None = setting(None, "Critic value dispatch (unsupported).",
-                                                     refused("no critic runs", feature=PPO))
-    kl_dispatch_size: int | None = setting(None, "KL-in-reward dispatch (unsupported).",
-                                           inert("only read with use_kl_in_reward (refused)"))
+    critic_update_dispatch_size: int | None = setting(None, "PPO: samples per critic update call.", DISPATCH)
+    critic_value_dispatch_size: int | None = setting(None, "PPO: samples per critic value call.", DISPATCH)
+    kl_dispatch_size: int | None = setting(None, "PPO: samples per KL-in-reward call.", DISPATCH)
     actor_image_embeds_dispatch_size: int | None = setting(None, "Image embedding dispatch (unsupported).",
                                                            _MULTIMODAL)
 

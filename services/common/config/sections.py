@@ -235,6 +235,14 @@ class FabricConfig:
     rollout_rs_threshold: str | float | None = setting(
         None, "rollout_rs thresholds: one, or one per option (comma-separated); k1 options take ratio bounds "
               "`lower_upper` (or `upper`: 1/upper..upper).", read(TRAINER_OPTIONS, ALGORITHM_VARIANTS))
+    # Reproducibility (MindSpeed-RL's npu_deterministic is an Ascend kernel switch; this is the run's).
+    deterministic: bool = setting(
+        False, "Bitwise-reproducible runs: two runs of one config on one machine log the same metrics (timings "
+               "aside) and save the same checkpoints. Needs generate_config.sampling_config.seed and synchronous "
+               "mode; the reference pass then takes its micro-batches in sample order instead of arrival order, "
+               "the trainer uses torch's deterministic algorithms, and on GPUs/NPUs vLLM its batch-invariant "
+               "kernels (VLLM_BATCH_INVARIANT); docs/running.md, \"Reproducible runs\".",
+        read(COORDINATOR_SETTINGS, TRAINER_OPTIONS, ROLLOUT_CLI))
     # MoE: the trainer's router may pick other experts than the rollout's engine did for the same tokens.
     routing_replay: RoutingReplay = setting(
         "none", "MoE routing in training: none (the trainer's router chooses the experts) or rollout (replay the "

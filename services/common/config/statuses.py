@@ -31,12 +31,12 @@ COORDINATOR_VALIDATION = "services/coordinator/validation.py"
 ROLLOUT_OPTIONS = "services/rollout/options.py"
 ROLLOUT_CLI = "services/rollout/cli.py"
 MULTI_TURN_RULES = "services/common/config/multi_turn.py"
+LORA_RULES = "services/common/config/lora.py"
+PPO_RULES = "services/common/config/ppo.py"
 ROUTING_REPLAY = "services/common/config/routing_replay.py"
 
 # Features rlfabric does not have: a config using one is refused with one message naming it.
-PPO = "PPO (a critic and GAE)"
 DPO = "DPO (pairwise preference training)"
-LORA = "LoRA"
 MULTIMODAL = "multimodal models"
 REWARD_MODEL = "reward models"
 

@@ -22,11 +22,13 @@ from services.common import pipeline_layout
 from services.common.config.activations import activation_rules, activation_warnings
 from services.common.config.algorithm import algorithm_rules
 from services.common.config.batches import batch_divisibility, dispatch_sizes
+from services.common.config.lora import lora_rules
 from services.common.config.moe import moe_rules
 from services.common.config.multi_turn import multi_turn_rules
+from services.common.config.ppo import ppo_rules
 from services.common.config.problems import Problem, Rule
 from services.common.config.resume import resume_rule
-from services.common.config.rl import ADV_ESTIMATORS, KL_CTRL_TYPES, KL_PENALTIES
+from services.common.config.rl import ADV_ESTIMATORS, CRITIC_ADV_ESTIMATORS, KL_CTRL_TYPES, KL_PENALTIES
 from services.common.config.routing_replay import routing_replay_rules
 from services.common.config.sections import WEIGHT_TRANSPORTS
 
@@ -54,6 +56,13 @@ def required_training_keys(cfg: RLFabricConfig) -> Iterable[Problem]:
         yield Problem(("rl_config.actor_resource",),
                       "`rl_config.actor_resource.num_npus` is not set; set the number of devices for the actor, "
                       "e.g. `actor_resource: {num_npus: 16}` (1 on a CPU machine)")
+    # A ref_config section is read over megatron_training alone: the actor_config's micro_batch_size is not its.
+    if cfg.derived.use_reference and cfg.ref_config is not cfg.actor_config \
+            and cfg.derived.ref_forward_micro_batch_size is None:
+        yield Problem(("rl_config.ref_forward_micro_batch_size", "ref_config.micro_batch_size"),
+                      "the reference's forward micro-batch is not set: neither `rl_config.ref_forward_micro_batch_size` "
+                      "nor `micro_batch_size` in `ref_config` or `megatron_training`; set one (e.g. "
+                      "`ref_forward_micro_batch_size: 4`)")
 
 
 def model_architecture(cfg: RLFabricConfig) -> Iterable[Problem]:
@@ -201,10 +210,10 @@ def algorithm_choices(cfg: RLFabricConfig) -> Iterable[Problem]:
     if rl.kl_ctrl_type not in KL_CTRL_TYPES:
         yield Problem(("rl_config.kl_ctrl_type",),
                       f"unsupported rl_config.kl_ctrl_type `{rl.kl_ctrl_type}`; supported: {', '.join(KL_CTRL_TYPES)}")
-    if rl.adv_estimator not in ADV_ESTIMATORS:
+    if rl.adv_estimator not in ADV_ESTIMATORS + CRITIC_ADV_ESTIMATORS:
         yield Problem(("rl_config.adv_estimator",),
-                      f"unsupported rl_config.adv_estimator `{rl.adv_estimator}`; rlfabric trains GRPO/DAPO and "
-                      f"supports: {', '.join(ADV_ESTIMATORS)} (`gae` needs a critic, which rlfabric does not run)")
+                      f"unsupported rl_config.adv_estimator `{rl.adv_estimator}`; rlfabric supports: "
+                      f"{', '.join(ADV_ESTIMATORS)}, and gae with a critic (stage: ray_ppo)")
     if rl.clip_ratio <= 0:
         yield Problem(("rl_config.clip_ratio",), f"rl_config.clip_ratio must be positive, got {rl.clip_ratio}")
     if rl.init_kl_coef < 0:
@@ -336,6 +345,19 @@ def pipelining(cfg: RLFabricConfig) -> Iterable[Problem]:
                       f"rlfabric.importance_sampling_cap must be > 0, got {fab.importance_sampling_cap}")
 
 
+def determinism(cfg: RLFabricConfig) -> Iterable[Problem]:
+    if not cfg.rlfabric.deterministic:
+        return
+    if cfg.generate_config.sampling_config.seed is None:
+        yield Problem(("rlfabric.deterministic", "generate_config.sampling_config.seed"),
+                      "rlfabric.deterministic: true needs a sampling seed (without one every run draws its own); "
+                      "set generate_config.sampling_config.seed")
+    if cfg.rlfabric.max_staleness:
+        yield Problem(("rlfabric.deterministic", "rlfabric.max_staleness"),
+                      "rlfabric.deterministic: true with max_staleness 1: in pipelined mode which samples a "
+                      "version trains on depends on timing; set max_staleness: 0")
+
+
 def precision_warnings(cfg: RLFabricConfig) -> Iterable[Problem]:
     train, roll = cfg.derived.params_dtype, cfg.generate_config.dtype
     if roll != "auto" and roll != train:
@@ -357,7 +379,9 @@ def refused_keys(cfg: RLFabricConfig) -> Iterable[Problem]:
 RULES: tuple[Rule, ...] = (
     required_training_keys, model_architecture, positive_sizes, sequence_lengths, device_layout, moe_rules,
     batch_divisibility, dispatch_sizes, algorithm_choices, algorithm_rules, rewards, sampling, placement,
-    pipelining, resume_rule, activation_rules, routing_replay_rules, multi_turn_rules, refused_keys,
+    pipelining, determinism, resume_rule, activation_rules, routing_replay_rules, multi_turn_rules, lora_rules,
+    ppo_rules,
+    refused_keys,
 )
 WARNINGS: tuple[Rule, ...] = (precision_warnings, activation_warnings, response_room_warnings)
 

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from rlfabric.v1 import common_pb2, rollout_pb2
 from services.common.checksum import chain, combine_checksums, data_checksum
-from services.common.client import DEFAULT_DEADLINE_S
+from services.common.deadlines import DEFAULT_DEADLINE_S
 from services.common.tensors import dtype_code, dtype_name, itemsize
 from services.common.transports.base import TargetFailure, WeightAck, WeightTransport, checked_targets
 from services.common.transports.collective_group import (

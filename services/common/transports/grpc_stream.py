@@ -28,7 +28,8 @@ import torch
 
 from rlfabric.v1 import common_pb2, rollout_pb2
 from services.common.checksum import combine_checksums
-from services.common.client import DEFAULT_DEADLINE_S, make_channel
+from services.common.client import make_channel
+from services.common.deadlines import DEFAULT_DEADLINE_S
 from services.common.tensors import dtype_code
 from services.common.transports.base import TargetFailure, WeightAck, WeightTransport, checked_targets
 from services.common.transports.wire import PackedChunk, serialize
