@@ -19,3 +19,13 @@ class ServiceKind(StrEnum):
     ROLLOUT = "rollout"
     TOOLS = "tools"
     TRAINER = "trainer"
+
+
+class TrainerRole(StrEnum):
+    """What a trainer group does (services/trainer/roles.py: the config section each reads). The value is the
+    `role` of the trainer's registration metadata, so it too is on the wire: the coordinator finds its trainers by
+    it."""
+
+    ACTOR = "actor"          # trains the policy
+    REFERENCE = "reference"  # the frozen policy of the KL term
+    CRITIC = "critic"        # PPO's value model

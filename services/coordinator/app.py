@@ -35,19 +35,13 @@ def load_run_config(config_yaml: str, overrides: list[str], configs_dir: Path) -
 
 
 def warm_imports() -> None:
-    """Imports the heavy modules `build_driver` needs (transformers' tokenizer classes, megatron-core's indexed
-    dataset: 15-20 s of CPU on a busy 2-core machine, measured in bench/RESULTS.md), so that a coordinator
-    started beside the other services pays them while those start, not between StartRun and the first
-    iteration. Run it in a background thread at serve time; an import error surfaces later, at StartRun."""
-    import warnings
-
+    """Imports the heavy module `build_driver` needs (transformers' tokenizer classes: ~2 s of CPU, more on a busy
+    2-core machine), so that a coordinator started beside the other services pays it while those start, not between
+    StartRun and the first iteration. Run it in a background thread at serve time; an import error surfaces later,
+    at StartRun. (The prompts' indexed datasets no longer need megatron-core: services/data/indexed_reader.py.)"""
     try:
         with _IMPORTING:
             from transformers import AutoTokenizer  # noqa: F401 (transformers is lazy: this is the costly part)
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # megatron.core's import warns about absent GPU extensions
-                import megatron.core.datasets.indexed_dataset  # noqa: F401
     except ImportError as e:
         logger.warning("warming the coordinator's imports failed (StartRun will say why): %s", e)
 

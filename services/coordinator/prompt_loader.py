@@ -1,10 +1,10 @@
 """The coordinator's prompt loader: seeded, drop_last batches of prompt and label token ids, resumable.
 
-It reads `{prefix}_packed_input_ids_document` and, when present, `{prefix}_packed_labels_document` with
-megatron-core's `IndexedDataset`, and drops every prompt of `max_prompt_length` tokens or more (prompts are
-never truncated; `dropped_too_long` says how many went). The kept prompts are shuffled once per epoch with
-a permutation that depends only on `(seed, epoch)`, and cut into `global_batch_size` batches, the last
-incomplete batch of an epoch being dropped. Batch `k` is therefore a pure function of
+It reads `{prefix}_packed_input_ids_document` and, when present, `{prefix}_packed_labels_document`
+(megatron-core's indexed format, services/data/indexed_reader.py), and drops every prompt of `max_prompt_length`
+tokens or more (prompts are never truncated; `dropped_too_long` says how many went). The kept prompts are
+shuffled once per epoch with a permutation that depends only on `(seed, epoch)`, and cut into `global_batch_size`
+batches, the last incomplete batch of an epoch being dropped. Batch `k` is therefore a pure function of
 `(data, max_prompt_length, global_batch_size, seed, k)`: resuming from `consumed_batches=k` yields exactly the
 batches an uninterrupted loader yields from its k-th batch on, across epoch boundaries too.
 
@@ -15,7 +15,6 @@ rewards and logs can name the prompt they came from.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from services.common.errors import DataError
+from services.data.indexed_reader import IndexedReader
 
 logger = logging.getLogger(__name__)
 
@@ -66,17 +66,13 @@ class PromptLoader:
             raise DataError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
         if consumed_batches < 0:
             raise DataError(f"consumed_batches must be >= 0, got {consumed_batches}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # megatron.core's import warns about absent GPU extensions
-            from megatron.core.datasets.indexed_dataset import IndexedDataset
-
         prompts_prefix = _dataset_prefix(data_prefix, "input_ids")
-        if not IndexedDataset.exists(prompts_prefix):
+        if not IndexedReader.exists(prompts_prefix):
             raise DataError(f"no prompt dataset at {prompts_prefix}.idx/.bin; run `rlfabric preprocess` "
                             f"with output_prefix {data_prefix}")
-        self.prompts = IndexedDataset(prompts_prefix)
+        self.prompts = IndexedReader(prompts_prefix)
         labels_prefix = _dataset_prefix(data_prefix, "labels")
-        self.labels = IndexedDataset(labels_prefix) if IndexedDataset.exists(labels_prefix) else None
+        self.labels = IndexedReader(labels_prefix) if IndexedReader.exists(labels_prefix) else None
         if self.labels is not None and len(self.labels) != len(self.prompts):
             raise DataError(f"{labels_prefix} has {len(self.labels)} rows but {prompts_prefix} has "
                             f"{len(self.prompts)}; preprocess again")
@@ -87,7 +83,7 @@ class PromptLoader:
         self.seed = seed
         self.shuffle = shuffle
         self.consumed_batches = consumed_batches
-        lengths = np.array(self.prompts.sequence_lengths, dtype=np.int64)  # a copy: see `batch`
+        lengths = self.prompts.sequence_lengths.astype(np.int64)
         self.kept_indices = np.flatnonzero(lengths < max_prompt_length).astype(np.int64)
         self.total_prompts = len(lengths)
         self.dropped_too_long = self.total_prompts - len(self.kept_indices)
@@ -127,11 +123,10 @@ class PromptLoader:
         epoch, pos = divmod(batch_index, self.batches_per_epoch)
         start = pos * self.global_batch_size
         indices = self.epoch_order(epoch)[start:start + self.global_batch_size].copy()
-        # Copies, not views: IndexedDataset unmaps its files when collected, and a view would then crash.
-        prompts = [np.array(self.prompts[int(i)], dtype=np.int32) for i in indices]
+        prompts = [self.prompts[int(i)].astype(np.int32) for i in indices]
         labels = None
         if self.labels is not None:
-            labels = [np.array(self.labels[int(i)], dtype=np.int32) for i in indices]
+            labels = [self.labels[int(i)].astype(np.int32) for i in indices]
         return PromptBatch(batch_index, epoch, indices, prompts, labels)
 
     def next_batch(self) -> PromptBatch:

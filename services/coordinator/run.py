@@ -25,7 +25,7 @@ from services.common.client import make_channel
 from services.common.config.ppo import critic_save_dir
 from services.common.deadlines import CHECKPOINT_DEADLINE_S, INFO_DEADLINE_S
 from services.common.redis_store import Registry, RunJournal
-from services.common.service_kind import ServiceKind
+from services.common.service_kind import ServiceKind, TrainerRole
 from services.common.weight_version import AS_LOADED, first_of_run
 from services.coordinator.errors import IterationError
 from services.coordinator.iteration import GrpoIteration, Rollout
@@ -101,7 +101,7 @@ def discover(registry: Registry, *, need_reference: bool, min_rollout: int = 1, 
     while True:
         rollout = sorted(m.endpoint for m in registry.members(ServiceKind.ROLLOUT))
         trainers = {m.metadata.get("role"): m.endpoint for m in registry.members(ServiceKind.TRAINER)}
-        actor, reference, critic = trainers.get("actor"), trainers.get("reference"), trainers.get("critic")
+        actor, reference, critic = (trainers.get(r) for r in TrainerRole)
         if len(rollout) >= min_rollout and actor and (reference or not need_reference) and (critic or not need_critic):
             return Endpoints(rollout, actor, reference, critic)
         if time.monotonic() > deadline:

@@ -90,11 +90,8 @@ class IterationSettings:
     # reference, times the KL controller's coefficient, taken off each token's reward before GAE.
     use_kl_in_reward: bool = False
     kl_penalty: str = "low_var_kl"
-
-    @property
-    def kl_in_loss(self) -> bool:
-        """A KL term in the actor's loss (GRPO's): reference log-probs that are not PPO's reward KL."""
-        return self.use_reference and not self.use_kl_in_reward
+    # A KL term in the actor's loss (GRPO's with a non-zero coefficient; Derived.use_kl_loss).
+    kl_in_loss: bool = False
 
     def response_budget(self, prompt_length: int) -> int:
         """max_tokens for a prompt of `prompt_length` tokens: what max_model_len leaves, if less (upstream's vLLM
@@ -152,7 +149,8 @@ def settings_from_config(cfg: Any) -> IterationSettings:
         gamma=rl.gamma,
         lam=rl.lam,
         critic_forward_micro_batch_size=(cfg.critic_config.micro_batch_size if derived.critic_trainer else 1),
-        use_kl_in_reward=derived.critic_trainer and rl.use_kl_in_reward,
+        use_kl_in_reward=derived.use_kl_in_reward,
+        kl_in_loss=derived.use_kl_loss,
         kl_penalty=rl.kl_penalty,
     )
 

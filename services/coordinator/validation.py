@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ import numpy as np
 from services.coordinator.evaluation import EvalSettings, evaluate, summarize_samples
 from services.coordinator.evaluation_data import EvalProblem
 from services.coordinator.iteration_metrics import PhaseClock
+from services.data.indexed_reader import IndexedReader
 
 logger = logging.getLogger(__name__)
 
@@ -72,21 +72,17 @@ def load_validation_prompts(prefix: str, max_prompt_length: int,
     """Every prompt of a preprocessed dataset shorter than `max_prompt_length`, with its decoded label."""
     from services.common.errors import DataError
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # megatron.core's import warns about absent GPU extensions
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     prompts_prefix, labels_prefix = f"{prefix}_packed_input_ids_document", f"{prefix}_packed_labels_document"
     for p in (prompts_prefix, labels_prefix):
-        if not IndexedDataset.exists(p):
+        if not IndexedReader.exists(p):
             raise DataError(f"rlfabric.val_data_path: no dataset at {p}.idx/.bin; run `rlfabric preprocess` with "
                             f"output_prefix {prefix} and dataset_additional_keys [labels]")
-    prompts, labels = IndexedDataset(prompts_prefix), IndexedDataset(labels_prefix)
+    prompts, labels = IndexedReader(prompts_prefix), IndexedReader(labels_prefix)
     out = []
     for i in range(len(prompts)):
-        ids = np.array(prompts[i], dtype=np.int32)  # a copy: IndexedDataset unmaps its files when collected
+        ids = prompts[i].astype(np.int32)
         if len(ids) < max_prompt_length:
-            out.append(EvalProblem("val", i, decode(ids.tolist()), decode(np.array(labels[i]).tolist()), ids))
+            out.append(EvalProblem("val", i, decode(ids.tolist()), decode(labels[i].tolist()), ids))
     if not out:
         raise DataError(f"rlfabric.val_data_path {prefix}: no prompt shorter than max_prompt_length "
                         f"{max_prompt_length}")

@@ -9,8 +9,10 @@ before torch is imported).
 
 from __future__ import annotations
 
-ACTOR, REFERENCE, CRITIC = "actor", "reference", "critic"
-ROLES = (ACTOR, REFERENCE, CRITIC)
+from services.common.service_kind import TrainerRole
+
+ACTOR, REFERENCE, CRITIC = TrainerRole.ACTOR, TrainerRole.REFERENCE, TrainerRole.CRITIC
+ROLES = tuple(r.value for r in TrainerRole)  # plain strings: argparse quotes its choices with repr()
 # The roles that train: an optimizer, Update, checkpoints with optimizer state.
 TRAINING_ROLES = (ACTOR, CRITIC)
 

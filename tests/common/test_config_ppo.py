@@ -169,7 +169,7 @@ def test_upstream_ppo_config_passes_and_means_ppo_with_a_critic(repo_root: Path,
     assert (critic.load, critic.num_layers, critic.global_batch_size, critic.bf16) == ("./ckpt", 64, 128, True)
     assert (cfg.actor_config.lr, rl.adv_estimator, rl.gamma, rl.lam, rl.cliprange_value) == (1e-6, "gae", 1.0, 1.0, 0.5)
     # No KL: PPO's actor loss has none, and use_kl_in_reward is false, so no reference either.
-    assert not d.use_kl_loss and not d.use_reference and not d.reference_trainer
+    assert not d.use_kl_loss and not d.use_kl_in_reward and not d.use_reference and not d.reference_trainer
     assert (d.critic_world_size, d.critic_data_parallel_size, d.critic_params_dtype) == (32, 4, "bfloat16")
     assert d.world_size == 64  # the actor's 32 (rollout and actor share them) and the critic's own 32
     # 128 prompts x 8 samples, mini-batch 128 prompts, one epoch, no KL in the reward: the old-log-prob pass is skipped.
@@ -181,7 +181,7 @@ def test_kl_in_the_reward_needs_the_reference_and_the_old_log_probs(repo_root: P
         "init_kl_coef: 0.0", "init_kl_coef: 0.05")
     cfg = load_config(_upstream(repo_root, tmp_path, text))
     d = cfg.derived
-    assert d.use_reference and d.reference_trainer and not d.use_kl_loss and not d.skip_old_log_probs
+    assert d.use_reference and d.reference_trainer and d.use_kl_in_reward and not d.use_kl_loss and not d.skip_old_log_probs
 
 
 @pytest.mark.parametrize(("change", "key", "words"), [

@@ -22,6 +22,7 @@ def test_sampling_kl_and_batch_settings_from_the_tiny_yaml(repo_root: Path) -> N
     s = settings_from_config(load_config(repo_root / "configs" / "grpo_tiny_cpu.yaml"))
     assert (s.n_samples_per_prompt, s.max_tokens, s.temperature, s.top_k) == (8, 64, 1.0, -1)
     assert s.use_reference and s.init_kl_coef == 0.001 and s.kl_ctrl_type == "fixed"
+    assert s.kl_in_loss and not s.use_kl_in_reward  # GRPO: the KL is a loss term
     assert s.skip_old_log_probs  # mini_batch_size == global_batch_size and one epoch
     assert s.world_size == 3  # disaggregated: actor, reference and rollout on a device each (cfg.derived)
 
@@ -34,7 +35,7 @@ def test_dapo_and_integrated_settings(repo_root: Path) -> None:
     assert (s.filter_groups_enable, s.filter_groups_metric, s.filter_groups_max_batches,
             s.filter_groups_train_batch_size) == (True, "math_17k_acc", -1, 4)
     assert s.use_integrated_worker and s.world_size == 1  # integrated: the actor's device, shared
-    assert not s.use_reference  # DAPO: no KL term, no reference (cfg.derived.use_kl_loss)
+    assert not s.use_reference and not s.kl_in_loss  # DAPO: no KL term, no reference (cfg.derived.use_kl_loss)
     assert (s.offload_train_param, s.offload_train_grad, s.offload_train_optimizer) == (True, False, True)
 
 

@@ -32,6 +32,7 @@ from services.common.config.algorithm import DAPO, GRPO, PPO, algorithm_of
 from services.common.config.megatron import MegatronConfig
 from services.common.config.rl import RLConfig
 from services.common.config.sections import GenerateConfig
+from services.common.service_kind import TrainerRole
 
 
 def _div(a: int | None, b: int | None) -> int | None:
@@ -90,6 +91,8 @@ class Derived:
     actor_update_dispatch_size: int | None
     skip_old_log_probs: bool
     use_kl_loss: bool
+    # PPO's KL penalty in the reward (rl_config.use_kl_in_reward under ray_ppo), instead of a loss term.
+    use_kl_in_reward: bool
     use_reference: bool
     # A reference trainer of its own: reference log-probs, and not LoRA's share_backbone (whose reference is the
     # actor's backbone with its adapters off).
@@ -116,7 +119,8 @@ class Derived:
     @property
     def trainer_roles(self) -> list[str]:
         """The trainer groups the run starts: the actor, then the reference and the critic when it has them."""
-        return ["actor", *(["reference"] if self.reference_trainer else []), *(["critic"] if self.critic_trainer else [])]
+        return [TrainerRole.ACTOR, *([TrainerRole.REFERENCE] if self.reference_trainer else []),
+                *([TrainerRole.CRITIC] if self.critic_trainer else [])]
 
 
 def _params_dtype(view: MegatronConfig) -> str:
@@ -156,6 +160,7 @@ def compute_derived(
         # its PPO trainer also needs them for the KL in the reward).
         skip_old_log_probs=rl.mini_batch_size == train_prompts and rl.epochs == 1 and not kl_in_reward,
         use_kl_loss=use_kl,
+        use_kl_in_reward=kl_in_reward,
         use_reference=use_reference,
         reference_trainer=use_reference and not rl.share_backbone,
         critic_trainer=critic is not None,
