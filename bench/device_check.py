@@ -7,6 +7,9 @@ that row only:
                       torchrun-style NCCL group, HF-equal logits, an update, a resume);
   trainer bf16      - Megatron GPTModel in bf16 on the GPU (TransformerEngine's layer spec when TE imports,
                       which the row says), forward and backward of the tiny model, finite gradients;
+  bf16 fp32 masters - tests/trainer/test_mixed_precision.py: the trainer's mixed precision on one NCCL rank
+                      (bf16 weights stepped from fp32 master weights, main grads and Adam state; updates that
+                      follow fp32's where pure bf16 loses them; resume and offload in bf16);
   rollout vLLM      - tests/rollout/test_rollout_on_device.py: the rollout engine on vLLM's CUDA platform,
                       greedy tokens equal transformers';
   weight sync NCCL  - rlfabric's collective transport primitives (new_process_group + broadcast, as
@@ -28,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEADLINE_S = 240  # per row; the four rows stay under 10 minutes together on one GPU
+DEADLINE_S = 240  # per row; a row that passes takes 1-2 minutes on one GPU
 
 
 def cuda_available() -> bool:
@@ -95,8 +98,9 @@ def weight_sync_nccl() -> str:
 
 INLINE: dict[str, Callable[[], str]] = {"trainer bf16": trainer_bf16, "weight sync NCCL": weight_sync_nccl}
 PYTEST = {"trainer fp32": "tests/trainer/test_trainer_on_device.py",
+          "bf16 fp32 masters": "tests/trainer/test_mixed_precision.py",
           "rollout vLLM": "tests/rollout/test_rollout_on_device.py"}
-CHECKS = ("trainer fp32", "trainer bf16", "rollout vLLM", "weight sync NCCL")
+CHECKS = ("trainer fp32", "trainer bf16", "bf16 fp32 masters", "rollout vLLM", "weight sync NCCL")
 
 
 def run_check(name: str) -> tuple[str, str]:

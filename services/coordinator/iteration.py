@@ -60,7 +60,6 @@ from services.coordinator.iteration_metrics import (
 from services.coordinator.multi_turn import MultiTurn
 from services.coordinator.off_policy import behavior_log_probs, fence, rollout_mismatch
 from services.coordinator.placement import Placement
-from services.coordinator.ppo import compute_values, gae_targets, update_critic
 from services.coordinator.rewards import TrainBatch, advantages_by_sample, score_groups, verifier_scores
 from services.coordinator.settings import IterationSettings
 from services.coordinator.trainer_requests import compute_log_probs, update_request
@@ -308,6 +307,10 @@ class GrpoIteration:
                        ref_lp: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """PPO: the critic's values of the trained samples, GAE (with the KL in the reward, if asked), then the
         critic's update on GAE's returns. Returns the actor's per-token advantages by sample id, and the metrics."""
+        # Imported with the first critic phase: GAE computes in torch (upstream's rounding), and a run without a
+        # critic keeps torch out of the coordinator (~2.7 s of CPU at start-up, beside the other services' own).
+        from services.coordinator.ppo import compute_values, gae_targets, update_critic
+
         s, seqs = self.settings, trained.seqs
         values = compute_values(self.critic, seqs, s.critic_forward_micro_batch_size, s, clock) if len(seqs) else {}
         start = time.perf_counter()

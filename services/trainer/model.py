@@ -29,6 +29,7 @@ Choices:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 
 import torch
@@ -50,6 +51,15 @@ def _have_te() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _fused_softmax_kernels() -> bool:
+    """Whether Megatron's fused softmax kernels are installed (built with Megatron-LM or apex; PyPI's megatron-core
+    has none). Megatron's local-spec attention asks for them whenever `masked_softmax_fusion` is on and fails on
+    the import (seen on an H200 with megatron-core 0.16.1: "No module named 'scaled_masked_softmax_cuda'"), rather
+    than falling back to torch's softmax; TransformerEngine's attention does not use them."""
+    return all(importlib.util.find_spec(name) is not None
+               for name in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"))
 
 
 def _maybe_import_mindspeed(memory: ActivationMemory) -> None:
@@ -104,7 +114,7 @@ def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch
         # its init functions (tensor_parallel/layers.py), so initialisation stays on.
         perform_initialization=True,
         bias_activation_fusion=on_accel,
-        masked_softmax_fusion=on_accel,
+        masked_softmax_fusion=on_accel and _fused_softmax_kernels(),
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=on_accel,

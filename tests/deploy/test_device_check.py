@@ -21,7 +21,7 @@ def test_without_cuda_every_check_is_skipped():
     rows = [line.split("  ") for line in done.stdout.splitlines()]
     assert [[cell.strip() for cell in row if cell.strip()] for row in rows] == [
         ["trainer fp32", "SKIP", "no CUDA device"], ["trainer bf16", "SKIP", "no CUDA device"],
-        ["rollout vLLM", "SKIP", "no CUDA device"], ["weight sync NCCL", "SKIP", "no CUDA device"]]
+        ["bf16 fp32 masters", "SKIP", "no CUDA device"], ["rollout vLLM", "SKIP", "no CUDA device"], ["weight sync NCCL", "SKIP", "no CUDA device"]]
 
 
 def test_make_device_check_runs_the_script():

@@ -218,7 +218,7 @@ def legacy_state_checks(a) -> dict:
     adam = torch.optim.AdamW(param_groups(old.model), lr=1e-3)
     g = torch.Generator().manual_seed(5)
     for p in old.model.parameters():
-        p.grad = torch.randn(p.shape, generator=g)
+        p.grad = torch.randn(p.shape, generator=g).to(p.device)
     adam.step()
     new = worker(a)
     new.optimizer.load_state_dict(adam.state_dict())

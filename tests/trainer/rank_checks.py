@@ -96,6 +96,7 @@ def run_checks(a: argparse.Namespace, tp: int, pp: int, load: str | None) -> dic
     vocab = w.spec.vocab_size
     if pp == 1:
         ids = torch.randint(0, vocab, (2, 19), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(next(w.model.parameters()).device)  # the GPU's, on a device machine (bench/device_check.py)
         with torch.no_grad():
             results["logits"] = model_forward(w.model.eval(), ids)[..., :vocab].clone()
 
@@ -154,7 +155,7 @@ def run_checks(a: argparse.Namespace, tp: int, pp: int, load: str | None) -> dic
     ]
     import torch.distributed as dist
 
-    d = torch.tensor([max(diffs)])
+    d = torch.tensor([max(diffs)], device=next(resumed.model.parameters()).device)  # NCCL reduces device tensors
     dist.all_reduce(d, op=dist.ReduceOp.MAX)
     results["resume_max_abs_diff"] = d.item()
     return results

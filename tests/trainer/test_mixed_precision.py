@@ -125,8 +125,8 @@ def test_reuse_fp32_param_halves_master_bytes_and_follows_separate_masters(resul
     for name, p in results["reuse_params"].items():  # the parameters are the masters rounded as split_master does
         if p.dtype == torch.bfloat16:
             expect = torch.empty(p.numel(), dtype=torch.bfloat16)
-            split_master(reuse[name].reshape(-1).contiguous(), expect, torch.empty(p.numel(), dtype=torch.int16))
-            assert torch.equal(p.reshape(-1), expect), name
+            split_master(reuse[name].cpu().reshape(-1).contiguous(), expect, torch.empty(p.numel(), dtype=torch.int16))
+            assert torch.equal(p.cpu().reshape(-1), expect), name  # .cpu(): the device check's results are on a GPU
     mem, sep = results["reuse_memory"], results["mixed_memory"]
     assert mem["master"] * 2 == pytest.approx(sep["master"], rel=0.01)
     assert mem["optimizer_states"] == sep["optimizer_states"] and mem["params"] == sep["params"]

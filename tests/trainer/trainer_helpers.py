@@ -14,7 +14,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def rank_env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
+    # The repo first, then whatever the caller's PYTHONPATH holds (a GPU machine's packages installed beside the
+    # system's, as bench/device_check.py's runs use).
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=path)
 
 
 def rank_arguments() -> argparse.ArgumentParser:
