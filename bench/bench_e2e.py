@@ -17,6 +17,7 @@ Steps 1-2 are warm-up; the figures are medians over steps 3..N.
     python bench/bench_e2e.py --only scaling                                 # 2x/4x batch, 2x length (rlfabric)
     python bench/bench_e2e.py --only learning                                # pipelined vs sync on the demo
     python bench/bench_e2e.py --only precision                               # fp32 vs bf16 (+/- master weights)
+    python bench/bench_e2e.py --only mismatch                                # bf16 rollout, fp32 trainer: +/- TIS
 
 Results go to bench/results/e2e*.md and the perf-e2e section of bench/RESULTS.md.
 """
@@ -171,7 +172,7 @@ def run_rlfabric(w: Workload, work: Path, label: str, iterations: int, extra: li
         tokens = (m["prompt_length/mean"] + m["response_length/mean"]) * m["global_batch_size"] * \
             m["n_samples_per_prompt"]
         steps.append({"seconds": end - start, "tokens": tokens, **{k: v for k, v in m.items()
-                                                                   if k.startswith(("timing/", "timeline/", "staleness/"))},
+                                                                   if k.startswith(("timing/", "timeline/", "staleness/", "rollout_mismatch/"))},
                       "reward": m["grpo/score/mean"], "grad_norm": m.get("grad_norm", float("nan"))})
     return {"label": label, "steps": steps, "first_step_s": iteration_ends[0], "milestones": milestones,
             "peak_rss_bytes": peak, "wall_s": time.perf_counter() - t0}
@@ -441,6 +442,44 @@ def bench_precision(args: argparse.Namespace) -> None:
                   REPO / "bench" / "results" / "e2e_precision.md")
 
 
+# The rollout in bf16 against an fp32 trainer: the rollout/training mismatch that collapses runs on accelerators
+# (bf16 vLLM vs Megatron), injected on CPU. Same warm-up and sampling seed in every run; the corrections are verl's
+# truncated importance sampling (`rlfabric.rollout_is`, threshold 2.0).
+MISMATCH = (
+    ("fp32 rollout (no mismatch)", []),
+    ("bf16 rollout, no correction", ["-o", "generate_config.dtype=bfloat16"]),
+    ("bf16 rollout, token TIS", ["-o", "generate_config.dtype=bfloat16", "-o", "rlfabric.rollout_is=token"]),
+    ("bf16 rollout, sequence TIS", ["-o", "generate_config.dtype=bfloat16", "-o", "rlfabric.rollout_is=sequence"]),
+)
+MISMATCH_KEYS = ("rollout_mismatch/mean_abs_logp_diff", "rollout_mismatch/kl", "rollout_mismatch/max_ratio")
+
+
+def bench_mismatch(args: argparse.Namespace) -> None:
+    """The demo's learning with the rollout in bf16 and the trainer in fp32, without and with truncated IS."""
+    w = _demo_workload(args)
+    lines = [f"Machine: {machine_info(*PACKAGES)}; the demo's config from its warm-up "
+             f"(greedy held-out {_warmup_accuracy(w):.2f}), synchronous, trainer fp32, {args.learning_iterations} "
+             "iterations, sampling seed 1; gain = mean reward of the last 10 iterations minus the first 10 "
+             "(tests/e2e/test_learning.py's margin: 0.04; 10 fp32 runs gave 0.066-0.172). Mismatch columns: "
+             "means over the run of the rollout's vs the trainer's log-probs of the sampled tokens ('-': not measured: "
+             "without a correction the demo's one-step iterations skip the old-log-prob pass they are measured "
+             "against).", "",
+             "| rollout | first 10 | last 10 | gain | mean abs logp diff | KL | max ratio | s/iteration | load before |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, extra in MISMATCH:
+        load = os.getloadavg()[0]
+        r = run_rlfabric(w, args.work, "mismatch-" + name.split(",")[0].split()[0] + "-" +
+                         "-".join(name.split(",")[-1].split()), args.learning_iterations, extra)
+        first, last = _gain(r)
+        cells = [f"{statistics.mean(s[k] for s in r['steps']):.2e}" if all(k in s for s in r["steps"]) else "-"
+                 for k in MISMATCH_KEYS]
+        lines.append(f"| {name} | {first:.3f} | {last:.3f} | {last - first:+.3f} | {' | '.join(cells)} | "
+                     f"{wall_per_step(r):.3f} | {load:.1f} |")
+        print(lines[-1], flush=True)
+    write_section("Rollout in bf16, trainer in fp32: learning without and with truncated IS (demo workload)", lines,
+                  REPO / "bench" / "results" / "e2e_mismatch.md")
+
+
 def bench_overhead(args: argparse.Namespace) -> None:
     """Fixed costs the coordinator used to pay: its heavy imports at StartRun, and a follower's metrics poll."""
     from services.common.redis_store import RunJournal, connect, start_private_redis
@@ -486,7 +525,8 @@ def bench_overhead(args: argparse.Namespace) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", choices=("trl", "rlfabric", "scaling", "learning", "precision", "overhead"), default="trl",
+    p.add_argument("--only", choices=("trl", "rlfabric", "scaling", "learning", "precision", "mismatch", "overhead"),
+                   default="trl",
                    help="rlfabric: its side of the TRL comparison only (per-stage times and timeline, no file "
                         "written): for before/after comparisons of one change")
     p.add_argument("--trainer-threads", type=int, default=1,
@@ -504,8 +544,9 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/rlfabric-bench-e2e"))
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    if args.only in ("learning", "precision", "overhead"):
-        {"learning": bench_learning, "precision": bench_precision, "overhead": bench_overhead}[args.only](args)
+    if args.only in ("learning", "precision", "mismatch", "overhead"):
+        {"learning": bench_learning, "precision": bench_precision, "mismatch": bench_mismatch,
+         "overhead": bench_overhead}[args.only](args)
         return 0
     loads = prepare(args.work)
     if args.only == "scaling":
