@@ -10,6 +10,7 @@ import pytest
 
 from services.common.config import ConfigError, load_config
 from services.common.config.lora import TARGET_NAMES
+from tests.common.upstream_text import write_upstream
 
 # github.com/Ascend/MindSpeed-RL configs/grpo_lora_qwen25_32b_A2.yaml (commit 7b863e25), byte for byte.
 UPSTREAM_LORA_YAML = """\
@@ -138,13 +139,7 @@ SHARE_BACKBONE = "  share_backbone: true\n"
 
 
 def _upstream(repo_root: Path, tmp_path: Path, text: str = UPSTREAM_LORA_YAML) -> Path:
-    """The upstream file beside the reference copy of its model block (as in MindSpeed-RL's configs/)."""
-    (tmp_path / "model").mkdir(exist_ok=True)
-    block = repo_root.parent / "shared/reference/mindspeed_rl/configs/model/qwen25_32b.yaml"
-    (tmp_path / "model" / "qwen25_32b.yaml").write_text(block.read_text())
-    path = tmp_path / "grpo_lora_qwen25_32b_A2.yaml"
-    path.write_text(text)
-    return path
+    return write_upstream(repo_root, tmp_path, "grpo_lora_qwen25_32b_A2.yaml", text)
 
 
 def test_upstream_lora_config_passes_and_its_lora_keys_are_read(repo_root: Path, tmp_path: Path):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.common.config import ConfigError, load_config
+from tests.common.upstream_text import write_upstream
 
 # github.com/Ascend/MindSpeed-RL configs/ppo_qwen25_32b_A3.yaml (commit c25365f7), byte for byte.
 UPSTREAM_PPO_YAML = """\
@@ -151,13 +152,7 @@ generate_config:
 
 
 def _upstream(repo_root: Path, tmp_path: Path, text: str = UPSTREAM_PPO_YAML) -> Path:
-    """The upstream file beside the reference copy of its model block (as in MindSpeed-RL's configs/)."""
-    (tmp_path / "model").mkdir(exist_ok=True)
-    block = repo_root.parent / "shared/reference/mindspeed_rl/configs/model/qwen25_32b.yaml"
-    (tmp_path / "model" / "qwen25_32b.yaml").write_text(block.read_text())
-    path = tmp_path / "ppo_qwen25_32b_A3.yaml"
-    path.write_text(text)
-    return path
+    return write_upstream(repo_root, tmp_path, "ppo_qwen25_32b_A3.yaml", text)
 
 
 def test_upstream_ppo_config_passes_and_means_ppo_with_a_critic(repo_root: Path, tmp_path: Path):
