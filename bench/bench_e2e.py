@@ -445,11 +445,13 @@ def bench_precision(args: argparse.Namespace) -> None:
 # The rollout in bf16 against an fp32 trainer: the rollout/training mismatch that collapses runs on accelerators
 # (bf16 vLLM vs Megatron), injected on CPU. Same warm-up and sampling seed in every run; the corrections are verl's
 # truncated importance sampling (`rlfabric.rollout_is`, threshold 2.0).
-MISMATCH = (
-    ("fp32 rollout (no mismatch)", []),
-    ("bf16 rollout, no correction", ["-o", "generate_config.dtype=bfloat16"]),
-    ("bf16 rollout, token TIS", ["-o", "generate_config.dtype=bfloat16", "-o", "rlfabric.rollout_is=token"]),
-    ("bf16 rollout, sequence TIS", ["-o", "generate_config.dtype=bfloat16", "-o", "rlfabric.rollout_is=sequence"]),
+MISMATCH = (  # (run folder, table row, overrides)
+    ("fp32", "fp32 rollout (no mismatch)", []),
+    ("bf16", "bf16 rollout, no correction", ["-o", "generate_config.dtype=bfloat16"]),
+    ("bf16-tis-token", "bf16 rollout, token TIS",
+     ["-o", "generate_config.dtype=bfloat16", "-o", "rlfabric.rollout_is=token"]),
+    ("bf16-tis-sequence", "bf16 rollout, sequence TIS",
+     ["-o", "generate_config.dtype=bfloat16", "-o", "rlfabric.rollout_is=sequence"]),
 )
 MISMATCH_KEYS = ("rollout_mismatch/mean_abs_logp_diff", "rollout_mismatch/kl", "rollout_mismatch/max_ratio")
 
@@ -466,10 +468,9 @@ def bench_mismatch(args: argparse.Namespace) -> None:
              "against).", "",
              "| rollout | first 10 | last 10 | gain | mean abs logp diff | KL | max ratio | s/iteration | load before |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for name, extra in MISMATCH:
+    for label, name, extra in MISMATCH:
         load = os.getloadavg()[0]
-        r = run_rlfabric(w, args.work, "mismatch-" + name.split(",")[0].split()[0] + "-" +
-                         "-".join(name.split(",")[-1].split()), args.learning_iterations, extra)
+        r = run_rlfabric(w, args.work, f"mismatch-{label}", args.learning_iterations, extra)
         first, last = _gain(r)
         cells = [f"{statistics.mean(s[k] for s in r['steps']):.2e}" if all(k in s for s in r["steps"]) else "-"
                  for k in MISMATCH_KEYS]
