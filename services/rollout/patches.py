@@ -259,22 +259,14 @@ def apply_patches() -> list[str]:
     """Applies the patches the current platform needs (idempotent). Returns the names now active."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu() and _PATCH_CPU_GEMM not in _APPLIED:
-        _patch_cpu_gemm()
-        _APPLIED.add(_PATCH_CPU_GEMM)
-        logger.info("vLLM patch active: %s", _PATCH_CPU_GEMM)
-    if current_platform.is_cpu() and _PATCH_CPU_MOE not in _APPLIED:
-        _patch_cpu_moe()
-        _APPLIED.add(_PATCH_CPU_MOE)
-        logger.info("vLLM patch active: %s", _PATCH_CPU_MOE)
-    if current_platform.is_cpu() and _PATCH_EP_GROUP not in _APPLIED:
-        _patch_ep_group()
-        _APPLIED.add(_PATCH_EP_GROUP)
-        logger.info("vLLM patch active: %s", _PATCH_EP_GROUP)
-    if current_platform.is_cpu() and _PATCH_EAGER_RANKS not in _APPLIED:
-        _patch_eager_ranks()
-        _APPLIED.add(_PATCH_EAGER_RANKS)
-        logger.info("vLLM patch active: %s", _PATCH_EAGER_RANKS)
+    # Every patch so far is for the CPU platform, applied in this order.
+    cpu_patches = ((_PATCH_CPU_GEMM, _patch_cpu_gemm), (_PATCH_CPU_MOE, _patch_cpu_moe),
+                   (_PATCH_EP_GROUP, _patch_ep_group), (_PATCH_EAGER_RANKS, _patch_eager_ranks))
+    for name, patch in cpu_patches if current_platform.is_cpu() else ():
+        if name not in _APPLIED:
+            patch()
+            _APPLIED.add(name)
+            logger.info("vLLM patch active: %s", name)
     return sorted(_APPLIED)
 
 
