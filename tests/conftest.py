@@ -18,6 +18,29 @@ settings.load_profile("rlfabric")
 # Several services share 2 cores in CI: one torch thread per process.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
+def _pin_mkl_for_this_process() -> None:
+    """MKL's batch-invariant AVX2 code path for the test process only (MKL reads MKL_CBWR once, when it starts).
+
+    The stored float64 fixtures of the parity tests (verl, MindSpeed-RL) were made on that path, and AVX-512's
+    exp/log and matmul differ in the last bit; the in-process vLLM engine then behaves as `rlfabric.deterministic`
+    makes a rollout behave (services/common/determinism.py). The services the tests start keep MKL's native path
+    (it is ~1.6x faster), so the variable leaves the environment once MKL has read it.
+    """
+    from services.common.determinism import MKL_BATCH_INVARIANT
+
+    if "MKL_CBWR" in os.environ:
+        return
+    os.environ.update(MKL_BATCH_INVARIANT)
+    import torch
+
+    torch.ones(8, 8) @ torch.ones(8, 8)  # MKL starts here and reads its path
+    torch.exp(torch.ones(64, dtype=torch.float64))
+    del os.environ["MKL_CBWR"]
+
+
+_pin_mkl_for_this_process()
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -2,7 +2,7 @@
 and the outputs stored exactly (float.hex) for tests/coordinator/test_gae.py and tests/trainer/test_value_loss.py.
 
     git -C <MindSpeed-RL clone> archive <commit> mindspeed_rl | tar -x -C /tmp/msrl
-    python -m tests.mindspeed_expected --mindspeed /tmp/msrl --verl /path/to/verl-checkout
+    MKL_CBWR=AVX2,STRICT python -m tests.mindspeed_expected --mindspeed /tmp/msrl --verl /path/to/verl-checkout
 
 The fixtures were made from MindSpeed-RL commit 05a90d77cb6cfad8999e2aee21068284db959579 (MINDSPEED_COMMIT) and verl
 commit b178a3cd56f58b2d502255daba591e92833930a7 (tests/verl_expected.VERL_COMMIT). MindSpeed-RL is imported from the
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.verl_expected import VERL_COMMIT, _StubFinder, hexes, import_verl
+from tests.verl_expected import PINNED_MKL, VERL_COMMIT, _StubFinder, hexes, import_verl, require_pinned_mkl
 
 MINDSPEED_COMMIT = "05a90d77cb6cfad8999e2aee21068284db959579"
 HERE = Path(__file__).resolve().parent
@@ -243,11 +243,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mindspeed", type=Path, required=True, help="an export of MindSpeed-RL's mindspeed_rl/")
     parser.add_argument("--verl", type=Path, required=True, help="a checkout of github.com/volcengine/verl")
     args = parser.parse_args(argv)
+    require_pinned_mkl(parser)
     torch.set_num_threads(1)
     verl_core, _ = import_verl(args.verl.resolve())
     compute_utils, critic, compute, utils = import_mindspeed(args.mindspeed.resolve())
     header = {"mindspeed_rl_commit": MINDSPEED_COMMIT, "verl_commit": VERL_COMMIT,
-              "made_by": "python -m tests.mindspeed_expected --mindspeed <export> --verl <checkout>"}
+              "made_by": f"{PINNED_MKL} python -m tests.mindspeed_expected --mindspeed <export> --verl <checkout>"}
     PPO.write_text(json.dumps({**header, "cases": mindspeed_ppo(compute_utils, compute, verl_core)}, indent=1) + "\n")
     VALUE_LOSS.write_text(json.dumps({**header, "cases": mindspeed_value_loss(critic, utils, verl_core)}, indent=1)
                           + "\n")

@@ -1,7 +1,7 @@
 """Writes the verl parity fixtures: verl's own functions run on fixed float64 inputs, the inputs and the outputs
 stored exactly (float.hex) for tests/coordinator/test_advantages_verl.py and tests/trainer/test_loss_verl.py.
 
-    python -m tests.verl_expected --verl /path/to/verl-checkout   # a checkout of github.com/volcengine/verl
+    MKL_CBWR=AVX2,STRICT python -m tests.verl_expected --verl /path/to/checkout  # github.com/volcengine/verl
 
 The fixtures were made from verl commit b178a3cd56f58b2d502255daba591e92833930a7 (VERL_COMMIT). verl is imported
 from the checkout's source without installing it: its heavy imports (ray, tensordict, omegaconf, its worker
@@ -16,12 +16,15 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import json
+import os
 import sys
 import types
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from services.common.determinism import MKL_BATCH_INVARIANT
 
 VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
 HERE = Path(__file__).resolve().parent
@@ -221,13 +224,24 @@ def verl_losses(core, corr) -> list[dict]:
     return out
 
 
+PINNED_MKL = f"MKL_CBWR={MKL_BATCH_INVARIANT['MKL_CBWR']}"
+
+
+def require_pinned_mkl(parser: argparse.ArgumentParser) -> None:
+    """The fixtures are made on the MKL code path the test process pins (tests/conftest.py): AVX-512's exp, log and
+    matmul differ from it in the last bit."""
+    if os.environ.get("MKL_CBWR") != MKL_BATCH_INVARIANT["MKL_CBWR"]:
+        parser.error(f"run with {PINNED_MKL}: the tests compare on that MKL code path")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verl", type=Path, required=True, help="a checkout of github.com/volcengine/verl")
     args = parser.parse_args(argv)
+    require_pinned_mkl(parser)
     core, corr = import_verl(args.verl.resolve())
     torch.set_num_threads(1)
-    header = {"verl_commit": VERL_COMMIT, "made_by": "python -m tests.verl_expected --verl <checkout>"}
+    header = {"verl_commit": VERL_COMMIT, "made_by": f"{PINNED_MKL} python -m tests.verl_expected --verl <checkout>"}
     ADVANTAGES.write_text(json.dumps({**header, "cases": verl_advantages(core)}, indent=1) + "\n")
     LOSSES.write_text(json.dumps({**header, "cases": verl_losses(core, corr)}, indent=1) + "\n")
     print(f"wrote {ADVANTAGES} and {LOSSES}")

@@ -14,14 +14,17 @@ owns the kernels' part and the host RNGs:
   (`HCCL_DETERMINISTIC`, what MindSpeed's `npu_deterministic` sets). Megatron's own `deterministic_mode` is set
   in the model's TransformerConfig (services/trainer/model.py).
 - `batch_invariant_environment`: vLLM's batch-invariant kernels (`VLLM_BATCH_INVARIANT`), which exist for
-  NVIDIA (compute capability 8.0+), AMD Instinct and Ascend A2/A3. vLLM's CPU kernels give a sample the same
-  tokens and log-probs whatever else is batched with it (tests/rollout/test_batch_invariance.py), so the CPU
-  needs no switch.
+  NVIDIA (compute capability 8.0+), AMD Instinct and Ascend A2/A3. On x86 CPUs vLLM's matmuls are MKL's, whose
+  AVX-512 code picks its blocking by the number of rows, so a sample's log-probs move in the last bit with what
+  else is batched (measured on an AVX-512/AMX Xeon; AVX2 hosts were invariant as they are): MKL's conditional
+  numerical reproducibility (`MKL_CBWR=AVX2,STRICT`, read when MKL starts) pins one code path whose results do
+  not depend on the batch (tests/rollout/test_batch_invariance.py), at ~1.6x the cost of a tiny model's matmul.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import random
 
 import numpy as np
@@ -44,6 +47,12 @@ def use_deterministic_kernels() -> None:
     torch.use_deterministic_algorithms(True)
 
 
+# MKL's batch-invariant code path on x86 (see the module docstring); also what the test process pins
+MKL_BATCH_INVARIANT = {"MKL_CBWR": "AVX2,STRICT"}
+
+
 def batch_invariant_environment(on_accelerator: bool) -> dict[str, str]:
-    """The environment a vLLM engine reads for batch-invariant kernels (empty on the CPU, which needs none)."""
-    return {"VLLM_BATCH_INVARIANT": "1"} if on_accelerator else {}
+    """The environment a vLLM engine reads for batch-invariant kernels (set before its first matmul)."""
+    if on_accelerator:
+        return {"VLLM_BATCH_INVARIANT": "1"}
+    return dict(MKL_BATCH_INVARIANT) if platform.machine().lower() in ("x86_64", "amd64") else {}

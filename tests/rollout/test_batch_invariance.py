@@ -1,5 +1,7 @@
 """What `rlfabric.deterministic` relies on in the CPU rollout: a seeded sample's tokens and log-probs do not depend
-on what else the engine batches with it (vLLM's batch invariance mode is for GPUs and Ascend only)."""
+on what else the engine batches with it (vLLM's batch invariance mode is for GPUs and Ascend only). The engine
+runs in the test process, which tests/conftest.py puts on MKL's path as `deterministic` puts a rollout
+(services/common/determinism.py); on an AVX-512 host without it, the log-probs differ in the last bit."""
 
 from __future__ import annotations
 
