@@ -226,8 +226,11 @@ class GrpoIteration:
         critic_metrics: dict[str, float] = {}
         if self.settings.use_critic:
             adv_of, critic_metrics = self._critic_phases(trained, iteration, clock, old_lp, ref_lp)
-        correct = self.settings.max_staleness or self.settings.rollout_correction
-        behavior = behavior_log_probs(trained.groups) if correct else {}
+        s = self.settings
+        if s.max_staleness or s.rollout_correction:
+            behavior = behavior_log_probs(trained.groups)
+        else:  # measured by the trainer's update when no old-log-prob pass measures it here
+            behavior = behavior_log_probs(trained.groups, required=False) if not old_lp else {}
         mismatch = rollout_mismatch(trained.groups, old_lp, actor_version)
         actor_metrics = self._update(trained.seqs, adv_of, old_lp, ref_lp, iteration, clock, behavior)
         return _Trained(trained, {**actor_metrics, **critic_metrics, **staleness, **mismatch})

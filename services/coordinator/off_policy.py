@@ -7,8 +7,9 @@ behind the actor. The fence refuses any sample outside 0..max_staleness versions
 checks the same bound). The rollout's own log-probs of the sampled tokens travel with the batch in pipelined mode,
 and in every mode with a rollout correction (`rlfabric.rollout_is` / `rollout_rs`), so that the trainer can weight
 each token by the truncated importance ratio and drop the ones past its thresholds
-(services/trainer/rollout_correction.py); when the old-log-prob pass is skipped, the trainer measures
-`rollout_mismatch/*` itself, against its own current log-probs.
+(services/trainer/rollout_correction.py). `rollout_mismatch/*` is measured here against the old-log-prob pass when
+it runs; when it is skipped, the log-probs travel in every mode and the trainer measures it against its own current
+log-probs (without a correction they leave the loss as it is).
 """
 
 from __future__ import annotations
@@ -38,12 +39,17 @@ def fence(groups: Sequence[Group], actor_version: int, max_staleness: int) -> di
             "staleness/max": float(lags.max()) if lags.size else 0.0}
 
 
-def behavior_log_probs(groups: Sequence[Group]) -> dict[str, np.ndarray]:
-    """The rollout's log-probs of each trainable sample's tokens (the behaviour policy), by sample id."""
+def behavior_log_probs(groups: Sequence[Group], *, required: bool = True) -> dict[str, np.ndarray]:
+    """The rollout's log-probs of each trainable sample's tokens (the behaviour policy), by sample id.
+
+    `required` False (they only measure the mismatch): {} when a sample lacks them, rather than an error.
+    """
     out = {}
     for x in (x for g in groups for x in g.trainable()):
         lp = to_numpy(x.response_log_probs).astype(np.float32).reshape(-1)
         if lp.shape[0] != x.response_length:
+            if not required:
+                return {}
             raise IterationError(f"rollout: sample {x.sample_id} has {lp.shape[0]} log-probs for {x.response_length} "
                                  "tokens; pipelined mode and the rollout correction need the log-prob of every "
                                  "sampled token")

@@ -8,7 +8,7 @@ is enforced when the config loads (services/common/config/resume.py).
 from __future__ import annotations
 
 from services.common import pipeline_layout
-from services.common.config.loss_variants import parse_rs, rollout_correction_on
+from services.common.config.loss_variants import parse_rs
 from services.trainer import roles
 from services.trainer.activation_memory import ActivationMemory
 from services.trainer.grpo_loss import LossVariant
@@ -166,16 +166,16 @@ def loss_variant_from_config(cfg) -> LossVariant:
     """verl's loss keys (`rlfabric.*`, checked when the config loaded; services/common/config/loss_variants.py).
 
     The rollout correction: `rollout_is` when set, else pipelined mode's token-level truncation at
-    `importance_sampling_cap` (none in synchronous mode), plus the `rollout_rs` rejection.
+    `importance_sampling_cap`, plus the `rollout_rs` rejection. Synchronous mode without either measures only: the
+    rollout's log-probs still come with each batch whose old-log-prob pass is skipped, for `rollout_mismatch/*`, and
+    leave the loss as it is.
     """
     fab = cfg.rlfabric
-    correction = None
-    if rollout_correction_on(fab):
-        if fab.rollout_is is not None:
-            level, threshold = fab.rollout_is, fab.rollout_is_threshold
-        else:
-            level, threshold = ("token" if fab.max_staleness else None), fab.importance_sampling_cap
-        correction = RolloutCorrection(level, threshold, parse_rs(fab.rollout_rs, fab.rollout_rs_threshold))
+    if fab.rollout_is is not None:
+        level, threshold = fab.rollout_is, fab.rollout_is_threshold
+    else:
+        level, threshold = ("token" if fab.max_staleness else None), fab.importance_sampling_cap
+    correction = RolloutCorrection(level, threshold, parse_rs(fab.rollout_rs, fab.rollout_rs_threshold))
     scale = fab.loss_scale_factor
     if scale is None and fab.loss_agg_mode == "seq-mean-token-sum-norm":
         scale = cfg.derived.max_response_length  # verl pads responses to their length limit and divides by it

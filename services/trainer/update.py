@@ -74,8 +74,9 @@ class UpdateOptions:
     # Truncation of the off-policy importance weight (rlfabric.importance_sampling_cap); only applied to an
     # Experience that carries behaviour log-probs (pipelined mode).
     is_cap: float = _FABRIC.importance_sampling_cap
-    # verl's loss keys (rlfabric.policy_loss_mode, loss_agg_mode, loss_scale_factor, rollout_*).
-    variant: grpo_loss.LossVariant = grpo_loss.LossVariant()
+    # verl's loss keys (rlfabric.policy_loss_mode, loss_agg_mode, loss_scale_factor, rollout_*); synchronous
+    # without a correction, behaviour log-probs only measure the mismatch (options.loss_variant_from_config).
+    variant: grpo_loss.LossVariant = grpo_loss.LossVariant(correction=rollout_correction.RolloutCorrection(None))
     # Versions a trained sample may lag the actor (rlfabric.max_staleness): the Update RPC's version fence.
     max_staleness: int = _FABRIC.max_staleness
     # use_remove_padding / use_dynamic_bsz with the update_* budgets (services/trainer/packing.py).

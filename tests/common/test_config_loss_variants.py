@@ -31,8 +31,9 @@ def test_unset_is_the_mindspeed_run() -> None:
     cfg = load_config(GRPO)
     s, variant = settings_from_config(cfg), loss_variant_from_config(cfg)
     assert (s.adv_estimator, s.norm_adv_by_std_in_grpo, s.rollout_correction) == ("group_norm", True, False)
-    assert (variant.policy_loss_mode, variant.loss_agg_mode, variant.loss_scale_factor, variant.correction) == (
-        "vanilla", None, None, None)
+    assert (variant.policy_loss_mode, variant.loss_agg_mode, variant.loss_scale_factor) == ("vanilla", None, None)
+    # the rollout's log-probs may come with the batch for rollout_mismatch/*; no weight, no rejection touch the loss
+    assert (variant.correction.is_level, variant.correction.rs) == (None, ())
 
 
 def test_dr_grpo_keys_reach_the_coordinator_and_the_trainer() -> None:

@@ -1,5 +1,5 @@
 """The coordinator's side of verl's keys: the estimator it computes, and the rollout's log-probs it sends to the
-trainer in synchronous mode once a rollout correction is on (GrpoIteration._train, with the services faked)."""
+trainer in synchronous mode (GrpoIteration._train, with the services faked)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import pytest
 from rlfabric.v1 import common_pb2, reward_pb2
 from services.common.config import load_config
 from services.common.tensors import to_proto
+from services.coordinator.errors import IterationError
 from services.coordinator.generation import Group, GroupPrompt
 from services.coordinator.iteration import GrpoIteration, Rollout
 from services.coordinator.iteration_metrics import PhaseClock
+from services.coordinator.off_policy import behavior_log_probs
 from services.coordinator.rewards import TrainBatch
 from services.coordinator.settings import settings_from_config
 
@@ -31,14 +33,14 @@ def _group(rewards: list[float], lengths: list[int]) -> Group:
                  [reward_pb2.ScoreResponse(reward=r) for r in rewards])
 
 
-def _loop(*overrides: str) -> tuple[GrpoIteration, dict]:
+def _loop(*overrides: str, old_lp: dict | None = None) -> tuple[GrpoIteration, dict]:
     loop = GrpoIteration.__new__(GrpoIteration)
     loop.settings = dataclasses.replace(settings_from_config(load_config(GRPO, overrides=list(overrides))),
                                         n_samples_per_prompt=2)
     sent: dict = {}
     group = _group([1.0, 0.0], [3, 1])
     loop._score = lambda groups, version: TrainBatch([group], np.array([1.0, 0.0]), None)
-    loop._log_prob_passes = lambda seqs, ref_stream, clock: ({}, {})
+    loop._log_prob_passes = lambda seqs, ref_stream, clock: (old_lp or {}, {})
 
     def update(seqs, adv_of, old_lp, ref_lp, iteration, clock, behavior):
         sent.update(advantages=adv_of, behavior=behavior)
@@ -50,13 +52,30 @@ def _loop(*overrides: str) -> tuple[GrpoIteration, dict]:
     return loop, sent
 
 
-def test_synchronous_mode_sends_the_rollouts_log_probs_only_with_a_correction() -> None:
-    _, plain = _loop()
-    assert plain["behavior"] == {}
+SENT = {"g/0": [-0.25] * 3, "g/1": [-0.5]}
+PASS = {"g/0": np.zeros(3, np.float32), "g/1": np.zeros(1, np.float32)}  # what an old-log-prob pass returns
+
+
+def test_synchronous_mode_sends_the_rollouts_log_probs_with_a_correction() -> None:
     for keys in (["rlfabric.rollout_is=token"], ["rlfabric.rollout_rs=token_k2", "rlfabric.rollout_rs_threshold=1"]):
-        loop, sent = _loop(*keys)
-        assert loop.settings.max_staleness == 0
-        assert {k: v.tolist() for k, v in sent["behavior"].items()} == {"g/0": [-0.25] * 3, "g/1": [-0.5]}
+        for old_lp in (None, PASS):
+            loop, sent = _loop(*keys, old_lp=old_lp)
+            assert loop.settings.max_staleness == 0
+            assert {k: v.tolist() for k, v in sent["behavior"].items()} == SENT
+
+
+def test_without_a_correction_they_travel_only_for_the_trainer_to_measure() -> None:
+    # the old-log-prob pass skipped: the trainer's update measures rollout_mismatch/*; run: measured here instead
+    assert {k: v.tolist() for k, v in _loop()[1]["behavior"].items()} == SENT
+    assert _loop(old_lp=PASS)[1]["behavior"] == {}
+
+
+def test_a_sample_without_log_probs_costs_the_measurement_not_the_iteration() -> None:
+    group = _group([1.0, 0.0], [3, 1])
+    group.samples[1].response_log_probs.CopyFrom(to_proto(np.zeros(0, np.float32)))
+    assert behavior_log_probs([group], required=False) == {}
+    with pytest.raises(IterationError, match="g/1 has 0 log-probs for 1 tokens"):
+        behavior_log_probs([group])
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [

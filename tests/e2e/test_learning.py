@@ -75,6 +75,8 @@ def test_reward_goes_up(addition_warmup: Path, repo_root: Path) -> None:
     assert "val/pass@1" in train[-1] and all("val/pass@1" not in r for r in train[:-1])
     for r in train:
         assert check_record(r, [VERIFIER]) == [], r["iteration"]
+        # measured every iteration (old-log-prob pass skipped: by the update); both engines fp32 on one model
+        assert 0 <= r["rollout_mismatch/mean_abs_logp_diff"] < 1e-2 and r["rollout_mismatch/kl"] >= 0, r
     # The console: start-up progress, the verifier registered, one short line per iteration.
     out = proc.stdout
     assert "rollout-0 (vLLM) ready" in out and f"verifier {VERIFIER} registered" in out

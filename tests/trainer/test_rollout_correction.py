@@ -81,6 +81,27 @@ def test_synchronous_on_policy_update_measures_the_mismatch_against_its_current_
     assert out["rollout_mismatch/masked_fraction"] == 0.0
 
 
+def test_without_a_correction_the_rollouts_log_probs_only_measure() -> None:
+    # plain synchronous mode (RolloutCorrection(None)): same loss and gradient as without them, mismatch logged
+    def run(behavior):
+        logp = t([[LN(0.4), LN(0.2), LN(0.1)], [LN(0.5), LN(0.3), 0.0]]).requires_grad_(True)
+        loss, metrics = grpo_loss(logp, None, None, t([1.0, -0.5]), t([[1, 1, 1], [1, 1, 0]]), clip_ratio=0.2,
+                                  use_kl=False, behavior_log_probs=behavior,
+                                  variant=LossVariant(correction=RolloutCorrection(None)))
+        loss.backward()
+        return loss.item(), logp.grad.tolist(), metrics
+
+    loss, grad, metrics = run(t([[LN(0.2)] * 3, [LN(0.5), LN(0.6), -5.0]]))
+    assert (loss, grad) == run(None)[:2]
+    plain, raw = split_metrics(metrics)
+    assert not any(k.startswith("actor/is_") for k in plain)
+    out = reduce_metrics([raw], measured=True)
+    # d = [ln 2, 0, -ln 2] and [0, -ln 2] on 5 tokens (the padded third token of row 2 not counted)
+    assert out["rollout_mismatch/mean_abs_logp_diff"] == pytest.approx(3 * LN(2) / 5)
+    assert out["rollout_mismatch/max_ratio"] == pytest.approx(2.0)
+    assert out["rollout_mismatch/masked_fraction"] == 0.0
+
+
 def test_with_old_log_probs_the_mismatch_is_left_to_the_coordinator() -> None:
     logp = t([[LN(0.4)]])
     _, _, metrics = correct(logp, t([[LN(0.2)]]), torch.ones(1, 1, dtype=DT), RolloutCorrection("token", 2.0))
