@@ -41,7 +41,9 @@ def start_and_follow(address: str, request: coordinator_pb2.StartRunRequest, *, 
         print(f"run {status.run_id} started (the coordinator syncs the replicas' weights first); every "
               "metric goes to the run's metrics.jsonl", flush=True)
         sink = ConsoleSink(total=total, full=full_metrics)
+        streamed = 0
         for m in stub.StreamMetrics(coordinator_pb2.StreamMetricsRequest(run_id=status.run_id)):
+            streamed += 1
             if on_iteration is not None:  # before the line: a Ctrl-C right after it must find it counted
                 on_iteration(m.iteration)
             sink.write(m.iteration, dict(m.metrics.values))
@@ -51,7 +53,16 @@ def start_and_follow(address: str, request: coordinator_pb2.StartRunRequest, *, 
     phase = coordinator_pb2.RunPhase.Name(final.phase)
     print(f"run {final.run_id}: {phase} at iteration {final.iteration}" + (f": {final.error}" if final.error else ""),
           flush=True)
+    if not streamed and final.phase == coordinator_pb2.RUN_PHASE_DONE and final.iteration >= final.total_iterations:
+        print(nothing_to_train(final), flush=True)
     return final
+
+
+def nothing_to_train(final: coordinator_pb2.RunStatus) -> str:
+    """Why a run ended without training: a second `rlfabric train` on a running system starts where the actor is."""
+    return (f"nothing to train: the actor trainer already holds iteration {final.iteration} and "
+            f"megatron_training.train_iters is {final.total_iterations} (a run continues from the iteration the "
+            f"actor holds); to train on, pass -o megatron_training.train_iters=N with N > {final.iteration}")
 
 
 def stop_after_interrupt(address: str, run_id: str, last_logged: int | None = None,

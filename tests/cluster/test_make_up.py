@@ -53,6 +53,11 @@ def test_make_up_train_scale_down_from_nothing(repo_root: Path, tmp_path: Path) 
         done = [int(n) for n in re.findall(r"^iteration (\d+) \|", train.stdout, re.M)]
         assert done == [1, 2, 3], train.stdout
         assert "RUN_PHASE_DONE at iteration 3" in train.stdout, train.stdout
+        # The same command again: the actor holds iteration 3 already, so the run ends at once, saying why.
+        again = make(repo_root, "train", where, "ARGS=-o megatron_training.train_iters=3", timeout=300)
+        assert again.returncode == 0 and not re.search(r"^iteration \d+ \|", again.stdout, re.M), again.stdout
+        assert ("nothing to train: the actor trainer already holds iteration 3 and megatron_training.train_iters is 3"
+                in again.stdout), again.stdout
 
         scaled = make(repo_root, "scale-reward", "N=2", where, timeout=300)
         assert scaled.returncode == 0 and "started reward-1" in scaled.stdout, scaled.stdout + scaled.stderr
@@ -62,7 +67,8 @@ def test_make_up_train_scale_down_from_nothing(repo_root: Path, tmp_path: Path) 
         table = rows(make(repo_root, "ps", where, timeout=120).stdout)
         assert table["reward-1"][4] == "SERVING", table
         assert table["rollout-1"][4:6] == ["SERVING", "0"], table  # the HF folder's weights until a run syncs it
-        assert table["rollout-0"][5] == "4", table  # the run's three updates after its first sync
+        # the run's three updates after its first sync, and the second run's sync (a run always syncs first)
+        assert table["rollout-0"][5] == "5", table
 
         # Scaling down drains the newest and stops them; nothing of theirs is left.
         fewer = make(repo_root, "scale-rollout", "N=1", where, timeout=300)
