@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import signal
 import threading
 from collections.abc import Callable, Collection, Sequence
 from concurrent import futures
@@ -28,6 +27,7 @@ from services.common.credentials import (
     server_credentials,
 )
 from services.common.status import abort, echo
+from services.common.stop_signal import wait_for_stop_signal
 from services.common.wire_limits import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
@@ -228,13 +228,6 @@ def _start_metrics_http(port: int) -> tuple[Any, int]:
 
 def serve_until_signal(server: ServiceServer, grace_s: float = 10.0) -> None:
     """Blocks until SIGTERM/SIGINT, then drains: NOT_SERVING first, in-flight calls get `grace_s`."""
-    done = threading.Event()
-
-    def handle(signum: int, _frame: object) -> None:
-        logger.info("%s received signal %d, draining", server.component, signum)
-        done.set()
-
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
-    done.wait()
+    received = wait_for_stop_signal()
+    logger.info("%s received %s, draining", server.component, received.name)
     server.stop(grace_s)

@@ -57,7 +57,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rlfabric coordinator serve: {bad}", file=sys.stderr)
         return 2
     client = connect(args.redis_url)
-    threading.Thread(target=warm_imports, name="warm-imports", daemon=True).start()
+    # Not a daemon: a coordinator stopped during its first seconds waits for the import to end rather than
+    # finalizing the interpreter under a thread that holds import locks.
+    threading.Thread(target=warm_imports, name="warm-imports").start()
 
     def factory(config_yaml: str, overrides: list[str], run_id: str):
         return build_driver(config_yaml, overrides, run_id, redis_client=client, configs_dir=args.configs_dir,

@@ -7,9 +7,7 @@ many as there are cores to spare (`rlfabric reward serve`); clients find them th
 
 import logging
 import os
-import signal
 import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,6 +16,7 @@ from services.common.net import advertised_address
 from services.common.redis_store import Registration, Registry, connect
 from services.common.server import ServiceServer, ServiceSpec, create_server
 from services.common.service_kind import ServiceKind
+from services.common.stop_signal import wait_for_stop_signal
 from services.reward.endpoints import DEFAULT_ALLOW, EndpointPolicy, member_hosts
 from services.reward.metrics import SCORES
 from services.reward.pool import VerifierPool
@@ -112,16 +111,8 @@ class RewardWorker:
 
     def serve_until_signal(self, drain_s: float) -> None:
         """Serves until SIGTERM/SIGINT, then `stop(drain_s)`: a worker removed at run time loses no sample."""
-        done = threading.Event()
-
-        def handle(signum: int, _frame: object) -> None:
-            logger.info("reward worker %s received signal %d: draining (up to %.0f s)", self.worker_id, signum,
-                        drain_s)
-            done.set()
-
-        signal.signal(signal.SIGTERM, handle)
-        signal.signal(signal.SIGINT, handle)
-        done.wait()
+        received = wait_for_stop_signal()
+        logger.info("reward worker %s received %s: draining (up to %.0f s)", self.worker_id, received.name, drain_s)
         started = time.monotonic()
         self.stop(drain_s)
         # One parseable line: what this worker scored in its life (a removed worker's /metrics goes with it).

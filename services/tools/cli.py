@@ -123,9 +123,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_retrieval_serve(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
+    from services.common.stop_signal import wait_for_stop_signal
     from services.tools.retrieval import RetrievalServer
 
     try:
@@ -137,12 +135,9 @@ def run_retrieval_serve(args: argparse.Namespace) -> int:
     except ValueError as e:  # DataError (the corpus) or a bad --topk
         print(f"rlfabric tools retrieval-serve: {e}", file=sys.stderr)
         return 2
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
     server.start()
     print(f"retrieval server listening on {server.url} ({server.index.size} documents)", flush=True)
-    done.wait()
+    wait_for_stop_signal()
     server.stop()
     return 0
 

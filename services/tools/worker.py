@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
-import threading
 import uuid
 from dataclasses import dataclass
 
@@ -22,6 +20,7 @@ from services.common.net import advertised_address
 from services.common.redis_store import Registration, Registry, connect
 from services.common.server import ServiceServer, ServiceSpec, create_server
 from services.common.service_kind import ServiceKind
+from services.common.stop_signal import wait_for_stop_signal
 from services.tools.host import DEFAULT_MAX_RESULT_CHARS, ToolHost
 from services.tools.limits import limiter_client
 from services.tools.server import AUTH_METHODS, SERVICE_NAME, ToolServicer
@@ -98,16 +97,8 @@ class ToolWorker:
         self.host.close()
 
     def serve_until_signal(self, drain_s: float) -> None:
-        done = threading.Event()
-
-        def handle(signum: int, _frame: object) -> None:
-            logger.info("tool server %s received signal %d: draining (up to %.0f s)", self.instance_id, signum,
-                        drain_s)
-            done.set()
-
-        signal.signal(signal.SIGTERM, handle)
-        signal.signal(signal.SIGINT, handle)
-        done.wait()
+        received = wait_for_stop_signal()
+        logger.info("tool server %s received %s: draining (up to %.0f s)", self.instance_id, received.name, drain_s)
         self.stop(drain_s)
 
     def __enter__(self) -> ToolWorker:
