@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import tomllib
 import urllib.error
 import urllib.request
@@ -85,8 +86,7 @@ def supported_tags(machine: str, python: tuple[int, int]) -> set[Tag]:
     return set(cpython_tags(python, platforms=platforms)) | set(compatible_tags(python, platforms=platforms))
 
 
-@cache
-def index_files(name: str) -> tuple[str, ...]:
+def _fetch_index_files(name: str) -> tuple[str, ...]:
     request = urllib.request.Request(f"{INDEX}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
@@ -95,6 +95,20 @@ def index_files(name: str) -> tuple[str, ...]:
         if e.code == 404:
             return ()
         raise
+
+
+@cache
+def index_files(name: str, attempts: int = 4) -> tuple[str, ...]:
+    """The index's files of `name`; a failed lookup or connection (a DNS blip failed CI once mid-test) is tried
+    again a few times before it counts (an HTTP error is an answer: not tried again)."""
+    for attempt in range(attempts - 1):
+        try:
+            return _fetch_index_files(name)
+        except urllib.error.HTTPError:
+            raise
+        except urllib.error.URLError:
+            time.sleep(2.0 * (attempt + 1))
+    return _fetch_index_files(name)
 
 
 @pytest.fixture(scope="module")
