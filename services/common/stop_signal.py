@@ -3,8 +3,9 @@
 A signal handler runs in the main thread, between two bytecodes of whatever it was doing. A handler that sets a
 `threading.Event` the main thread is waiting on can therefore run while that thread holds the Event's own lock
 (inside `Event.wait`, before it sleeps), and `Event.set` then waits for that lock forever: the process ignores
-every later SIGTERM and has to be killed. CI saw it once (a coordinator sent SIGTERM right as it started waiting
-never exited). Here the handler only writes the signal's number to a pipe, which the main thread reads.
+every later SIGTERM and has to be killed. CI once had a coordinator, sent SIGTERM a moment after it started
+serving, that never exited; this is the likely cause (it did not repeat on demand). Here the handler only writes
+the signal's number to a pipe, which the main thread reads.
 """
 
 from __future__ import annotations
