@@ -65,7 +65,9 @@ def test_a_slot_failure_after_the_batch_was_sent_recycles_the_process(faulty_plu
     # A callback that raises makes the slot fail while the rest of its batch is still in the process:
     # those verdicts must never reach later samples.
     with VerifierPool(1, plugins=faulty_plugins) as pool:
-        blocker = pool.submit("sleepy", "0.5:x", "x", SampleClock(10.0))  # holds the process: the rest queue
+        # holds the process while the rest queue, so that they go in one batch (with 0.5 s the test failed once on
+        # a loaded machine, most likely because the submissions had not all queued by then)
+        blocker = pool.submit("sleepy", "2.0:x", "x", SampleClock(10.0))
 
         def explode(outcome):
             raise RuntimeError("caller bug")
