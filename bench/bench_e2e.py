@@ -575,9 +575,8 @@ def bench_mismatch(args: argparse.Namespace) -> None:
              f"(greedy held-out {_warmup_accuracy(w):.2f}), synchronous, trainer fp32, {args.learning_iterations} "
              "iterations, sampling seed 1; gain = mean reward of the last 10 iterations minus the first 10 "
              "(tests/e2e/test_learning.py's margin: 0.04; 10 fp32 runs gave 0.066-0.172). Mismatch columns: "
-             "means over the run of the rollout's vs the trainer's log-probs of the sampled tokens ('-': not measured: "
-             "without a correction the demo's one-step iterations skip the old-log-prob pass they are measured "
-             "against).", "",
+             "means over the run of the rollout's vs the trainer's log-probs of the sampled tokens, measured every "
+             "iteration ('-': a run that did not log them in every iteration).", "",
              "| rollout | first 10 | last 10 | gain | mean abs logp diff | KL | max ratio | s/iteration | load before |",
              "|---|---|---|---|---|---|---|---|---|"]
     for label, name, extra in MISMATCH:
