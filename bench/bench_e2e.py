@@ -384,6 +384,9 @@ def write_section(title: str, lines: list[str], detail: Path, summary: list[str]
     results.write_text(text)
 
 
+# rl_config.partial_rollout_max_split of the bench's partial-rollout mode: W3's 512-token responses in 128-token chunks.
+PARTIAL_SPLIT = 4
+
 # Where each workload's comparison goes: (bench/results file stem, which is also the RESULTS.md block, and title).
 # W1 and W2 share the section they always had; W3 has its own, so that running one never replaces the other.
 SECTIONS = {"W1": ("e2e", "rlfabric vs TRL GRPOTrainer, W1 and W2 (one run)"),
@@ -426,7 +429,8 @@ def bench_vs_trl(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
 
 def bench_rlfabric_only(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
     """rlfabric's runs of the TRL comparison, printed with each phase's median start/end in the iteration."""
-    modes = {"sync": [], "pipelined": ["-o", "rlfabric.max_staleness=1"]}
+    modes = {"sync": [], "pipelined": ["-o", "rlfabric.max_staleness=1"], "partial": [
+        "-o", "rlfabric.max_staleness=1", "-o", f"rl_config.partial_rollout_max_split={PARTIAL_SPLIT}"]}
     for name in args.workloads:
         for mode in args.modes:
             load = os.getloadavg()[0]
@@ -643,8 +647,9 @@ def main() -> int:
                         "written): for before/after comparisons of one change")
     p.add_argument("--trainer-threads", type=int, default=1,
                    help="`rlfabric up --trainer-threads` of the TRL comparison's runs (default 1)")
-    p.add_argument("--modes", nargs="+", default=["sync", "pipelined"], choices=("sync", "pipelined"),
-                   help="with --only rlfabric: which modes to run")
+    p.add_argument("--modes", nargs="+", default=["sync", "pipelined"], choices=("sync", "pipelined", "partial"),
+                   help="with --only rlfabric: which modes to run (partial: pipelined with partial rollout, "
+                        f"rl_config.partial_rollout_max_split {PARTIAL_SPLIT})")
     p.add_argument("--trl-python", default=None,
                    help="an interpreter with TRL (default: this one; without TRL the comparison is skipped)")
     p.add_argument("--workloads", nargs="+", default=["W1", "W2"], choices=("W1", "W2", "W3"),

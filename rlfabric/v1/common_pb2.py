@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/common.proto\x12\x0brlfabric.v1\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.rlfabric.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"@\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x06tensor\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\"\xb1\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x17\n\x0fhas_temperature\x18\x03 \x01(\x08\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x10\n\x08logprobs\x18\x07 \x01(\r\x12\x0c\n\x04seed\x18\x08 \x01(\x03\x12\x10\n\x08has_seed\x18\t \x01(\x08\"Y\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12-\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12\t\n\x01n\x18\x03 \x01(\r\"\x94\x03\n\x06Sample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12/\n\x12response_token_ids\x18\x04 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12/\n\x12response_log_probs\x18\x05 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12\x17\n\x0fweights_version\x18\x06 \x01(\x04\x12\x30\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x19.rlfabric.v1.FinishReason\x12\x15\n\rprompt_length\x18\x08 \x01(\r\x12\x17\n\x0fresponse_length\x18\t \x01(\r\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x11\n\tlatency_s\x18\x0b \x01(\x01\x12+\n\x0erouted_experts\x18\x0c \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12*\n\rresponse_mask\x18\r \x01(\x0b\x32\x13.rlfabric.v1.Tensor\"c\n\rVerifierScore\x12\x10\n\x08verifier\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x01\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\"\xc6\x01\n\x0cWeightBucket\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05index\x18\x02 \x01(\r\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.rlfabric.v1.NamedTensor\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\r\x12)\n\x03shm\x18\x05 \x01(\x0b\x32\x1c.rlfabric.v1.SharedMemoryRef\x12.\n\ncollective\x18\x06 \x01(\x0b\x32\x1a.rlfabric.v1.CollectiveRef\"\xa1\x01\n\rCollectiveRef\x12\x15\n\rstore_address\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12/\n\x07\x62\x61\x63kend\x18\x04 \x01(\x0e\x32\x1e.rlfabric.v1.CollectiveBackend\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x0f\n\x07push_id\x18\x06 \x01(\t\"R\n\x0fSharedMemoryRef\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsegment_id\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0f\n\x07offsets\x18\x04 \x03(\x04\"F\n\x0cWeightCommit\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0bnum_buckets\x18\x02 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\r\"j\n\x07Metrics\x12\x30\n\x06values\x18\x01 \x03(\x0b\x32 .rlfabric.v1.Metrics.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\xcf\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x12\x0e\n\nDTYPE_INT8\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x0f\n\x0b\x44TYPE_INT16\x10\x07\x12\x0f\n\x0b\x44TYPE_INT32\x10\x08\x12\x0f\n\x0b\x44TYPE_INT64\x10\t\x12\x0e\n\nDTYPE_BOOL\x10\n*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\x8e\x01\n\x11\x43ollectiveBackend\x12\"\n\x1e\x43OLLECTIVE_BACKEND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_GLOO\x10\x01\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_NCCL\x10\x02\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_HCCL\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfabric/v1/common.proto\x12\x0brlfabric.v1\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.rlfabric.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"@\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x06tensor\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\"\xb1\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x17\n\x0fhas_temperature\x18\x03 \x01(\x08\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x10\n\x08logprobs\x18\x07 \x01(\r\x12\x0c\n\x04seed\x18\x08 \x01(\x03\x12\x10\n\x08has_seed\x18\t \x01(\x08\"Y\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12-\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12\t\n\x01n\x18\x03 \x01(\r\"\xca\x03\n\x06Sample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12/\n\x12response_token_ids\x18\x04 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12/\n\x12response_log_probs\x18\x05 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12\x17\n\x0fweights_version\x18\x06 \x01(\x04\x12\x30\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x19.rlfabric.v1.FinishReason\x12\x15\n\rprompt_length\x18\x08 \x01(\r\x12\x17\n\x0fresponse_length\x18\t \x01(\r\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x11\n\tlatency_s\x18\x0b \x01(\x01\x12+\n\x0erouted_experts\x18\x0c \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12*\n\rresponse_mask\x18\r \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12\x34\n\x17response_token_versions\x18\x0e \x01(\x0b\x32\x13.rlfabric.v1.Tensor\"c\n\rVerifierScore\x12\x10\n\x08verifier\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x01\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\"\xc6\x01\n\x0cWeightBucket\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05index\x18\x02 \x01(\r\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.rlfabric.v1.NamedTensor\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\r\x12)\n\x03shm\x18\x05 \x01(\x0b\x32\x1c.rlfabric.v1.SharedMemoryRef\x12.\n\ncollective\x18\x06 \x01(\x0b\x32\x1a.rlfabric.v1.CollectiveRef\"\xa1\x01\n\rCollectiveRef\x12\x15\n\rstore_address\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12/\n\x07\x62\x61\x63kend\x18\x04 \x01(\x0e\x32\x1e.rlfabric.v1.CollectiveBackend\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x0f\n\x07push_id\x18\x06 \x01(\t\"R\n\x0fSharedMemoryRef\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsegment_id\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0f\n\x07offsets\x18\x04 \x03(\x04\"F\n\x0cWeightCommit\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0bnum_buckets\x18\x02 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\r\"j\n\x07Metrics\x12\x30\n\x06values\x18\x01 \x03(\x0b\x32 .rlfabric.v1.Metrics.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\xcf\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x12\x0e\n\nDTYPE_INT8\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x0f\n\x0b\x44TYPE_INT16\x10\x07\x12\x0f\n\x0b\x44TYPE_INT32\x10\x08\x12\x0f\n\x0b\x44TYPE_INT64\x10\t\x12\x0e\n\nDTYPE_BOOL\x10\n*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\x8e\x01\n\x11\x43ollectiveBackend\x12\"\n\x1e\x43OLLECTIVE_BACKEND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_GLOO\x10\x01\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_NCCL\x10\x02\x12\x1b\n\x17\x43OLLECTIVE_BACKEND_HCCL\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_METRICS_VALUESENTRY']._loaded_options = None
   _globals['_METRICS_VALUESENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=1590
-  _globals['_DTYPE']._serialized_end=1797
-  _globals['_FINISHREASON']._serialized_start=1800
-  _globals['_FINISHREASON']._serialized_end=1945
-  _globals['_COLLECTIVEBACKEND']._serialized_start=1948
-  _globals['_COLLECTIVEBACKEND']._serialized_end=2090
+  _globals['_DTYPE']._serialized_start=1644
+  _globals['_DTYPE']._serialized_end=1851
+  _globals['_FINISHREASON']._serialized_start=1854
+  _globals['_FINISHREASON']._serialized_end=1999
+  _globals['_COLLECTIVEBACKEND']._serialized_start=2002
+  _globals['_COLLECTIVEBACKEND']._serialized_end=2144
   _globals['_TENSOR']._serialized_start=41
   _globals['_TENSOR']._serialized_end=113
   _globals['_NAMEDTENSOR']._serialized_start=115
@@ -48,19 +48,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPTGROUP']._serialized_start=361
   _globals['_PROMPTGROUP']._serialized_end=450
   _globals['_SAMPLE']._serialized_start=453
-  _globals['_SAMPLE']._serialized_end=857
-  _globals['_VERIFIERSCORE']._serialized_start=859
-  _globals['_VERIFIERSCORE']._serialized_end=958
-  _globals['_WEIGHTBUCKET']._serialized_start=961
-  _globals['_WEIGHTBUCKET']._serialized_end=1159
-  _globals['_COLLECTIVEREF']._serialized_start=1162
-  _globals['_COLLECTIVEREF']._serialized_end=1323
-  _globals['_SHAREDMEMORYREF']._serialized_start=1325
-  _globals['_SHAREDMEMORYREF']._serialized_end=1407
-  _globals['_WEIGHTCOMMIT']._serialized_start=1409
-  _globals['_WEIGHTCOMMIT']._serialized_end=1479
-  _globals['_METRICS']._serialized_start=1481
-  _globals['_METRICS']._serialized_end=1587
-  _globals['_METRICS_VALUESENTRY']._serialized_start=1542
-  _globals['_METRICS_VALUESENTRY']._serialized_end=1587
+  _globals['_SAMPLE']._serialized_end=911
+  _globals['_VERIFIERSCORE']._serialized_start=913
+  _globals['_VERIFIERSCORE']._serialized_end=1012
+  _globals['_WEIGHTBUCKET']._serialized_start=1015
+  _globals['_WEIGHTBUCKET']._serialized_end=1213
+  _globals['_COLLECTIVEREF']._serialized_start=1216
+  _globals['_COLLECTIVEREF']._serialized_end=1377
+  _globals['_SHAREDMEMORYREF']._serialized_start=1379
+  _globals['_SHAREDMEMORYREF']._serialized_end=1461
+  _globals['_WEIGHTCOMMIT']._serialized_start=1463
+  _globals['_WEIGHTCOMMIT']._serialized_end=1533
+  _globals['_METRICS']._serialized_start=1535
+  _globals['_METRICS']._serialized_end=1641
+  _globals['_METRICS_VALUESENTRY']._serialized_start=1596
+  _globals['_METRICS_VALUESENTRY']._serialized_end=1641
 # @@protoc_insertion_point(module_scope)

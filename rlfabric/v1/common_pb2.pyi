@@ -107,7 +107,7 @@ class PromptGroup(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("sample_id", "group_id", "index", "response_token_ids", "response_log_probs", "weights_version", "finish_reason", "prompt_length", "response_length", "error", "latency_s", "routed_experts", "response_mask")
+    __slots__ = ("sample_id", "group_id", "index", "response_token_ids", "response_log_probs", "weights_version", "finish_reason", "prompt_length", "response_length", "error", "latency_s", "routed_experts", "response_mask", "response_token_versions")
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class Sample(_message.Message):
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_MASK_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_TOKEN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     group_id: str
     index: int
@@ -134,7 +135,8 @@ class Sample(_message.Message):
     latency_s: float
     routed_experts: Tensor
     response_mask: Tensor
-    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., index: _Optional[int] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_log_probs: _Optional[_Union[Tensor, _Mapping]] = ..., weights_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_length: _Optional[int] = ..., response_length: _Optional[int] = ..., error: _Optional[str] = ..., latency_s: _Optional[float] = ..., routed_experts: _Optional[_Union[Tensor, _Mapping]] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    response_token_versions: Tensor
+    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., index: _Optional[int] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_log_probs: _Optional[_Union[Tensor, _Mapping]] = ..., weights_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_length: _Optional[int] = ..., response_length: _Optional[int] = ..., error: _Optional[str] = ..., latency_s: _Optional[float] = ..., routed_experts: _Optional[_Union[Tensor, _Mapping]] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ..., response_token_versions: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class VerifierScore(_message.Message):
     __slots__ = ("verifier", "version", "score", "error", "latency_s")

@@ -40,3 +40,16 @@ def outside_fence(sample_versions: Iterable[int], actor_version: int, max_stalen
     """The staleness fence: the sample versions (distinct, sorted) that are not 0..`max_staleness` versions behind
     an actor at `actor_version`; an update may train only on samples for which this is empty."""
     return sorted({int(v) for v in sample_versions if not 0 <= actor_version - int(v) <= max_staleness})
+
+
+def staleness_bound(max_staleness: int, partial_rollout_max_split: int) -> int:
+    """The most versions a trained token may lag the actor: the bound the staleness fence (the coordinator's, and
+    the trainer's Update) holds every sample to.
+
+    `max_staleness` is how many versions the rollout runs ahead of the update (`rlfabric.max_staleness`: 0
+    synchronous, 1 pipelined). Partial rollout (`rl_config.partial_rollout_max_split` N > 1) adds N - 1: a response
+    cut at a chunk is continued in a later iteration with newer weights, so a response finished at its N-th split
+    has first tokens generated up to N - 1 iterations before its last. Without partial rollout (N = 1) the bound is
+    `max_staleness`.
+    """
+    return max_staleness + partial_rollout_max_split - 1

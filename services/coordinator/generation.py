@@ -249,24 +249,68 @@ class Generator:
             out.append(Group(p, [samples[x] for x in ids], [scores[x] for x in ids]))
         return out
 
-    def _start_rollout(self, prompts: Sequence[GroupPrompt], version: int, clock: PhaseClock,
-                       out: queue.Queue) -> None:
+    def sampling_params(self) -> common_pb2.SamplingParams:
+        """The run's sampling values (generate_config.sampling_config, the run's seed), as every request sends them."""
         s = self.settings
-        sampling = common_pb2.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, has_temperature=True,
-                                             top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                                             seed=s.seed or 0, has_seed=s.seed is not None)
-        if self._continuations is not None:
-            self._continuations.start(sampling)
-        requests = []
+        return common_pb2.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, has_temperature=True,
+                                         top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                                         seed=s.seed or 0, has_seed=s.seed is not None)
+
+    def group_requests(self, prompts: Sequence[GroupPrompt], version: int, sampling: common_pb2.SamplingParams,
+                       cap: int | None = None) -> list[rollout_pb2.GenerateRequest]:
+        """One request per prompt for its n samples, each with its response budget (at most `cap` tokens)."""
+        s, requests = self.settings, []
         for p in prompts:
             group = common_pb2.PromptGroup(group_id=p.group_id, prompt_token_ids=to_proto(np.asarray(p.prompt, np.int32)),
                                            n=s.n_samples_per_prompt)
-            budget = s.response_budget(len(p.prompt))
-            own = sampling if budget == s.max_tokens else with_max_tokens(sampling, budget)
+            budget = min(s.response_budget(len(p.prompt)), cap or s.max_tokens)
+            own = sampling if budget == sampling.max_tokens else with_max_tokens(sampling, budget)
             requests.append(rollout_pb2.GenerateRequest(group=group, expected_weights_version=version, sampling=own))
+        return requests
+
+    def _start_rollout(self, prompts: Sequence[GroupPrompt], version: int, clock: PhaseClock,
+                       out: queue.Queue) -> None:
+        sampling = self.sampling_params()
+        if self._continuations is not None:
+            self._continuations.start(sampling)
+        requests = self.group_requests(prompts, version, sampling)
         if not self.replicas:
             raise IterationError("no rollout replica left (every one was lost and none has joined)")
         self._deal(requests, list(self.replicas), clock, out)
+
+    def samples_of(self, requests: list[rollout_pb2.GenerateRequest], clock: PhaseClock) -> Iterator[common_pb2.Sample]:
+        """Sends `requests` to the replicas (round-robin, failing over as `generate` does) and yields each sample
+        once, as it arrives, until every request's n samples are in (partial rollout's rounds)."""
+        if not self.replicas:
+            raise IterationError("no rollout replica left (every one was lost and none has joined)")
+        samples_q: queue.Queue = queue.Queue()
+        self._threads = []
+        self._deal(requests, list(self.replicas), clock, samples_q)
+        expected = sum(q.group.n for q in requests)
+        seen: set[str] = set()
+        while len(seen) < expected:
+            try:
+                item = samples_q.get(timeout=self.settings.deadline_s)
+            except queue.Empty:
+                raise IterationError(f"rollout: {expected - len(seen)} of {expected} samples missing after "
+                                     f"{self.settings.deadline_s:.0f}s") from None
+            if isinstance(item, _Lost):
+                self._fail_over(item, clock, samples_q)
+            elif isinstance(item, Exception):
+                raise item
+            elif item.sample_id in seen:
+                self._count_duplicate()
+            else:
+                seen.add(item.sample_id)
+                yield item
+        for t in self._threads:
+            t.join()
+
+    def score_request(self, sample: common_pb2.Sample, answer: str) -> reward_pb2.ScoreRequest:
+        """The reward stream's request for `sample` (its response decoded without special tokens)."""
+        response = to_numpy(sample.response_token_ids) if sample.response_length else np.zeros(0, np.int32)
+        return reward_pb2.ScoreRequest(sample_id=sample.sample_id, response=self.decode(response.tolist()),
+                                       ground_truth=answer, verifiers=self._verifiers)
 
     def _deal(self, requests: list[rollout_pb2.GenerateRequest], replicas: list[Replica], clock: PhaseClock,
               out: queue.Queue) -> None:
@@ -339,10 +383,7 @@ class Generator:
                 continue  # a re-sent group sampled again one we already hold: the first copy counts
             samples[item.sample_id] = item
             prompt = by_group[item.group_id]
-            response = to_numpy(item.response_token_ids) if item.response_length else np.zeros(0, np.int32)
-            reward.put(reward_pb2.ScoreRequest(
-                sample_id=item.sample_id, response=self.decode(response.tolist()), ground_truth=prompt.answer,
-                verifiers=self._verifiers))
+            reward.put(self.score_request(item, prompt.answer))
             if reference is not None and item.response_length and not item.error:
                 reference.add(item, prompt.prompt, version)
         if reference is not None:

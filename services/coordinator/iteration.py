@@ -17,6 +17,7 @@
 6. sync: the actor pushes the new version to every replica, which acks it with a checksum;
 7. metrics: the seed's table, the iteration timeline, DAPO's counts.
 In integrated mode (`use_integrated_worker`) `placement.py` moves the services' memory between the phases.
+Partial rollout (`partial_rollout_max_split` > 1): phase 1 runs rounds of chunks over a pool that outlives it.
 In pipelined mode (`rlfabric.max_staleness: 1`, `run_overlapped`) phase 1 of iteration k+1 runs on the
 replicas' current weights while phases 2-5 of iteration k run; phase 6 waits for the update of k and for the last
 sample of k+1 (not for its scores or reference log-probs, which go on beside the push), so the update of k trains
@@ -33,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -59,6 +60,7 @@ from services.coordinator.iteration_metrics import (
 )
 from services.coordinator.multi_turn import MultiTurn
 from services.coordinator.off_policy import behavior_log_probs, fence, rollout_mismatch
+from services.coordinator.partial_rollout import PartialRollouts, partial_rollout
 from services.coordinator.placement import Placement
 from services.coordinator.rewards import TrainBatch, advantages_by_sample, score_groups, verifier_scores
 from services.coordinator.settings import IterationSettings
@@ -86,6 +88,8 @@ class _Generated:
     trained: list[Group]
     batches: list[Any]
     num_groups_kept: int  # groups with a spread in filter_groups_metric, before the cut to the target
+    metrics: dict[str, float] = field(default_factory=dict)  # partial rollout's (partial_rollout.py)
+    trained_batches: list[Any] | None = None  # partial rollout: the prompt batches of `trained`
 
 
 @dataclass
@@ -138,6 +142,8 @@ class GrpoIteration:
         self.decode = decode
         self.settings = settings
         self.placement = placement
+        self.partial = (PartialRollouts(settings.n_samples_per_prompt, settings.global_batch_size)
+                        if settings.partial_rollout_max_split > 1 else None)
         self.kl_controller = make_kl_controller(settings.kl_ctrl_type, settings.init_kl_coef, settings.kl_target,
                                                 settings.kl_horizon)
 
@@ -220,14 +226,18 @@ class GrpoIteration:
         """Phases 2-5 on a rollout: score, advantages, log-prob passes, the actor's update (at `actor_version`)."""
         clock = rollout.clock
         trained = self._score(rollout.gen.trained, rollout.weights_version)
-        staleness = fence(trained.groups, actor_version, self.settings.max_staleness)
+        staleness = fence(trained.groups, actor_version, self.settings.staleness_bound)
         adv_of = {} if self.settings.use_critic else self._advantages(trained, clock)
         old_lp, ref_lp = self._log_prob_passes(trained.seqs, rollout.ref_stream, clock)
         critic_metrics: dict[str, float] = {}
         if self.settings.use_critic:
-            adv_of, critic_metrics = self._critic_phases(trained, iteration, clock, old_lp, ref_lp)
+            # Imported with the first critic phase: GAE computes in torch (upstream's rounding), and a run without
+            # a critic keeps torch out of the coordinator (~2.7 s of CPU at start-up, beside the other services').
+            from services.coordinator.ppo import critic_phases
+            adv_of, critic_metrics = critic_phases(self.critic, self.kl_controller, trained, iteration, clock,
+                                                   old_lp, ref_lp, self.settings)
         s = self.settings
-        if s.max_staleness or s.rollout_correction:
+        if s.off_policy or s.rollout_correction:
             behavior = behavior_log_probs(trained.groups)
         else:  # measured by the trainer's update when no old-log-prob pass measures it here
             behavior = behavior_log_probs(trained.groups, required=False) if not old_lp else {}
@@ -245,7 +255,7 @@ class GrpoIteration:
         timings["timing/coordinator"] = coordinator_time(t0, t_end, clock, *([also_busy] if also_busy else []))
         # The actor's reply carries its own timing/update; the coordinator's span (which update_tps and the
         # timeline use) is the one logged, so that the table stays consistent.
-        metrics = {**parts.metrics, **timings, **timeline_metrics(clock, t0), **self._metrics(gen, trained, timings),
+        metrics = {**parts.metrics, **gen.metrics, **timings, **timeline_metrics(clock, t0), **self._metrics(gen, trained, timings),
                    **self.placement.take_memory_metrics(), **self.generator.take_failover_metrics()}
         trained_ids = [g.group_id for g in gen.trained]
         logger.info("iteration trained %d groups (%d kept of %d generated in %d batches)",
@@ -260,6 +270,18 @@ class GrpoIteration:
         """One prompt batch; with DAPO dynamic sampling, batches until enough groups have a spread (whether
         another batch is needed depends on the scores, so there generation ends with the scoring)."""
         s = self.settings
+        if self.partial is not None:
+            batches: list[Any] = []
+
+            def admit_batch() -> None:
+                batches.append(next_batch())
+                self.partial.admit(self._group_prompts(batches[-1], iteration), batches[-1])
+
+            taken, metrics = partial_rollout(self.generator, self.partial, admit_batch, version, clock,
+                                             version + s.max_staleness, s.staleness_bound)
+            if on_generated is not None:
+                on_generated()
+            return _Generated(taken.groups, taken.groups, batches, len(taken.groups), metrics, taken.batches)
         if not s.filter_groups_enable:
             batch = next_batch()
             groups = self.generator.generate(self._group_prompts(batch, iteration), version, clock, ref_stream,
@@ -291,39 +313,24 @@ class GrpoIteration:
                 for pid, p, lab in zip(batch.prompt_indices, batch.prompts, labels, strict=True)]
 
     def _reference_stream(self, clock: PhaseClock) -> LogProbStream | None:
-        if not (self.settings.use_reference and self.placement.streams_reference):
+        # Partial rollout: a group trains in a later iteration than some of its samples end; its reference
+        # log-probs are computed over the trained batch instead.
+        if not (self.settings.use_reference and self.placement.streams_reference) or self.partial is not None:
             return None
         return LogProbStream("reference_model", self.reference, self.settings,
                              self.settings.ref_forward_micro_batch_size, clock,
                              adapters_off=self.settings.share_backbone)
 
     def _score(self, groups: list[Group], weights_version: int) -> TrainBatch:
-        return score_groups(groups, weights_version, self.settings)
+        # The batch's version is its oldest sample's (partial rollout continues responses across versions).
+        oldest = min((int(x.weights_version) for g in groups for x in g.trainable()), default=weights_version)
+        return score_groups(groups, oldest, self.settings)
 
     def _advantages(self, trained: TrainBatch, clock: PhaseClock) -> dict[str, float]:
         start = time.perf_counter()
         adv_of = advantages_by_sample(trained, self.settings)
         clock.record("adv", start, time.perf_counter())
         return adv_of
-
-    def _critic_phases(self, trained: TrainBatch, iteration: int, clock: PhaseClock, old_lp: dict[str, np.ndarray],
-                       ref_lp: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        """PPO: the critic's values of the trained samples, GAE (with the KL in the reward, if asked), then the
-        critic's update on GAE's returns. Returns the actor's per-token advantages by sample id, and the metrics."""
-        # Imported with the first critic phase: GAE computes in torch (upstream's rounding), and a run without a
-        # critic keeps torch out of the coordinator (~2.7 s of CPU at start-up, beside the other services' own).
-        from services.coordinator.ppo import compute_values, gae_targets, update_critic
-
-        s, seqs = self.settings, trained.seqs
-        values = compute_values(self.critic, seqs, s.critic_forward_micro_batch_size, s, clock) if len(seqs) else {}
-        start = time.perf_counter()
-        kl = (old_lp, ref_lp, self.kl_controller.value) if s.use_kl_in_reward else None
-        targets = gae_targets(trained, values, s, kl)
-        if kl is not None and len(seqs):
-            self.kl_controller.update(targets.metrics["actor/reward_kl_penalty"], len(seqs))
-        clock.record("adv", start, time.perf_counter())
-        metrics = update_critic(self.critic, seqs, targets, values, step=iteration, settings=s, clock=clock)
-        return targets.advantages, {**targets.metrics, **metrics}
 
     def _log_prob_passes(self, seqs: Sequences, ref_stream: LogProbStream | None,
                          clock: PhaseClock) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -3,8 +3,9 @@ are from the trainer's (`rollout_mismatch`, every mode).
 
 With `rlfabric.max_staleness: 1` the rollout generates iteration k+1 with the weights of k-1 while the actor
 updates on k (`GrpoIteration.run_overlapped`), so the samples an update trains on may be one weight version
-behind the actor. The fence refuses any sample outside 0..max_staleness versions behind (the trainer's Update
-checks the same bound). The rollout's own log-probs of the sampled tokens travel with the batch in pipelined mode,
+behind the actor; with partial rollout (`rl_config.partial_rollout_max_split: N`, partial_rollout.py) a
+continued response's first tokens may be up to N - 1 more. The fence refuses any sample outside that bound
+(weight_version.staleness_bound; the trainer's Update checks the same bound). The rollout's own log-probs of the sampled tokens travel with the batch in pipelined mode,
 and in every mode with a rollout correction (`rlfabric.rollout_is` / `rollout_rs`), so that the trainer can weight
 each token by the truncated importance ratio and drop the ones past its thresholds
 (services/trainer/rollout_correction.py). `rollout_mismatch/*` is measured here against the old-log-prob pass when
@@ -24,19 +25,29 @@ from services.coordinator.errors import IterationError
 from services.coordinator.generation import Group
 
 
-def fence(groups: Sequence[Group], actor_version: int, max_staleness: int) -> dict[str, float]:
-    """Checks that every trainable sample is 0..`max_staleness` versions behind the actor (at `actor_version`).
+def fence(groups: Sequence[Group], actor_version: int, bound: int) -> dict[str, float]:
+    """Checks that every trainable sample is 0..`bound` versions behind the actor (at `actor_version`); a sample's
+    version is its oldest token's (partial rollout continues a response across versions).
 
-    Returns `staleness/mean` and `staleness/max`, in weight versions, over the trainable samples.
+    Returns, in weight versions: `staleness/mean` and `staleness/max` over the trainable samples, and
+    `staleness/token_mean` over their response tokens (each token's own version under partial rollout).
     Raises IterationError naming the versions when one is outside the bound.
     """
-    versions = [int(x.weights_version) for g in groups for x in g.trainable()]
+    trainable = [x for g in groups for x in g.trainable()]
+    versions = [int(x.weights_version) for x in trainable]
     lags = np.array([actor_version - v for v in versions], dtype=np.float64)
-    if outside_fence(versions, actor_version, max_staleness):
+    if outside_fence(versions, actor_version, bound):
         raise IterationError(f"version fence: samples {int(lags.min())}..{int(lags.max())} versions behind the actor "
-                             f"(version {actor_version}); rlfabric.max_staleness allows 0..{max_staleness}")
+                             f"(version {actor_version}); rlfabric.max_staleness and "
+                             f"rl_config.partial_rollout_max_split allow 0..{bound}")
+    token_lags = [actor_version - (to_numpy(x.response_token_versions).astype(np.float64).reshape(-1)
+                                   if x.HasField("response_token_versions")
+                                   else np.full(x.response_length, float(x.weights_version)))
+                  for x in trainable]
+    tokens = np.concatenate(token_lags) if token_lags else np.zeros(0)
     return {"staleness/mean": float(lags.mean()) if lags.size else 0.0,
-            "staleness/max": float(lags.max()) if lags.size else 0.0}
+            "staleness/max": float(lags.max()) if lags.size else 0.0,
+            "staleness/token_mean": float(tokens.mean()) if tokens.size else 0.0}
 
 
 def behavior_log_probs(groups: Sequence[Group], *, required: bool = True) -> dict[str, np.ndarray]:

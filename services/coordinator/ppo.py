@@ -145,3 +145,21 @@ def _padded(rows: Sequence[np.ndarray], width: int) -> np.ndarray:
 
 def _flat(parts: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
+
+
+def critic_phases(critic: Any, kl_controller: Any, trained: TrainBatch, iteration: int, clock: PhaseClock,
+                  old_lp: dict[str, np.ndarray], ref_lp: dict[str, np.ndarray],
+                  settings: IterationSettings) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """The critic's values of the trained samples, GAE (with the KL in the reward, if asked: `kl_controller` gives its
+    coefficient and learns from it), then the critic's update on GAE's returns. Returns the actor's per-token
+    advantages by sample id, and the metrics."""
+    s, seqs = settings, trained.seqs
+    values = compute_values(critic, seqs, s.critic_forward_micro_batch_size, s, clock) if len(seqs) else {}
+    start = time.perf_counter()
+    kl = (old_lp, ref_lp, kl_controller.value) if s.use_kl_in_reward else None
+    targets = gae_targets(trained, values, s, kl)
+    if kl is not None and len(seqs):
+        kl_controller.update(targets.metrics["actor/reward_kl_penalty"], len(seqs))
+    clock.record("adv", start, time.perf_counter())
+    metrics = update_critic(critic, seqs, targets, values, step=iteration, settings=s, clock=clock)
+    return targets.advantages, {**targets.metrics, **metrics}

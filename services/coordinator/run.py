@@ -54,8 +54,9 @@ class _Stepper:
     rollout of the next iteration is generated while this one trains, and held until its turn.
 
     Called as step(iteration, version) -> (result, consumed batches); in pipelined mode the consumed count
-    leaves out the batches of the rollout generated ahead, so a checkpoint's data cursor names only trained
-    batches and a resumed run generates the discarded one again.
+    leaves out the batches of the rollout generated ahead, and with partial rollout every batch from the first one
+    with a group still in the pool, so a checkpoint's data cursor names only trained batches and a resumed run
+    generates the discarded ones again.
     """
 
     def __init__(self, loop: GrpoIteration, loader: Any, journaled: Callable[[Any, int], Callable[[], Any]],
@@ -68,7 +69,7 @@ class _Stepper:
         loader = self.loader
         if not self.pipelined:
             result = self.loop.run(self.journaled(loader, iteration), iteration, version, loader.batches_per_epoch)
-            return result, loader.consumed_batches
+            return result, self._cursor(loader.consumed_batches)
         rollout = self.ahead or self.loop.rollout(self.journaled(loader, iteration), iteration, version,
                                                   loader.batches_per_epoch)
         prefetch = None
@@ -78,7 +79,16 @@ class _Stepper:
             def prefetch(on_generated: Callable[[], None]) -> Rollout:
                 return self.loop.rollout(next_batch, iteration + 1, version, loader.batches_per_epoch, on_generated)
         result, self.ahead = self.loop.run_overlapped(rollout, iteration, version, prefetch)
-        return result, loader.consumed_batches - (len(self.ahead.gen.batches) if self.ahead else 0)
+        return result, self._cursor(loader.consumed_batches)
+
+    def _cursor(self, consumed: int) -> int:
+        """The data cursor a checkpoint names: the batches before the first one that has a group not trained yet
+        (generated ahead, or in partial rollout's pool), which a resumed run generates again."""
+        pool, ahead = self.loop.partial, self.ahead
+        if pool is None:
+            return consumed - (len(ahead.gen.batches) if ahead else 0)
+        untrained = pool.batches_in_flight() + ((ahead.gen.trained_batches or []) if ahead else [])
+        return min((b.batch_index for b in untrained), default=consumed)
 
 
 class DiscoveryError(RuntimeError):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.config.loss_variants import rollout_correction_on
+from services.common.weight_version import staleness_bound
 from services.coordinator.multi_turn import MultiTurnSettings
 
 
@@ -92,6 +93,19 @@ class IterationSettings:
     kl_penalty: str = "low_var_kl"
     # A KL term in the actor's loss (GRPO's with a non-zero coefficient; Derived.use_kl_loss).
     kl_in_loss: bool = False
+    # rl_config.partial_rollout_max_split: N > 1 generates responses in chunks of max_tokens // N, continuing a
+    # cut response in a later iteration (partial_rollout.py); 1 generates each response whole.
+    partial_rollout_max_split: int = 1
+
+    @property
+    def staleness_bound(self) -> int:
+        """Weight versions any trained token may lag the actor (the version fence; weight_version.py)."""
+        return staleness_bound(self.max_staleness, self.partial_rollout_max_split)
+
+    @property
+    def off_policy(self) -> bool:
+        """Whether trained tokens may come from older weights than the actor's (pipelined or partial rollout)."""
+        return self.staleness_bound > 0
 
     def response_budget(self, prompt_length: int) -> int:
         """max_tokens for a prompt of `prompt_length` tokens: what max_model_len leaves, if less (upstream's vLLM
@@ -152,6 +166,7 @@ def settings_from_config(cfg: Any) -> IterationSettings:
         use_kl_in_reward=derived.use_kl_in_reward,
         kl_in_loss=derived.use_kl_loss,
         kl_penalty=rl.kl_penalty,
+        partial_rollout_max_split=rl.partial_rollout_max_split,
     )
 
 

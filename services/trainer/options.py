@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from services.common import pipeline_layout
 from services.common.config.loss_variants import parse_rs
+from services.common.weight_version import staleness_bound
 from services.trainer import roles
 from services.trainer.activation_memory import ActivationMemory
 from services.trainer.grpo_loss import LossVariant
@@ -122,7 +123,7 @@ def update_options_from_config(cfg) -> UpdateOptions:
         token_level_loss=rl.token_level_loss,
         is_cap=cfg.rlfabric.importance_sampling_cap,
         variant=loss_variant_from_config(cfg),
-        max_staleness=cfg.rlfabric.max_staleness,
+        max_staleness=staleness_bound(cfg.rlfabric.max_staleness, rl.partial_rollout_max_split),
         packing=_packing(rl, "update", rl.update_max_packing_token_size, rl.update_dynamic_max_batch_size),
     )
 
@@ -165,16 +166,19 @@ def stage_layers_from_config(mt) -> tuple[int, ...] | None:
 def loss_variant_from_config(cfg) -> LossVariant:
     """verl's loss keys (`rlfabric.*`, checked when the config loaded; services/common/config/loss_variants.py).
 
-    The rollout correction: `rollout_is` when set, else pipelined mode's token-level truncation at
-    `importance_sampling_cap`, plus the `rollout_rs` rejection. Synchronous mode without either measures only: the
-    rollout's log-probs still come with each batch whose old-log-prob pass is skipped, for `rollout_mismatch/*`, and
-    leave the loss as it is.
+    The rollout correction: `rollout_is` when set, else a token-level truncation at `importance_sampling_cap`
+    whenever a trained token can be off-policy (pipelined mode, `max_staleness` >= 1, or partial rollout,
+    `partial_rollout_max_split` > 1: a continued response's earlier tokens came from older weights), plus the
+    `rollout_rs` rejection. Synchronous mode without partial rollout or either key measures only: the rollout's
+    log-probs still come with each batch whose old-log-prob pass is skipped, for `rollout_mismatch/*`, and leave
+    the loss as it is.
     """
     fab = cfg.rlfabric
     if fab.rollout_is is not None:
         level, threshold = fab.rollout_is, fab.rollout_is_threshold
     else:
-        level, threshold = ("token" if fab.max_staleness else None), fab.importance_sampling_cap
+        off_policy = fab.max_staleness or cfg.rl_config.partial_rollout_max_split > 1
+        level, threshold = ("token" if off_policy else None), fab.importance_sampling_cap
     correction = RolloutCorrection(level, threshold, parse_rs(fab.rollout_rs, fab.rollout_rs_threshold))
     scale = fab.loss_scale_factor
     if scale is None and fab.loss_agg_mode == "seq-mean-token-sum-norm":

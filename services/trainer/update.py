@@ -77,7 +77,8 @@ class UpdateOptions:
     # verl's loss keys (rlfabric.policy_loss_mode, loss_agg_mode, loss_scale_factor, rollout_*); synchronous
     # without a correction, behaviour log-probs only measure the mismatch (options.loss_variant_from_config).
     variant: grpo_loss.LossVariant = grpo_loss.LossVariant(correction=rollout_correction.RolloutCorrection(None))
-    # Versions a trained sample may lag the actor (rlfabric.max_staleness): the Update RPC's version fence.
+    # Versions a trained token may lag the actor (weight_version.staleness_bound of rlfabric.max_staleness and
+    # rl_config.partial_rollout_max_split): the Update RPC's version fence.
     max_staleness: int = _FABRIC.max_staleness
     # use_remove_padding / use_dynamic_bsz with the update_* budgets (services/trainer/packing.py).
     packing: packing.Packing = packing.Packing(key_prefix="update")

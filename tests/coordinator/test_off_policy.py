@@ -24,14 +24,26 @@ def _group(versions: list[int], lengths: list[int] | None = None) -> Group:
 
 def test_fence_reports_the_lag_of_the_trainable_samples() -> None:
     # actor at 7; samples at 6, 7, 6 and one empty response (not trainable) at 3: lags 1, 0, 1.
-    metrics = fence([_group([6, 7, 6, 3], [2, 2, 2, 0])], actor_version=7, max_staleness=1)
-    assert metrics == {"staleness/mean": pytest.approx(2 / 3), "staleness/max": 1.0}
+    metrics = fence([_group([6, 7, 6, 3], [2, 2, 2, 0])], actor_version=7, bound=1)
+    # two tokens each: token lags 1, 1, 0, 0, 1, 1
+    assert metrics == {"staleness/mean": pytest.approx(2 / 3), "staleness/max": 1.0,
+                       "staleness/token_mean": pytest.approx(4 / 6)}
+
+
+def test_fence_reads_each_tokens_version_of_a_continued_response() -> None:
+    """Partial rollout: a response's first tokens at version 4, its last at 6 (its weights_version is the oldest)."""
+    group = _group([4], [5])
+    group.samples[0].response_token_versions.CopyFrom(to_proto(np.array([4, 4, 4, 6, 6], np.int64)))
+    metrics = fence([group], actor_version=7, bound=3)
+    assert metrics == {"staleness/mean": 3.0, "staleness/max": 3.0, "staleness/token_mean": pytest.approx(11 / 5)}
+    with pytest.raises(IterationError, match="allow 0..2"):
+        fence([group], actor_version=7, bound=2)
 
 
 @pytest.mark.parametrize(("versions", "bound"), [([5, 7], 1), ([7, 8], 1), ([6], 0)])
 def test_fence_refuses_samples_outside_the_bound(versions: list[int], bound: int) -> None:
-    with pytest.raises(IterationError, match=f"max_staleness allows 0..{bound}"):
-        fence([_group(versions)], actor_version=7, max_staleness=bound)
+    with pytest.raises(IterationError, match=f"allow 0..{bound}"):
+        fence([_group(versions)], actor_version=7, bound=bound)
 
 
 def test_behaviour_log_probs_are_the_rollouts_per_sample() -> None:

@@ -50,7 +50,6 @@ _DYNAMIC_BSZ = read(TRAINER_OPTIONS, note="used with use_dynamic_bsz (services/t
 _CRITIC_BUDGET = read(TRAINER_OPTIONS, note="PPO's critic's budget under use_dynamic_bsz, as MindSpeed-RL's critic "
                                             "worker reads it; the actor's and reference's passes read their per-pass "
                                             "keys only (upstream copies this default into them before it reads the YAML)")
-_PARTIAL_ONLY = inert("partial rollout only (partial_rollout_max_split > 1 is refused)")
 _DYNAMIC_SAMPLING = read(COORDINATOR_SETTINGS, ITERATION)
 
 
@@ -180,10 +179,17 @@ class RLConfig:
     guarantee_order: bool = setting(False, "Hand samples on in prompt order rather than as they finish.", inert(
         "rlfabric orders every iteration's samples by prompt and index before training, whatever order they "
         "finish in"))
-    partial_rollout_max_split: int = setting(1, "Partial rollout: split max_tokens over this many iterations.",
-                                             refused("partial rollout is not implemented"))
-    require_max_age_all_finished: bool = setting(True, "Partial rollout: samples at max age must finish.",
-                                                 _PARTIAL_ONLY)
+    partial_rollout_max_split: int = setting(
+        1, "Partial rollout: a response is generated in chunks of max_tokens // N over at most N iterations (N > 1); "
+           "cut responses continue with newer weights, their tokens tagged with the version that produced them. "
+           "1: off.", read(VALIDATION, COORDINATOR_SETTINGS, TRAINER_OPTIONS,
+                           note="N > 1 needs max_tokens divisible by N and no multi-turn, dynamic sampling or critic; "
+                                "the staleness fence and the default token-level truncated IS allow N - 1 more "
+                                "versions of lag (services/common/weight_version.py staleness_bound)"))
+    require_max_age_all_finished: bool = setting(True, "Partial rollout: samples at max age must finish.", inert(
+        "rlfabric runs every continued response's chunk to its end within the iteration that takes it, so a response "
+        "at its last split always finishes there (upstream's true); false would let upstream's async engine leave it "
+        "unfinished, which rlfabric never does"))
     num_cpus_for_local_task: float = setting(1.0, "CPUs per local reward task.", RAY)
     num_cpus_for_placement_group: int = setting(8, "CPUs per worker placement group.", RAY)
     runtime_env_path: str = setting("configs/envs/runtime_env.yaml", "Ray runtime environment (unused by rlfabric).",

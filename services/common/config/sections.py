@@ -196,14 +196,16 @@ class FabricConfig:
         0, "Weight versions a trained sample may lag the actor. 0: synchronous (each iteration generates with the "
            "weights the previous update made). 1: pipelined, the rollout generates iteration k+1 with the weights "
            "of k-1 while the actor updates on k; the loss weights off-policy tokens by a truncated importance "
-           "ratio. Disaggregated mode only.", read(COORDINATOR_SETTINGS, TRAINER_OPTIONS))
+           "ratio. Disaggregated mode only. Partial rollout (rl_config.partial_rollout_max_split N > 1) lets a "
+           "continued response's tokens lag N - 1 versions more.", read(COORDINATOR_SETTINGS, TRAINER_OPTIONS))
     fp32_master_weights: bool = setting(
         True, "With bf16: true, fp32 master weights and optimizer state as Megatron keeps them. false steps the bf16 "
               "weights themselves (pure bf16): a baseline that measures what master weights buy, not an upstream "
               "mode. Unused without bf16.", read(TRAINER_OPTIONS))
     importance_sampling_cap: float = setting(
         2.0, "Truncation of the per-token importance weight old-policy / behaviour-policy applied to the samples "
-             "of pipelined mode (max_staleness >= 1) when rollout_is is unset; unused when max_staleness is 0.",
+             "of pipelined mode (max_staleness >= 1) or partial rollout (rl_config.partial_rollout_max_split > 1) "
+             "when rollout_is is unset; unused in synchronous mode without partial rollout.",
         read(TRAINER_OPTIONS))
     # verl's estimator, loss and rollout-correction keys (services/common/config/loss_variants.py); MindSpeed-RL
     # has none of them. Unset, the run is MindSpeed-RL's.
@@ -224,7 +226,8 @@ class FabricConfig:
     rollout_is: RolloutIsLevel | None = setting(
         None, "Truncated importance weight p_old / p_rollout on the loss, in every mode (verl's rollout_is): "
               "token (per token) or sequence (the product over the sample). Unset: none in synchronous mode, "
-              "token at importance_sampling_cap in pipelined mode.", read(TRAINER_OPTIONS, ALGORITHM_VARIANTS))
+              "token at importance_sampling_cap in pipelined mode or with partial rollout.",
+        read(TRAINER_OPTIONS, ALGORITHM_VARIANTS))
     rollout_is_threshold: float = setting(
         2.0, "Truncation of the rollout_is weight.", read(TRAINER_OPTIONS, ALGORITHM_VARIANTS))
     rollout_rs: str | None = setting(

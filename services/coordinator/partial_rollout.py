@@ -1,0 +1,275 @@
+"""Partial rollout, as MindSpeed-RL defines it (`rl_config.partial_rollout_max_split: N`, N > 1).
+
+A response is generated in chunks of `max_tokens // N` tokens. Each iteration's rollout runs rounds: every
+response in flight gets its next chunk (a fresh group its n samples, a cut response its continuation: the prompt
+and the response so far, as a one-sample group `{sample_id}@{split}`), at the version the replicas hold; rounds go
+on until at least `global_batch_size` groups have every sample finished. Those groups train, oldest first; a
+response cut at a chunk stays in the pool (`PartialRollouts`) and is continued in the next iteration with the newer
+weights, so a long response no longer holds its whole batch back and the engine's batch stays full. A response
+ends at its stop token, its error, or its full length (max_tokens, or what max_model_len leaves), hence within N
+chunks: at most N - 1 versions older than the iteration that takes it (the fence: weight_version.staleness_bound).
+
+The pool holds up to twice `global_batch_size` groups, as upstream's TransferDock does: each rollout first tops it up
+with whole prompt batches. Each finished response is one stitched `Sample`: its tokens and log-probs in order,
+`response_token_versions` naming the version of each token, `weights_version` the oldest; the log-probs are each
+token's behaviour policy, which the trainer's truncated importance ratio corrects per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rlfabric.v1 import common_pb2, reward_pb2, rollout_pb2
+from services.common.tensors import to_numpy, to_proto
+from services.coordinator.continuations import with_max_tokens
+from services.coordinator.errors import IterationError
+from services.coordinator.generation import Group, GroupPrompt, RequestStream
+from services.coordinator.iteration_metrics import PhaseClock
+
+CONTINUATION_MARK = "@"  # a continuation's group id: "{sample_id}@{split}"
+
+
+@dataclass
+class Cut:
+    """A response cut at a chunk's end: what it holds so far, and the prompt it continues."""
+
+    prompt: GroupPrompt
+    index: int  # its sample index in its group
+    tokens: np.ndarray  # int32 [length]
+    log_probs: np.ndarray  # float32 [length]
+    versions: np.ndarray  # int64 [length]
+    splits: int  # chunks generated so far
+    first: common_pb2.Sample  # its first chunk (sample id, prompt length)
+
+    @property
+    def sample_id(self) -> str:
+        return self.first.sample_id
+
+
+def chunk_tokens(settings: Any) -> int:
+    """A chunk's length: max_tokens // partial_rollout_max_split (the config check makes it divide)."""
+    return settings.max_tokens // settings.partial_rollout_max_split
+
+
+def continuation(cut: Cut, sampling: common_pb2.SamplingParams, budget: int, version: int,
+                 chunk: int) -> rollout_pb2.GenerateRequest:
+    """The request for `cut`'s next chunk: its context as the prompt, at most a chunk or what is left of `budget`."""
+    context = np.concatenate([np.asarray(cut.prompt.prompt, np.int32), cut.tokens])
+    group = common_pb2.PromptGroup(group_id=f"{cut.sample_id}{CONTINUATION_MARK}{cut.splits}",
+                                   prompt_token_ids=to_proto(context), n=1)
+    return rollout_pb2.GenerateRequest(group=group, expected_weights_version=version,
+                                       sampling=with_max_tokens(sampling, min(chunk, budget - len(cut.tokens))))
+
+
+def stitched(cut: Cut | None, part: common_pb2.Sample) -> common_pb2.Sample:
+    """The whole response so far: `cut`'s tokens then `part`'s (a fresh response: `part` itself, tagged)."""
+    tokens = to_numpy(part.response_token_ids).astype(np.int32).reshape(-1) if part.response_length else \
+        np.zeros(0, np.int32)
+    log_probs = to_numpy(part.response_log_probs).astype(np.float32).reshape(-1) if part.response_length else \
+        np.zeros(0, np.float32)
+    if log_probs.shape[0] != tokens.shape[0]:  # a failed chunk: nothing of it trains
+        log_probs = np.zeros(tokens.shape[0], np.float32)
+    versions = np.full(tokens.shape[0], int(part.weights_version), np.int64)
+    out = common_pb2.Sample()
+    if cut is None:
+        out.CopyFrom(part)
+    else:
+        out.CopyFrom(cut.first)
+        tokens = np.concatenate([cut.tokens, tokens])
+        log_probs = np.concatenate([cut.log_probs, log_probs])
+        versions = np.concatenate([cut.versions, versions])
+        out.finish_reason, out.error = part.finish_reason, part.error
+        out.latency_s = cut.first.latency_s + part.latency_s
+        out.weights_version = int(versions.min()) if versions.size else int(part.weights_version)
+        out.ClearField("routed_experts")  # routing replay is refused with partial rollout (the config check)
+    out.response_token_ids.CopyFrom(to_proto(tokens))
+    out.response_log_probs.CopyFrom(to_proto(log_probs))
+    out.response_token_versions.CopyFrom(to_proto(versions))
+    out.response_length = int(tokens.shape[0])
+    return out
+
+
+def is_cut(sample: common_pb2.Sample, budget: int) -> bool:
+    """Whether a stitched response stopped at a chunk's end with room left: it continues in a later round."""
+    return (sample.finish_reason == common_pb2.FINISH_REASON_LENGTH and not sample.error
+            and sample.response_length < budget)
+
+
+@dataclass
+class _Slot:
+    """One group in the pool: its prompt batch, its finished samples (with scores) and its cut responses."""
+
+    prompt: GroupPrompt
+    batch: Any
+    order: int  # admission order: the oldest complete groups train first
+    sent: bool = False  # its fresh request went out (its n samples are finished or cut since)
+    done: dict[int, tuple[common_pb2.Sample, reward_pb2.ScoreResponse]] = field(default_factory=dict)
+    cuts: dict[int, Cut] = field(default_factory=dict)
+
+
+@dataclass
+class TakenGroups:
+    """What `PartialRollouts.take` hands to training."""
+
+    groups: list[Group]
+    batches: list[Any]  # the prompt batches of `groups`, each once
+    stale_dropped: int  # complete groups past the version fence, dropped (their samples are lost, the run goes on)
+
+
+class PartialRollouts:
+    """The pool of groups in flight across iterations (see module docstring).
+
+    Args:
+        n: samples per prompt.
+        global_batch_size: groups per update.
+    """
+
+    def __init__(self, n: int, global_batch_size: int) -> None:
+        self.n = n
+        self.global_batch_size = global_batch_size
+        self.capacity = 2 * global_batch_size
+        self._slots: dict[str, _Slot] = {}
+        self._admitted = 0
+
+    # -- what is in flight ------------------------------------------------------------------------------------
+
+    def has_room_for_batch(self) -> bool:
+        """Whether a whole prompt batch fits under the pool's capacity."""
+        return len(self._slots) + self.global_batch_size <= self.capacity
+
+    def admit(self, prompts: Iterable[GroupPrompt], batch: Any) -> None:
+        for p in prompts:
+            self._slots[p.group_id] = _Slot(p, batch, self._admitted)
+            self._admitted += 1
+
+    def fresh(self) -> list[GroupPrompt]:
+        """Groups not sent yet (their n samples go out as one group)."""
+        return [s.prompt for s in self._slots.values() if not s.sent]
+
+    def cuts(self) -> list[Cut]:
+        return [c for s in self._slots.values() for c in s.cuts.values()]
+
+    def has_pending(self) -> bool:
+        return any(not s.sent or s.cuts for s in self._slots.values())
+
+    def size(self) -> int:
+        """Groups in the pool: sent or not, complete or not."""
+        return len(self._slots)
+
+    def num_complete(self) -> int:
+        return sum(1 for s in self._slots.values() if len(s.done) == self.n)
+
+    def batches_in_flight(self) -> list[Any]:
+        """The prompt batches that still have a group in the pool (not trained yet), in admission order."""
+        seen: dict[int, Any] = {}
+        for s in sorted(self._slots.values(), key=lambda s: s.order):
+            seen.setdefault(id(s.batch), s.batch)
+        return list(seen.values())
+
+    # -- a round's outcome ------------------------------------------------------------------------------------
+
+    def mark_sent(self, prompts: Sequence[GroupPrompt]) -> None:
+        for p in prompts:
+            self._slots[p.group_id].sent = True
+
+    def finish(self, sample: common_pb2.Sample, score: reward_pb2.ScoreResponse) -> None:
+        """A response ended (stop, error or full length), scored."""
+        slot = self._slots[sample.group_id]
+        slot.cuts.pop(sample.index, None)
+        slot.done[sample.index] = (sample, score)
+
+    def cut(self, cut: Cut) -> None:
+        self._slots[cut.prompt.group_id].cuts[cut.index] = cut
+
+    # -- training -------------------------------------------------------------------------------------------
+
+    def take(self, k: int, actor_version: int, bound: int) -> TakenGroups:
+        """Up to `k` complete groups, oldest first, leaving the pool. A complete group with a sample more than
+        `bound` versions behind `actor_version` (it waited too long in the pool) is dropped, never trained."""
+        complete = sorted((s for s in self._slots.values() if len(s.done) == self.n), key=lambda s: s.order)
+        groups, batches, dropped = [], {}, 0
+        for slot in complete:
+            if len(groups) == k:
+                break
+            del self._slots[slot.prompt.group_id]
+            samples = [slot.done[i][0] for i in range(self.n)]
+            if any(actor_version - int(x.weights_version) > bound for x in samples if x.response_length):
+                dropped += 1
+                continue
+            groups.append(Group(slot.prompt, samples, [slot.done[i][1] for i in range(self.n)]))
+            batches.setdefault(id(slot.batch), slot.batch)
+        return TakenGroups(groups, list(batches.values()), dropped)
+
+
+def generate_round(generator: Any, pool: PartialRollouts, version: int, clock: PhaseClock) -> dict[str, int]:
+    """One round: the next chunk of every response in flight at `version`; ended ones are scored and finish,
+    cut ones stay in the pool. Returns how many responses were continued and how many were cut."""
+    s = generator.settings
+    chunk, sampling = chunk_tokens(s), generator.sampling_params()
+    fresh, cuts = pool.fresh(), pool.cuts()
+    requests = generator.group_requests(fresh, version, sampling, cap=chunk)
+    by_continuation: dict[str, Cut] = {}
+    for c in cuts:
+        request = continuation(c, sampling, s.response_budget(len(c.prompt.prompt)), version, chunk)
+        by_continuation[request.group.group_id] = c
+        requests.append(request)
+    by_group = {p.group_id: p for p in fresh}
+    pool.mark_sent(fresh)
+    scores: dict[str, reward_pb2.ScoreResponse] = {}
+    ended: list[common_pb2.Sample] = []
+    num_cut = 0
+    reward = RequestStream("rule_reward", generator.score, lambda r: scores.__setitem__(r.sample_id, r), clock)
+    try:
+        for part in generator.samples_of(requests, clock):
+            before = by_continuation.get(part.group_id)
+            prompt = before.prompt if before is not None else by_group[part.group_id]
+            whole = stitched(before, part)
+            if is_cut(whole, s.response_budget(len(prompt.prompt))):
+                num_cut += 1
+                pool.cut(Cut(prompt, whole.index, to_numpy(whole.response_token_ids).astype(np.int32).reshape(-1),
+                             to_numpy(whole.response_log_probs).astype(np.float32).reshape(-1),
+                             to_numpy(whole.response_token_versions).astype(np.int64).reshape(-1),
+                             (before.splits if before is not None else 0) + 1, whole))
+            else:
+                ended.append(whole)
+                reward.put(generator.score_request(whole, prompt.answer))
+    finally:
+        reward.close()
+    reward.join()
+    missing = [x.sample_id for x in ended if x.sample_id not in scores]
+    if missing:
+        raise IterationError(f"reward: no score for {len(missing)} samples (first: {missing[:3]})")
+    for x in ended:
+        pool.finish(x, scores[x.sample_id])
+    return {"continued": len(cuts), "cut": num_cut}
+
+
+def partial_rollout(generator: Any, pool: PartialRollouts, admit_batch: Callable[[], None], version: int,
+                    clock: PhaseClock, actor_version: int, bound: int) -> tuple[TakenGroups, dict[str, float]]:
+    """One iteration's rollout: tops the pool up with whole prompt batches (`admit_batch` takes the loader's next
+    one into it), runs rounds at `version` until `global_batch_size` groups are complete, and takes them for an
+    update at `actor_version` (fence `bound`). Returns them and the `partial_rollout/*` metrics."""
+    while pool.has_room_for_batch():
+        admit_batch()
+    rounds = continued = cut = 0
+    while pool.num_complete() < pool.global_batch_size:
+        if not pool.has_pending():  # every group in the pool complete, and still too few
+            admit_batch()
+        counts = generate_round(generator, pool, version, clock)
+        rounds += 1
+        continued += counts["continued"]
+        cut += counts["cut"]
+    taken = pool.take(pool.global_batch_size, actor_version, bound)
+    trained = [x for g in taken.groups for x in g.trainable()]
+    stitched_tokens = sum(int((to_numpy(x.response_token_versions) != version).sum()) for x in trained)
+    total_tokens = sum(x.response_length for x in trained)
+    return taken, {"partial_rollout/rounds": float(rounds),
+                   "partial_rollout/continued_responses": float(continued),
+                   "partial_rollout/cut_responses": float(cut),
+                   "partial_rollout/groups_in_pool": float(pool.size()),
+                   "partial_rollout/stale_groups_dropped": float(taken.stale_dropped),
+                   "partial_rollout/older_token_fraction": stitched_tokens / total_tokens if total_tokens else 0.0}
