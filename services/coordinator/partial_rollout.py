@@ -10,7 +10,9 @@ ends at its stop token, its error, or its full length (max_tokens, or what max_m
 chunks: at most N - 1 versions older than the iteration that takes it (the fence: weight_version.staleness_bound).
 
 The pool holds up to twice `global_batch_size` groups, as upstream's TransferDock does: each rollout first tops it up
-with whole prompt batches. Each finished response is one stitched `Sample`: its tokens and log-probs in order,
+with whole prompt batches. A checkpoint's data cursor is the first batch with a group still in the pool (or taken
+and not trained yet), and it journals the prompts of later batches that did train: a resumed run generates those
+batches again without them (`trained_before_resume`), so no prompt trains twice and none is skipped. Each finished response is one stitched `Sample`: its tokens and log-probs in order,
 `response_token_versions` naming the version of each token, `weights_version` the oldest; the log-probs are each
 token's behaviour policy, which the trainer's truncated importance ratio corrects per token.
 """
@@ -31,6 +33,16 @@ from services.coordinator.generation import Group, GroupPrompt, RequestStream
 from services.coordinator.iteration_metrics import PhaseClock
 
 CONTINUATION_MARK = "@"  # a continuation's group id: "{sample_id}@{split}"
+
+
+def prompt_key(group_id: str) -> str:
+    """A group's prompt across runs and resumes: "b{batch}/p{prompt}" of its id "it{iteration}/b{batch}/p{prompt}"."""
+    return group_id.split("/", 1)[1]
+
+
+def batch_of(key: str) -> int:
+    """The prompt batch of a `prompt_key`."""
+    return int(key.split("/", 1)[0][1:])
 
 
 @dataclass
@@ -134,6 +146,9 @@ class PartialRollouts:
         self.capacity = 2 * global_batch_size
         self._slots: dict[str, _Slot] = {}
         self._admitted = 0
+        # Prompts (prompt_key) a resumed run trained before its checkpoint, in batches its data cursor gives again:
+        # admitting them would train them twice.
+        self.trained_before_resume: set[str] = set()
 
     # -- what is in flight ------------------------------------------------------------------------------------
 
@@ -143,8 +158,9 @@ class PartialRollouts:
 
     def admit(self, prompts: Iterable[GroupPrompt], batch: Any) -> None:
         for p in prompts:
-            self._slots[p.group_id] = _Slot(p, batch, self._admitted)
-            self._admitted += 1
+            if prompt_key(p.group_id) not in self.trained_before_resume:
+                self._slots[p.group_id] = _Slot(p, batch, self._admitted)
+                self._admitted += 1
 
     def fresh(self) -> list[GroupPrompt]:
         """Groups not sent yet (their n samples go out as one group)."""
@@ -197,7 +213,7 @@ class PartialRollouts:
                 break
             del self._slots[slot.prompt.group_id]
             samples = [slot.done[i][0] for i in range(self.n)]
-            if any(actor_version - int(x.weights_version) > bound for x in samples if x.response_length):
+            if any(actor_version - int(x.weights_version) > bound for x in samples if x.response_length and not x.error):
                 dropped += 1
                 continue
             groups.append(Group(slot.prompt, samples, [slot.done[i][1] for i in range(self.n)]))

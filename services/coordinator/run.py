@@ -29,6 +29,7 @@ from services.common.service_kind import ServiceKind, TrainerRole
 from services.common.weight_version import AS_LOADED, first_of_run
 from services.coordinator.errors import IterationError
 from services.coordinator.iteration import GrpoIteration, Rollout
+from services.coordinator.partial_rollout import batch_of, prompt_key
 from services.coordinator.placement import OffloadKeys, Placement
 from services.coordinator.replicas import ReplicaSet
 from services.coordinator.settings import settings_from_config
@@ -232,9 +233,15 @@ class RunDriver:
                                consumed_batches=consumed,
                                train_iters=train_iters, rollout=endpoints.rollout, sampling_seed=seed, error="")
             step = _Stepper(loop, loader, self._journaled, train_iters, self.stop_event, s.max_staleness)
+            # Prompts trained in batches at or past the data cursor (partial rollout only; see partial_rollout.py).
+            trained_past_cursor = set((previous.get("checkpoint") or {}).get("trained_past_cursor", []))
+            if loop.partial is not None:
+                loop.partial.trained_before_resume = set(trained_past_cursor)
             while iteration < train_iters and not self.stop_event.is_set():
                 iteration += 1
                 result, consumed = step(iteration, version)
+                trained_past_cursor = {k for k in trained_past_cursor | {prompt_key(g) for g in result.trained_groups}
+                                       if batch_of(k) >= consumed}
                 version = result.weights_version
                 first = result.batches[0]
                 metrics = {**result.metrics, **self.score_metrics(), "iteration": float(iteration), "weights_version": float(version),
@@ -246,7 +253,8 @@ class RunDriver:
                                               consumed_batches=consumed, phase="iteration_done")
                 self.sink.write(iteration, metrics)
                 if mt.save and ((mt.save_interval and iteration % mt.save_interval == 0) or iteration == train_iters):
-                    placement.checkpoint(functools.partial(self._checkpoint, actor, iteration, consumed, critic))
+                    placement.checkpoint(functools.partial(self._checkpoint, actor, iteration, consumed, critic,
+                                                           sorted(trained_past_cursor)))
             self.journal.write(phase="done" if iteration >= train_iters else "stopped")
         finally:
             for c in channels:
@@ -318,7 +326,8 @@ class RunDriver:
                                f"holds iteration {held}; start the critic from its checkpoint of iteration "
                                f"{iteration} (`critic_config.load: {critic_save_dir(self.cfg)}`, `finetune: false`)")
 
-    def _checkpoint(self, actor: Any, iteration: int, consumed_batches: int, critic: Any | None = None) -> None:
+    def _checkpoint(self, actor: Any, iteration: int, consumed_batches: int, critic: Any | None = None,
+                    trained_past_cursor: list[str] | None = None) -> None:
         self.journal.write(phase="checkpoint")
         save = str(Path(self.cfg.actor_config.save))
         gbs = int(self.cfg.actor_config.global_batch_size)
@@ -332,5 +341,6 @@ class RunDriver:
         except Exception as e:
             raise IterationError(f"checkpoint at iteration {iteration} failed: {e}") from e
         self.journal.write(checkpoint={"iteration": iteration, "path": reply.path,
-                                  "consumed_samples": consumed_batches * gbs})
+                                       "consumed_samples": consumed_batches * gbs,
+                                       "trained_past_cursor": trained_past_cursor or []})
         logger.info("checkpoint %s (iteration %d) in %.2fs", reply.path, iteration, reply.duration_s)

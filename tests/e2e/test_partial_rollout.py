@@ -65,3 +65,34 @@ def test_partial_rollout_continues_responses_across_versions(partial_run: tuple)
     assert max(m["staleness/max"] for m in metrics) >= 2
     # The pool holds up to two batches' groups: the first rollout takes two prompt batches.
     assert metrics[0]["partial_rollout/groups_in_pool"] <= 8
+
+
+def test_a_resume_trains_each_prompt_once_across_the_checkpoint(repo_root: Path, tiny_model_dir: Path,
+                                                                tmp_path_factory) -> None:
+    """One iteration and a checkpoint with cut responses in the pool, then a resume to three: the checkpoint's data
+    cursor goes back to the first batch with a group in the pool, and the prompts of later batches that trained
+    before it are not admitted again."""
+    from tests.e2e.test_dapo_run import journal_details
+
+    run_dir = tmp_path_factory.mktemp("partial_resume")
+    prompts = _two_length_prompts(repo_root, tiny_model_dir, tmp_path_factory.mktemp("partial_resume_data"))
+    common = ["--run-id", "dapo", "-o", "generate_config.max_model_len=80", "-o", "megatron_training.seq_length=80",
+              "-o", "rlfabric.max_staleness=1", "-o", f"rl_config.partial_rollout_max_split={SPLIT}",
+              "-o", "megatron_training.save_interval=1"]
+    first = run_up(repo_root, tiny_model_dir, prompts, run_dir, *common, "-o", "megatron_training.train_iters=1")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    cursor = int(read_metrics(run_dir)[-1]["data/consumed_batches"])
+    resumed = run_up(repo_root, tiny_model_dir, prompts, run_dir, *common, "--resume",
+                     "-o", "megatron_training.train_iters=3", "-o", "actor_config.finetune=false",
+                     "-o", f"actor_config.load={run_dir / 'ckpt'}", "-o", "actor_config.no_load_optim=false",
+                     "-o", "actor_config.no_load_rng=false", "-o", f"ref_config.load={tiny_model_dir}",
+                     "-o", "ref_config.finetune=true")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    details = journal_details(run_dir)
+    assert sorted(details) == [1, 2, 3]
+    keys = {i: [g.split("/", 1)[1] for g in d["trained_groups"]] for i, d in details.items()}
+    # The case under test: the first iteration trained the long groups of the first batch, whose short groups were
+    # still in the pool at the checkpoint (its cursor is that batch), so the resume generates that batch again.
+    assert cursor == 0 and keys[1]
+    every = [k for i in sorted(keys) for k in keys[i]]
+    assert len(every) == len(set(every)) == 3 * 8
