@@ -158,7 +158,7 @@ class PartialRollouts:
 
     def admit(self, prompts: Iterable[GroupPrompt], batch: Any) -> None:
         for p in prompts:
-            if prompt_key(p.group_id) not in self.trained_before_resume:
+            if not (self.trained_before_resume and prompt_key(p.group_id) in self.trained_before_resume):
                 self._slots[p.group_id] = _Slot(p, batch, self._admitted)
                 self._admitted += 1
 

@@ -18,11 +18,13 @@ from services.coordinator.partial_rollout import (
     CONTINUATION_MARK,
     Cut,
     PartialRollouts,
+    batch_of,
     chunk_tokens,
     continuation,
     generate_round,
     is_cut,
     partial_rollout,
+    prompt_key,
     stitched,
 )
 from services.coordinator.settings import IterationSettings
@@ -520,3 +522,12 @@ def test_partial_rollout_runs_rounds_until_enough_groups_are_complete() -> None:
     out = _by_id(taken.groups)
     assert _versions(out["g1/1"]) == [6] * 6 and out["g1/1"].response_length == 6
     assert pool.num_complete() == 2 and not pool.has_pending()
+
+
+def test_a_resumed_pool_leaves_out_the_prompts_trained_before_its_checkpoint() -> None:
+    """The journal's trained_past_cursor keys ("b{batch}/p{prompt}", any iteration) are not admitted again."""
+    assert prompt_key("it7/b3/p12") == "b3/p12" and batch_of("b3/p12") == 3
+    pool = PartialRollouts(n=2, global_batch_size=2)
+    pool.trained_before_resume = {"b3/p12"}
+    pool.admit([_prompt("it4/b3/p12"), _prompt("it4/b3/p5")], _Batch("b3"))
+    assert [p.group_id for p in pool.fresh()] == ["it4/b3/p5"] and pool.size() == 1
