@@ -28,6 +28,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+    FINISH_REASON_INTERRUPTED: _ClassVar[FinishReason]
 
 class CollectiveBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -51,6 +52,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
+FINISH_REASON_INTERRUPTED: FinishReason
 COLLECTIVE_BACKEND_UNSPECIFIED: CollectiveBackend
 COLLECTIVE_BACKEND_GLOO: CollectiveBackend
 COLLECTIVE_BACKEND_NCCL: CollectiveBackend

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rlfabric/v1/rollout.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"\x8b\x01\n\x0fGenerateRequest\x12\'\n\x05group\x18\x01 \x01(\x0b\x32\x18.rlfabric.v1.PromptGroup\x12 \n\x18\x65xpected_weights_version\x18\x02 \x01(\x04\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.rlfabric.v1.SamplingParams\"7\n\x10GenerateResponse\x12#\n\x06sample\x18\x01 \x01(\x0b\x32\x13.rlfabric.v1.Sample\"u\n\x11WeightUpdateChunk\x12+\n\x06\x62ucket\x18\x01 \x01(\x0b\x32\x19.rlfabric.v1.WeightBucketH\x00\x12+\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x19.rlfabric.v1.WeightCommitH\x00\x42\x06\n\x04kind\"p\n\x0fWeightUpdateAck\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\r\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x12\n\nduration_s\x18\x05 \x01(\x01\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\r\";\n\rSleepResponse\x12\x12\n\nduration_s\x18\x01 \x01(\x01\x12\x16\n\x0eresident_bytes\x18\x02 \x01(\x04\"\r\n\x0bWakeRequest\":\n\x0cWakeResponse\x12\x12\n\nduration_s\x18\x01 \x01(\x01\x12\x16\n\x0eresident_bytes\x18\x02 \x01(\x04\"0\n\x12RolloutInfoRequest\x12\x1a\n\x12include_parameters\x18\x01 \x01(\x08\"O\n\rParameterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.rlfabric.v1.DType\"\xa4\x02\n\x0bRolloutInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\x12\x17\n\x0fweights_version\x18\x05 \x01(\x04\x12\x10\n\x08sleeping\x18\x06 \x01(\x08\x12.\n\nparameters\x18\x07 \x03(\x0b\x32\x1a.rlfabric.v1.ParameterInfo\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12!\n\x05\x64type\x18\t \x01(\x0e\x32\x12.rlfabric.v1.DType\x12\x1d\n\x15max_samples_per_group\x18\n \x01(\r\x12\x1e\n\x16returns_routed_experts\x18\x0b \x01(\x08J\x04\x08\x04\x10\x05\x32\xe7\x02\n\x07Rollout\x12K\n\x08Generate\x12\x1c.rlfabric.v1.GenerateRequest\x1a\x1d.rlfabric.v1.GenerateResponse(\x01\x30\x01\x12O\n\rUpdateWeights\x12\x1e.rlfabric.v1.WeightUpdateChunk\x1a\x1c.rlfabric.v1.WeightUpdateAck(\x01\x12>\n\x05Sleep\x12\x19.rlfabric.v1.SleepRequest\x1a\x1a.rlfabric.v1.SleepResponse\x12;\n\x04Wake\x12\x18.rlfabric.v1.WakeRequest\x1a\x19.rlfabric.v1.WakeResponse\x12\x41\n\x04Info\x12\x1f.rlfabric.v1.RolloutInfoRequest\x1a\x18.rlfabric.v1.RolloutInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rlfabric/v1/rollout.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"\x9e\x01\n\x0fGenerateRequest\x12\'\n\x05group\x18\x01 \x01(\x0b\x32\x18.rlfabric.v1.PromptGroup\x12 \n\x18\x65xpected_weights_version\x18\x02 \x01(\x04\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.rlfabric.v1.SamplingParams\x12\x11\n\tinterrupt\x18\x04 \x01(\x08\"7\n\x10GenerateResponse\x12#\n\x06sample\x18\x01 \x01(\x0b\x32\x13.rlfabric.v1.Sample\"u\n\x11WeightUpdateChunk\x12+\n\x06\x62ucket\x18\x01 \x01(\x0b\x32\x19.rlfabric.v1.WeightBucketH\x00\x12+\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x19.rlfabric.v1.WeightCommitH\x00\x42\x06\n\x04kind\"p\n\x0fWeightUpdateAck\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\r\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x12\n\nduration_s\x18\x05 \x01(\x01\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\r\";\n\rSleepResponse\x12\x12\n\nduration_s\x18\x01 \x01(\x01\x12\x16\n\x0eresident_bytes\x18\x02 \x01(\x04\"\r\n\x0bWakeRequest\":\n\x0cWakeResponse\x12\x12\n\nduration_s\x18\x01 \x01(\x01\x12\x16\n\x0eresident_bytes\x18\x02 \x01(\x04\"0\n\x12RolloutInfoRequest\x12\x1a\n\x12include_parameters\x18\x01 \x01(\x08\"O\n\rParameterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.rlfabric.v1.DType\"\xa4\x02\n\x0bRolloutInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\x12\x17\n\x0fweights_version\x18\x05 \x01(\x04\x12\x10\n\x08sleeping\x18\x06 \x01(\x08\x12.\n\nparameters\x18\x07 \x03(\x0b\x32\x1a.rlfabric.v1.ParameterInfo\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12!\n\x05\x64type\x18\t \x01(\x0e\x32\x12.rlfabric.v1.DType\x12\x1d\n\x15max_samples_per_group\x18\n \x01(\r\x12\x1e\n\x16returns_routed_experts\x18\x0b \x01(\x08J\x04\x08\x04\x10\x05\x32\xe7\x02\n\x07Rollout\x12K\n\x08Generate\x12\x1c.rlfabric.v1.GenerateRequest\x1a\x1d.rlfabric.v1.GenerateResponse(\x01\x30\x01\x12O\n\rUpdateWeights\x12\x1e.rlfabric.v1.WeightUpdateChunk\x1a\x1c.rlfabric.v1.WeightUpdateAck(\x01\x12>\n\x05Sleep\x12\x19.rlfabric.v1.SleepRequest\x1a\x1a.rlfabric.v1.SleepResponse\x12;\n\x04Wake\x12\x18.rlfabric.v1.WakeRequest\x1a\x19.rlfabric.v1.WakeResponse\x12\x41\n\x04Info\x12\x1f.rlfabric.v1.RolloutInfoRequest\x1a\x18.rlfabric.v1.RolloutInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,27 +33,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfabric.v1.rollout_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=69
-  _globals['_GENERATEREQUEST']._serialized_end=208
-  _globals['_GENERATERESPONSE']._serialized_start=210
-  _globals['_GENERATERESPONSE']._serialized_end=265
-  _globals['_WEIGHTUPDATECHUNK']._serialized_start=267
-  _globals['_WEIGHTUPDATECHUNK']._serialized_end=384
-  _globals['_WEIGHTUPDATEACK']._serialized_start=386
-  _globals['_WEIGHTUPDATEACK']._serialized_end=498
-  _globals['_SLEEPREQUEST']._serialized_start=500
-  _globals['_SLEEPREQUEST']._serialized_end=529
-  _globals['_SLEEPRESPONSE']._serialized_start=531
-  _globals['_SLEEPRESPONSE']._serialized_end=590
-  _globals['_WAKEREQUEST']._serialized_start=592
-  _globals['_WAKEREQUEST']._serialized_end=605
-  _globals['_WAKERESPONSE']._serialized_start=607
-  _globals['_WAKERESPONSE']._serialized_end=665
-  _globals['_ROLLOUTINFOREQUEST']._serialized_start=667
-  _globals['_ROLLOUTINFOREQUEST']._serialized_end=715
-  _globals['_PARAMETERINFO']._serialized_start=717
-  _globals['_PARAMETERINFO']._serialized_end=796
-  _globals['_ROLLOUTINFO']._serialized_start=799
-  _globals['_ROLLOUTINFO']._serialized_end=1091
-  _globals['_ROLLOUT']._serialized_start=1094
-  _globals['_ROLLOUT']._serialized_end=1453
+  _globals['_GENERATEREQUEST']._serialized_end=227
+  _globals['_GENERATERESPONSE']._serialized_start=229
+  _globals['_GENERATERESPONSE']._serialized_end=284
+  _globals['_WEIGHTUPDATECHUNK']._serialized_start=286
+  _globals['_WEIGHTUPDATECHUNK']._serialized_end=403
+  _globals['_WEIGHTUPDATEACK']._serialized_start=405
+  _globals['_WEIGHTUPDATEACK']._serialized_end=517
+  _globals['_SLEEPREQUEST']._serialized_start=519
+  _globals['_SLEEPREQUEST']._serialized_end=548
+  _globals['_SLEEPRESPONSE']._serialized_start=550
+  _globals['_SLEEPRESPONSE']._serialized_end=609
+  _globals['_WAKEREQUEST']._serialized_start=611
+  _globals['_WAKEREQUEST']._serialized_end=624
+  _globals['_WAKERESPONSE']._serialized_start=626
+  _globals['_WAKERESPONSE']._serialized_end=684
+  _globals['_ROLLOUTINFOREQUEST']._serialized_start=686
+  _globals['_ROLLOUTINFOREQUEST']._serialized_end=734
+  _globals['_PARAMETERINFO']._serialized_start=736
+  _globals['_PARAMETERINFO']._serialized_end=815
+  _globals['_ROLLOUTINFO']._serialized_start=818
+  _globals['_ROLLOUTINFO']._serialized_end=1110
+  _globals['_ROLLOUT']._serialized_start=1113
+  _globals['_ROLLOUT']._serialized_end=1472
 # @@protoc_insertion_point(module_scope)

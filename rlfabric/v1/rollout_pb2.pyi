@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("group", "expected_weights_version", "sampling")
+    __slots__ = ("group", "expected_weights_version", "sampling", "interrupt")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    INTERRUPT_FIELD_NUMBER: _ClassVar[int]
     group: _common_pb2.PromptGroup
     expected_weights_version: int
     sampling: _common_pb2.SamplingParams
-    def __init__(self, group: _Optional[_Union[_common_pb2.PromptGroup, _Mapping]] = ..., expected_weights_version: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    interrupt: bool
+    def __init__(self, group: _Optional[_Union[_common_pb2.PromptGroup, _Mapping]] = ..., expected_weights_version: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., interrupt: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("sample",)

@@ -26,20 +26,22 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 
-from rlfabric.v1 import common_pb2, reward_pb2, rollout_pb2, trainer_pb2
+from rlfabric.v1 import common_pb2, reward_pb2, rollout_pb2
 from services.common.tensors import to_numpy, to_proto
 from services.coordinator.continuations import Continuations, Finished, with_max_tokens
 from services.coordinator.errors import IterationError
 from services.coordinator.iteration_metrics import PhaseClock
 from services.coordinator.multi_turn import MultiTurn
 from services.coordinator.settings import IterationSettings
-from services.coordinator.trainer_requests import collect_log_probs, sequences_of
 from services.coordinator.weight_sync import Replica
+
+if TYPE_CHECKING:
+    from services.coordinator.log_prob_stream import LogProbStream
 
 _DONE = object()
 
@@ -51,6 +53,26 @@ class _Lost:
     replica: Replica
     pending: list[rollout_pb2.GenerateRequest]
     error: str
+
+
+class _StreamControl:
+    """How the request streams of one `Generator.samples_of` call end: held open after their groups until the
+    caller is done, then closed, with `GenerateRequest.interrupt` first when the caller interrupts."""
+
+    def __init__(self) -> None:
+        self.interrupt = False
+        self._released = threading.Event()
+
+    def end(self, *, interrupt: bool) -> None:
+        if not self._released.is_set():
+            self.interrupt = interrupt
+            self._released.set()
+
+    def requests(self, groups: list[rollout_pb2.GenerateRequest]) -> Iterator[rollout_pb2.GenerateRequest]:
+        yield from groups
+        self._released.wait()
+        if self.interrupt:
+            yield rollout_pb2.GenerateRequest(interrupt=True)
 
 
 @dataclass(frozen=True)
@@ -134,49 +156,6 @@ class RequestStream:
                 self._clock.record(self.name, first, time.perf_counter())
 
 
-class LogProbStream:
-    """Sends samples to a trainer's `ComputeLogProbs` in micro-batches as they come; log-probs by sample id.
-
-    Under `rlfabric.deterministic` the micro-batches are cut in sample-id order once the last sample is in: which
-    samples share a micro-batch (its padding, its packing) would otherwise follow the arrival order, and with it
-    the last bits of their log-probs."""
-
-    def __init__(self, name: str, stub: Any, settings: IterationSettings, micro_batch_size: int,
-                 clock: PhaseClock, *, adapters_off: bool = False) -> None:
-        # adapters_off: the actor's backbone without its LoRA adapters (share_backbone's reference pass).
-        self._adapters_off = adapters_off
-        self.log_probs: dict[str, np.ndarray] = {}
-        self._lengths: dict[str, int] = {}
-        self._pending: list[tuple[common_pb2.Sample, np.ndarray]] = []
-        self._micro = micro_batch_size
-        self._in_sample_order = settings.deterministic
-        self._temperature = settings.temperature
-        self._stream = RequestStream(name, lambda it: stub.ComputeLogProbs(it, timeout=settings.deadline_s),
-                                     lambda r: collect_log_probs(r, self._lengths, self.log_probs), clock)
-
-    def add(self, sample: common_pb2.Sample, prompt: np.ndarray, weights_version: int) -> None:
-        self._lengths[sample.sample_id] = sample.response_length
-        self._pending.append((sample, prompt))
-        if len(self._pending) >= self._micro and not self._in_sample_order:
-            self.flush(weights_version)
-
-    def flush(self, weights_version: int) -> None:
-        pending = sorted(self._pending, key=lambda p: p[0].sample_id) if self._in_sample_order else self._pending
-        for start in range(0, len(pending), self._micro):
-            samples, prompts = zip(*pending[start:start + self._micro], strict=True)
-            seqs = sequences_of(samples, prompts, weights_version)
-            self._stream.put(trainer_pb2.LogProbRequest(batch=seqs.to_proto(), temperature=self._temperature,
-                                                        adapters_off=self._adapters_off))
-        self._pending = []
-
-    def close(self) -> None:
-        self._stream.close()
-
-    def join(self) -> dict[str, np.ndarray]:
-        self._stream.join()
-        return self.log_probs
-
-
 # Codes of a replica that is gone (died, unreachable, silent past keepalive) rather than one that refused.
 _REPLICA_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
@@ -205,6 +184,7 @@ class Generator:
         self.settings = settings
         self._verifiers = [reward_pb2.VerifierSpec(name=name, weight=w) for name, w in settings.verifiers]
         self._threads: list[threading.Thread] = []
+        self._control: _StreamControl | None = None  # samples_of's, while it runs
         self.failover = {"rollout/replicas_lost": 0.0, "rollout/groups_resent": 0.0,
                          "rollout/duplicate_samples_dropped": 0.0}
         self.multi_turn = multi_turn
@@ -278,31 +258,46 @@ class Generator:
             raise IterationError("no rollout replica left (every one was lost and none has joined)")
         self._deal(requests, list(self.replicas), clock, out)
 
-    def samples_of(self, requests: list[rollout_pb2.GenerateRequest], clock: PhaseClock) -> Iterator[common_pb2.Sample]:
+    def samples_of(self, requests: list[rollout_pb2.GenerateRequest], clock: PhaseClock,
+                   interrupt_when: Callable[[], bool] | None = None) -> Iterator[common_pb2.Sample]:
         """Sends `requests` to the replicas (round-robin, failing over as `generate` does) and yields each sample
-        once, as it arrives, until every request's n samples are in (partial rollout's rounds)."""
+        once, as it arrives, until every request's n samples are in (partial rollout's rounds). `interrupt_when`,
+        asked after each sample and every 50 ms: once true, every stream gets `GenerateRequest.interrupt`, and
+        the samples still generating come back with what they have (FINISH_REASON_INTERRUPTED)."""
         if not self.replicas:
             raise IterationError("no rollout replica left (every one was lost and none has joined)")
         samples_q: queue.Queue = queue.Queue()
         self._threads = []
-        self._deal(requests, list(self.replicas), clock, samples_q)
-        expected = sum(q.group.n for q in requests)
-        seen: set[str] = set()
-        while len(seen) < expected:
-            try:
-                item = samples_q.get(timeout=self.settings.deadline_s)
-            except queue.Empty:
-                raise IterationError(f"rollout: {expected - len(seen)} of {expected} samples missing after "
-                                     f"{self.settings.deadline_s:.0f}s") from None
-            if isinstance(item, _Lost):
-                self._fail_over(item, clock, samples_q)
-            elif isinstance(item, Exception):
-                raise item
-            elif item.sample_id in seen:
-                self._count_duplicate()
-            else:
-                seen.add(item.sample_id)
-                yield item
+        control = self._control = _StreamControl() if interrupt_when is not None else None
+        try:
+            self._deal(requests, list(self.replicas), clock, samples_q)
+            expected = sum(q.group.n for q in requests)
+            seen: set[str] = set()
+            deadline = time.monotonic() + self.settings.deadline_s
+            while len(seen) < expected:
+                if control is not None and not control.interrupt and interrupt_when():
+                    control.end(interrupt=True)
+                try:
+                    item = samples_q.get(timeout=0.05 if control is not None else self.settings.deadline_s)
+                except queue.Empty:
+                    if time.monotonic() < deadline:
+                        continue
+                    raise IterationError(f"rollout: {expected - len(seen)} of {expected} samples missing after "
+                                         f"{self.settings.deadline_s:.0f}s") from None
+                deadline = time.monotonic() + self.settings.deadline_s
+                if isinstance(item, _Lost):
+                    self._fail_over(item, clock, samples_q)
+                elif isinstance(item, Exception):
+                    raise item
+                elif item.sample_id in seen:
+                    self._count_duplicate()
+                else:
+                    seen.add(item.sample_id)
+                    yield item
+        finally:
+            if control is not None:
+                control.end(interrupt=False)  # the request streams end (what is still running is cancelled)
+            self._control = None
         for t in self._threads:
             t.join()
 
@@ -318,17 +313,18 @@ class Generator:
         for r, replica in enumerate(replicas):
             share = requests[r::len(replicas)]
             if share:
-                t = threading.Thread(target=self._rollout_on, args=(replica, share, clock, out),
+                t = threading.Thread(target=self._rollout_on, args=(replica, share, clock, out, self._control),
                                      name=f"rollout-{replica.address}", daemon=True)
                 self._threads.append(t)
                 t.start()
 
     def _rollout_on(self, replica: Replica, requests: list[rollout_pb2.GenerateRequest], clock: PhaseClock,
-                    out: queue.Queue) -> None:
+                    out: queue.Queue, control: _StreamControl | None = None) -> None:
         start = time.perf_counter()
         returned: dict[str, int] = {}
+        stream = iter(requests) if control is None else control.requests(requests)
         try:
-            for reply in replica.stub.Generate(iter(requests), timeout=self.settings.deadline_s):
+            for reply in replica.stub.Generate(stream, timeout=self.settings.deadline_s):
                 returned[reply.sample.group_id] = returned.get(reply.sample.group_id, 0) + 1
                 out.put(reply.sample)
         except grpc.RpcError as e:

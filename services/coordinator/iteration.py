@@ -9,22 +9,21 @@
 2. score: final rewards (the verifiers' weighted sum, DAPO overlong shaping; `rewards.py`);
 3. advantages: group normalisation, or `rl_config.adv_estimator`'s (before the log-prob passes, as MindSpeed-RL
    orders them; `rewards.py`);
-4. reference and old log-probs: the reference's (streamed during the rollout, or in integrated mode one pass
-   with its weights onloaded around it) and the actor's (skipped when fully on-policy);
-   PPO (`stage: ray_ppo`) computes its advantages here instead of in 3: the critic's values, GAE, and the
-   critic's update (`ppo.py`), as MindSpeed-RL's PPO trainer orders them;
+4. reference and old log-probs: the reference's (streamed during the rollout, or one pass: integrated mode onloads
+   its weights around it) and the actor's (skipped when fully on-policy); PPO (`stage: ray_ppo`) computes its
+   advantages here instead: the critic's values, GAE, the critic's update (`ppo.py`), in upstream's order;
 5. update: the actor's `Update` over the trained batch (requests built by `trainer_requests.py`);
 6. sync: the actor pushes the new version to every replica, which acks it with a checksum;
 7. metrics: the seed's table, the iteration timeline, DAPO's counts.
 In integrated mode (`use_integrated_worker`) `placement.py` moves the services' memory between the phases.
-Partial rollout (`partial_rollout_max_split` > 1): phase 1 runs rounds of chunks over a pool that outlives it.
-In pipelined mode (`rlfabric.max_staleness: 1`, `run_overlapped`) phase 1 of iteration k+1 runs on the
-replicas' current weights while phases 2-5 of iteration k run; phase 6 waits for the update of k and for the last
-sample of k+1 (not for its scores or reference log-probs, which go on beside the push), so the update of k trains
-on samples one version behind the actor (fenced, and importance-weighted in the loss: `off_policy.py`).
+Partial rollout (`partial_rollout_max_split` > 1): phase 1 runs rounds over a pool that outlives it. Pipelined
+(`rlfabric.max_staleness: 1`, `run_overlapped`): phase 1 of iteration k+1 runs on the replicas' current weights
+while phases 2-5 of k run; phase 6 waits for the update of k and the last sample of k+1 (not its scores or
+reference log-probs, which go on beside the push): k trains on samples one version behind the actor (fenced, and
+importance-weighted in the loss: `off_policy.py`).
 
-A sample that fails (for example a prompt longer than `max_model_len`) costs that sample: it scores 0,
-keeps its place in its group for the normalisation, and contributes no tokens to the update.
+A failing sample (say, a prompt over `max_model_len`) costs that sample: it scores 0, keeps its place in its
+group for the normalisation, and trains no tokens.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ from services.coordinator.dynamic_sampling import (
     select_metric,
 )
 from services.coordinator.errors import IterationError
-from services.coordinator.generation import Generator, Group, GroupPrompt, LogProbStream
+from services.coordinator.generation import Generator, Group, GroupPrompt
 from services.coordinator.iteration_metrics import (
     PhaseClock,
     batch_metrics,
@@ -58,6 +57,7 @@ from services.coordinator.iteration_metrics import (
     timeline_metrics,
     timing_metrics,
 )
+from services.coordinator.log_prob_stream import LogProbStream
 from services.coordinator.multi_turn import MultiTurn
 from services.coordinator.off_policy import behavior_log_probs, fence, rollout_mismatch
 from services.coordinator.partial_rollout import PartialRollouts, partial_rollout
@@ -94,8 +94,7 @@ class _Generated:
 
 @dataclass
 class Rollout:
-    """A generated iteration waiting to train: its groups, its clock (timings continue on it), the version
-    it sampled with, and the reference stream that ran beside it."""
+    """A generated iteration waiting to train: its groups, its clock, its version, its reference stream."""
 
     gen: _Generated
     clock: PhaseClock
@@ -144,6 +143,7 @@ class GrpoIteration:
         self.placement = placement
         self.partial = (PartialRollouts(settings.n_samples_per_prompt, settings.global_batch_size)
                         if settings.partial_rollout_max_split > 1 else None)
+        self.update_running = threading.Event()  # pipelined: partial rollout's asynchronous engine generates on
         self.kl_controller = make_kl_controller(settings.kl_ctrl_type, settings.init_kl_coef, settings.kl_target,
                                                 settings.kl_horizon)
 
@@ -186,10 +186,13 @@ class GrpoIteration:
                 released.set()
 
         with ThreadPoolExecutor(1, thread_name_prefix="prefetch") as pool:
+            self.update_running.set()
             ahead = pool.submit(generate_ahead) if prefetch is not None else None
             try:
                 parts = self._train(rollout, iteration, actor_version)
+                self.update_running.clear()
             except BaseException:
+                self.update_running.clear()
                 if ahead is not None:
                     wait([ahead])  # no generation may outlive a failed step; the update's error is the one raised
                 raise
@@ -225,7 +228,7 @@ class GrpoIteration:
     def _train(self, rollout: Rollout, iteration: int, actor_version: int) -> _Trained:
         """Phases 2-5 on a rollout: score, advantages, log-prob passes, the actor's update (at `actor_version`)."""
         clock = rollout.clock
-        trained = self._score(rollout.gen.trained, rollout.weights_version)
+        trained = score_groups(rollout.gen.trained, rollout.weights_version, self.settings)
         staleness = fence(trained.groups, actor_version, self.settings.staleness_bound)
         adv_of = {} if self.settings.use_critic else self._advantages(trained, clock)
         old_lp, ref_lp = self._log_prob_passes(trained.seqs, rollout.ref_stream, clock)
@@ -278,7 +281,7 @@ class GrpoIteration:
                 self.partial.admit(self._group_prompts(batches[-1], iteration), batches[-1])
 
             taken, metrics = partial_rollout(self.generator, self.partial, admit_batch, version, clock,
-                                             version + s.max_staleness, s.staleness_bound)
+                                             version + s.max_staleness, s.staleness_bound, self.update_running.is_set)
             if on_generated is not None:
                 on_generated()
             return _Generated(taken.groups, taken.groups, batches, len(taken.groups), metrics, taken.batches)
@@ -320,11 +323,6 @@ class GrpoIteration:
         return LogProbStream("reference_model", self.reference, self.settings,
                              self.settings.ref_forward_micro_batch_size, clock,
                              adapters_off=self.settings.share_backbone)
-
-    def _score(self, groups: list[Group], weights_version: int) -> TrainBatch:
-        # The batch's version is its oldest sample's (partial rollout continues responses across versions).
-        oldest = min((int(x.weights_version) for g in groups for x in g.trainable()), default=weights_version)
-        return score_groups(groups, oldest, self.settings)
 
     def _advantages(self, trained: TrainBatch, clock: PhaseClock) -> dict[str, float]:
         start = time.perf_counter()

@@ -19,6 +19,7 @@ token's behaviour policy, which the trainer's truncated importance ratio correct
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,9 +107,10 @@ def stitched(cut: Cut | None, part: common_pb2.Sample) -> common_pb2.Sample:
 
 
 def is_cut(sample: common_pb2.Sample, budget: int) -> bool:
-    """Whether a stitched response stopped at a chunk's end with room left: it continues in a later round."""
-    return (sample.finish_reason == common_pb2.FINISH_REASON_LENGTH and not sample.error
-            and sample.response_length < budget)
+    """Whether a stitched response stopped at a chunk's end (or was interrupted) with room left: it continues in a
+    later round."""
+    return (sample.finish_reason in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_INTERRUPTED)
+            and not sample.error and sample.response_length < budget)
 
 
 @dataclass
@@ -176,6 +178,10 @@ class PartialRollouts:
         """Groups in the pool: sent or not, complete or not."""
         return len(self._slots)
 
+    def done_counts(self) -> dict[str, int]:
+        """Ended (and scored) responses of each group in the pool, by group id."""
+        return {g: len(s.done) for g, s in self._slots.items()}
+
     def num_complete(self) -> int:
         return sum(1 for s in self._slots.values() if len(s.done) == self.n)
 
@@ -221,16 +227,19 @@ class PartialRollouts:
         return TakenGroups(groups, list(batches.values()), dropped)
 
 
-def generate_round(generator: Any, pool: PartialRollouts, version: int, clock: PhaseClock) -> dict[str, int]:
-    """One round: the next chunk of every response in flight at `version`; ended ones are scored and finish,
-    cut ones stay in the pool. Returns how many responses were continued and how many were cut."""
+def generate_round(generator: Any, pool: PartialRollouts, version: int, clock: PhaseClock,
+                   keep_generating: Callable[[], bool] | None = None) -> dict[str, int]:
+    """One round at `version`: the next chunk of every response in flight (asynchronous engine: the rest of it,
+    until interrupted); ended ones are scored and finish, cut ones stay in the pool. Returns how many responses were
+    continued and how many were cut."""
     s = generator.settings
     chunk, sampling = chunk_tokens(s), generator.sampling_params()
     fresh, cuts = pool.fresh(), pool.cuts()
-    requests = generator.group_requests(fresh, version, sampling, cap=chunk)
+    requests = generator.group_requests(fresh, version, sampling, cap=None if s.async_engine else chunk)
     by_continuation: dict[str, Cut] = {}
     for c in cuts:
-        request = continuation(c, sampling, s.response_budget(len(c.prompt.prompt)), version, chunk)
+        budget = s.response_budget(len(c.prompt.prompt))
+        request = continuation(c, sampling, budget, version, budget if s.async_engine else chunk)
         by_continuation[request.group.group_id] = c
         requests.append(request)
     by_group = {p.group_id: p for p in fresh}
@@ -239,8 +248,9 @@ def generate_round(generator: Any, pool: PartialRollouts, version: int, clock: P
     ended: list[common_pb2.Sample] = []
     num_cut = 0
     reward = RequestStream("rule_reward", generator.score, lambda r: scores.__setitem__(r.sample_id, r), clock)
+    stop = _interrupt_rule(pool, cuts, ended, s, keep_generating) if s.async_engine else None
     try:
-        for part in generator.samples_of(requests, clock):
+        for part in generator.samples_of(requests, clock, stop):
             before = by_continuation.get(part.group_id)
             prompt = before.prompt if before is not None else by_group[part.group_id]
             whole = stitched(before, part)
@@ -264,18 +274,39 @@ def generate_round(generator: Any, pool: PartialRollouts, version: int, clock: P
     return {"continued": len(cuts), "cut": num_cut}
 
 
+def _interrupt_rule(pool: PartialRollouts, cuts: list[Cut], ended: list[common_pb2.Sample], settings: Any,
+                    keep_generating: Callable[[], bool] | None) -> Callable[[], bool]:
+    """The asynchronous engine's stop signal (upstream's `get_update_ready`): `global_batch_size` groups complete,
+    counting the responses `ended` so far in this round; with `require_max_age_all_finished`, every response at its
+    last split ended too; and no update running that the rollout should keep generating beside (pipelined)."""
+    n, done = settings.n_samples_per_prompt, pool.done_counts()
+    last_split = {c.sample_id for c in cuts if c.splits >= settings.partial_rollout_max_split - 1} \
+        if settings.require_max_age_all_finished else set()
+
+    def stop() -> bool:
+        ended_now = Counter(x.group_id for x in ended)
+        complete = sum(1 for g, k in done.items() if k + ended_now[g] == n)
+        return (complete >= pool.global_batch_size and last_split <= {x.sample_id for x in ended}
+                and not (keep_generating is not None and keep_generating()))
+
+    return stop
+
+
 def partial_rollout(generator: Any, pool: PartialRollouts, admit_batch: Callable[[], None], version: int,
-                    clock: PhaseClock, actor_version: int, bound: int) -> tuple[TakenGroups, dict[str, float]]:
+                    clock: PhaseClock, actor_version: int, bound: int,
+                    keep_generating: Callable[[], bool] | None = None) -> tuple[TakenGroups, dict[str, float]]:
     """One iteration's rollout: tops the pool up with whole prompt batches (`admit_batch` takes the loader's next
     one into it), runs rounds at `version` until `global_batch_size` groups are complete, and takes them for an
-    update at `actor_version` (fence `bound`). Returns them and the `partial_rollout/*` metrics."""
+    update at `actor_version` (fence `bound`). With the asynchronous engine, a round is interrupted once its stop
+    signal holds (`keep_generating`: while true, it goes on). Returns the groups and the `partial_rollout/*`
+    metrics."""
     while pool.has_room_for_batch():
         admit_batch()
     rounds = continued = cut = 0
     while pool.num_complete() < pool.global_batch_size:
         if not pool.has_pending():  # every group in the pool complete, and still too few
             admit_batch()
-        counts = generate_round(generator, pool, version, clock)
+        counts = generate_round(generator, pool, version, clock, keep_generating)
         rounds += 1
         continued += counts["continued"]
         cut += counts["cut"]

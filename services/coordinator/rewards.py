@@ -35,7 +35,9 @@ class TrainBatch:
 
 
 def score_groups(groups: list[Group], weights_version: int, settings: IterationSettings) -> TrainBatch:
-    """Final rewards in group order: the verifiers' weighted sum (0 for a failed sample), then DAPO shaping."""
+    """Final rewards in group order: the verifiers' weighted sum (0 for a failed sample), then DAPO shaping. The
+    trained batch's version is its oldest sample's (`weights_version` when it has none): partial rollout continues
+    responses across versions."""
     s = settings
     samples = [x for g in groups for x in g.samples]
     rewards = np.array([r.reward if not x.error else 0.0 for g in groups for x, r in zip(g.samples, g.scores,
@@ -45,7 +47,8 @@ def score_groups(groups: list[Group], weights_version: int, settings: IterationS
         rewards = apply_overlong_penalty(rewards, lengths, s.rollout_max_tokens, s.overlong_buffer,
                                          s.overlong_buffer_penalty_factor)
     trainable = [(x, g.prompt.prompt) for g in groups for x in g.trainable()]
-    seqs = sequences_of([x for x, _ in trainable], [p for _, p in trainable], weights_version)
+    oldest = min((int(x.weights_version) for x, _ in trainable), default=weights_version)
+    seqs = sequences_of([x for x, _ in trainable], [p for _, p in trainable], oldest)
     return TrainBatch(groups, rewards, seqs)
 
 

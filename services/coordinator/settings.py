@@ -96,6 +96,11 @@ class IterationSettings:
     # rl_config.partial_rollout_max_split: N > 1 generates responses in chunks of max_tokens // N, continuing a
     # cut response in a later iteration (partial_rollout.py); 1 generates each response whole.
     partial_rollout_max_split: int = 1
+    # With partial rollout: rl_config.async_engine (a round runs each response to its end, interrupted once
+    # global_batch_size groups are complete) and require_max_age_all_finished (the interrupt waits for the responses at
+    # their last split).
+    async_engine: bool = False
+    require_max_age_all_finished: bool = True
 
     @property
     def staleness_bound(self) -> int:
@@ -167,6 +172,8 @@ def settings_from_config(cfg: Any) -> IterationSettings:
         kl_in_loss=derived.use_kl_loss,
         kl_penalty=rl.kl_penalty,
         partial_rollout_max_split=rl.partial_rollout_max_split,
+        async_engine=rl.async_engine,
+        require_max_age_all_finished=rl.require_max_age_all_finished,
     )
 
 

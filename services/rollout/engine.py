@@ -53,6 +53,7 @@ from services.rollout.options import EngineOptions
 from services.rollout.samples import (
     FINISH_ABORT,
     FINISH_ERROR,
+    FINISH_INTERRUPTED,
     FINISH_LENGTH,
     FINISH_STOP,
     SampleRequest,
@@ -160,6 +161,12 @@ class RolloutEngine(EngineThread):
         with contextlib.suppress(EngineUnavailableError):  # closed: the shutdown aborted every sample in flight
             if request_ids:
                 self._call(functools.partial(self._abort, list(request_ids), None), wait=False)
+
+    def interrupt(self, request_ids: Sequence[str]) -> None:
+        """Ends the given samples now; each one's callback gets the tokens it has, FINISH_INTERRUPTED (those that
+        already finished are left alone)."""
+        if request_ids:
+            self._call(functools.partial(self._interrupt, list(request_ids)), wait=False)
 
     def update_weights(self, update: StagedUpdate, *, first: bool = True, last: bool = True,
                        backup: bool = False) -> float:
@@ -307,6 +314,23 @@ class RolloutEngine(EngineThread):
             if reason is not None:
                 self._deliver(entry.on_finish, SampleResult.failed(entry.request, entry.version, FINISH_ABORT,
                                                                   reason))
+        self._update_queue_gauges()
+
+    def _interrupt(self, request_ids: list[str]) -> None:
+        known = [r for r in request_ids if r in self._active]
+        if not known:
+            return
+        self._engine.abort_request(known)
+        if self.routed_expert_layers:
+            self._engine.collective_rpc(routed_experts.drop, args=(known,))
+        now = time.monotonic()
+        for rid in known:
+            entry = self._active.pop(rid)
+            metrics.SAMPLES_FINISHED.labels(FINISH_INTERRUPTED).inc()
+            self._deliver(entry.on_finish, SampleResult(
+                request_id=rid, response_token_ids=np.asarray(entry.token_ids, dtype=np.int32),
+                response_log_probs=np.asarray(entry.log_probs, dtype=np.float32), finish_reason=FINISH_INTERRUPTED,
+                prompt_length=len(entry.request.prompt_token_ids), weights_version=entry.version, finished_at=now))
         self._update_queue_gauges()
 
     @staticmethod

@@ -17,6 +17,7 @@ from services.rollout.options import SamplingOptions
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
+FINISH_INTERRUPTED = "interrupted"  # ended by the caller; the response so far
 FINISH_ERROR = "error"
 
 

@@ -53,6 +53,7 @@ _FINISH_REASONS = {
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
     "error": common_pb2.FINISH_REASON_ERROR,
+    "interrupted": common_pb2.FINISH_REASON_INTERRUPTED,
 }
 
 
@@ -129,7 +130,10 @@ class _GenerateStream:
             for request in requests:
                 if self.cancelled.is_set():
                     return
-                self._admit(request)
+                if request.interrupt:
+                    self._interrupt()
+                else:
+                    self._admit(request)
         except _StreamError as e:
             self.out.put(e)
         except Exception as e:  # noqa: BLE001 - the client went away or sent garbage
@@ -176,6 +180,14 @@ class _GenerateStream:
                 self._on_finish(SampleResult.failed(sample, engine.weights_version, FINISH_ERROR, unfit))
             else:
                 engine.submit(sample, self._on_finish)
+
+    def _interrupt(self) -> None:
+        """GenerateRequest.interrupt: every sample of this stream admitted so far ends now with what it has."""
+        with self._lock:
+            ids = list(self._pending)
+        if ids:
+            self.servicer.engine.interrupt(ids)
+            logger.debug("Generate stream %s: interrupted %d samples", self.uid, len(ids))
 
     def _validate(self, request: rollout_pb2.GenerateRequest, where: str) -> tuple[list[int], SamplingOptions]:
         """The prompt's token ids and the sampling values, or _StreamError(INVALID_ARGUMENT) naming the field."""

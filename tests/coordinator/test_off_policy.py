@@ -73,6 +73,7 @@ class _Order:
         self.pushed = threading.Event()
         loop = GrpoIteration.__new__(GrpoIteration)
         loop._train = lambda rollout, iteration, version: self.events.append("update") or "parts"
+        loop.update_running = threading.Event()
         loop._finish = lambda rollout, parts, version, t0, t1, also_busy=None: ("result", parts)
         loop.placement = self
         self.loop = loop

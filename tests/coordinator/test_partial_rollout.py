@@ -290,6 +290,8 @@ class _Settings:
     top_k: int = 20
     min_p: float = 0.0
     seed: int | None = 11
+    async_engine: bool = False
+    require_max_age_all_finished: bool = True
 
     response_budget = IterationSettings.response_budget
 
@@ -328,8 +330,13 @@ class _FakeGenerator:
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(str(i) for i in ids)
 
-    def samples_of(self, requests: list[rollout_pb2.GenerateRequest], clock: PhaseClock) -> Iterator[common_pb2.Sample]:
+    def samples_of(self, requests: list[rollout_pb2.GenerateRequest], clock: PhaseClock,
+                   interrupt_when=None) -> Iterator[common_pb2.Sample]:
+        """Request order; with `interrupt_when`, the engine decodes every response in lockstep (a response ends at
+        the step of its length), and once `interrupt_when()` holds after a response ended at step t, the others
+        come back INTERRUPTED with their first t tokens."""
         self.calls.append(list(requests))
+        items = []
         for q in requests:
             gid, context = q.group.group_id, to_numpy(q.group.prompt_token_ids).tolist()
             for i in range(q.group.n):
@@ -337,14 +344,31 @@ class _FakeGenerator:
                 prompt = self.prompts[sid.rsplit("/", 1)[0]].prompt.tolist()
                 so_far = len(context) - len(prompt)
                 assert context == prompt + _token_ids(sid, 0, so_far), f"{gid}: wrong context"
-                full = self.lengths[sid]
-                end = min(full, so_far + q.sampling.max_tokens)
-                yield common_pb2.Sample(
-                    sample_id=f"{gid}/{i}", group_id=gid, index=i, weights_version=q.expected_weights_version,
-                    response_token_ids=to_proto(np.array(_token_ids(sid, so_far, end), np.int32)),
-                    response_log_probs=to_proto(np.array(_log_probs(so_far, end), np.float32)),
-                    finish_reason=STOP if end == full else LENGTH, prompt_length=len(context),
-                    response_length=end - so_far, latency_s=0.25)
+                items.append((gid, i, sid, q, context, so_far, min(self.lengths[sid], so_far + q.sampling.max_tokens)))
+
+        def sample(item, end: int, reason: int) -> common_pb2.Sample:
+            gid, i, sid, q, context, so_far, _ = item
+            return common_pb2.Sample(
+                sample_id=f"{gid}/{i}", group_id=gid, index=i, weights_version=q.expected_weights_version,
+                response_token_ids=to_proto(np.array(_token_ids(sid, so_far, end), np.int32)),
+                response_log_probs=to_proto(np.array(_log_probs(so_far, end), np.float32)),
+                finish_reason=reason, prompt_length=len(context), response_length=end - so_far, latency_s=0.25)
+
+        def ended(item) -> common_pb2.Sample:
+            return sample(item, item[6], STOP if item[6] == self.lengths[item[2]] else LENGTH)
+
+        if interrupt_when is None:
+            yield from (ended(item) for item in items)
+            return
+        order = sorted(items, key=lambda item: item[6] - item[5])
+        for k, item in enumerate(order):
+            yield ended(item)
+            if interrupt_when():
+                step = item[6] - item[5]
+                for rest in order[k + 1:]:
+                    yield ended(rest) if rest[6] - rest[5] == step else \
+                        sample(rest, rest[5] + step, common_pb2.FINISH_REASON_INTERRUPTED)
+                return
 
     def score(self, requests: Iterator[reward_pb2.ScoreRequest]) -> Iterator[reward_pb2.ScoreResponse]:
         for r in requests:
@@ -531,3 +555,63 @@ def test_a_resumed_pool_leaves_out_the_prompts_trained_before_its_checkpoint() -
     pool.trained_before_resume = {"b3/p12"}
     pool.admit([_prompt("it4/b3/p12"), _prompt("it4/b3/p5")], _Batch("b3"))
     assert [p.group_id for p in pool.fresh()] == ["it4/b3/p5"] and pool.size() == 1
+
+
+def _async_scenario(require_max_age: bool, keep_generating=None) -> tuple[PartialRollouts, _FakeGenerator, list]:
+    """n 2, global batch 1, max_tokens 8 in 2 splits, asynchronous engine. Rollout 1 (version 3): g0 ends at steps
+    2 and 3, g1's responses (6 and 8 tokens) are interrupted at step 3. Rollout 2 (version 4) admits g2 (1 token
+    each)."""
+    s = _Settings(async_engine=True, require_max_age_all_finished=require_max_age, n_samples_per_prompt=2)
+    gen = _FakeGenerator(s, {"g0/0": 2, "g0/1": 3, "g1/0": 6, "g1/1": 9, "g2/0": 1, "g2/1": 1})
+    pool = PartialRollouts(n=2, global_batch_size=1)
+    batches = iter([[_prompt("g0"), _prompt("g1")], [_prompt("g2")]])
+    taken = []
+
+    def admit() -> None:
+        prompts = next(batches)
+        _admitted(pool, gen, prompts, prompts[0].group_id)
+
+    for version in (3, 4):
+        groups, metrics = partial_rollout(gen, pool, admit, version, PhaseClock(), version, 3, keep_generating)
+        taken.append((groups, metrics))
+    return pool, gen, taken
+
+
+def test_the_asynchronous_engine_interrupts_a_round_once_enough_groups_ended() -> None:
+    pool, gen, taken = _async_scenario(require_max_age=True)
+    (first, m1), (second, m2) = taken
+    # Rollout 1: every request asks for the whole budget; g0 complete at step 3, so g1 is interrupted there.
+    assert [q.sampling.max_tokens for q in gen.calls[0]] == [8, 8]
+    assert [g.group_id for g in first.groups] == ["g0"]
+    assert m1["partial_rollout/cut_responses"] == 2 and m1["partial_rollout/rounds"] == 1
+    # Rollout 2: g1's responses are at their last split (2 - 1): the interrupt waits for them, though g2 ended at
+    # step 1; each continuation asks for the rest of its budget. g1 trains first (admitted first).
+    assert [(q.group.group_id, q.sampling.max_tokens) for q in gen.calls[1]] == [("g2", 8), ("g1/0@1", 5),
+                                                                               ("g1/1@1", 5)]
+    assert [g.group_id for g in second.groups] == ["g1"]
+    g1 = _by_id(second.groups)
+    assert to_numpy(g1["g1/0"].response_token_versions).tolist() == [3, 3, 3, 4, 4, 4]
+    assert to_numpy(g1["g1/1"].response_token_versions).tolist() == [3, 3, 3] + [4] * 5
+    assert g1["g1/1"].finish_reason == LENGTH and g1["g1/0"].weights_version == 3
+    assert to_numpy(g1["g1/1"].response_token_ids).tolist() == _token_ids("g1/1", 0, 8)
+    assert m2["partial_rollout/cut_responses"] == 0 and m2["partial_rollout/continued_responses"] == 2
+
+
+def test_without_require_max_age_the_interrupt_also_cuts_responses_at_their_last_split() -> None:
+    pool, gen, taken = _async_scenario(require_max_age=False)
+    (_, _), (second, m2) = taken
+    # g2 ends at step 1 and is complete: g1's responses are interrupted again, one more token each at version 4.
+    assert [g.group_id for g in second.groups] == ["g2"]
+    assert m2["partial_rollout/cut_responses"] == 2
+    assert sorted((c.sample_id, c.splits, c.versions.tolist()) for c in pool.cuts()) == [
+        ("g1/0", 2, [3, 3, 3, 4]), ("g1/1", 2, [3, 3, 3, 4])]
+
+
+def test_the_asynchronous_engine_keeps_generating_while_asked_to() -> None:
+    """Pipelined: while the update runs, the round is not interrupted (it ends when its responses do)."""
+    pool, gen, taken = _async_scenario(require_max_age=True, keep_generating=lambda: True)
+    (first, m1), (second, m2) = taken
+    assert m1["partial_rollout/cut_responses"] == 0 and [g.group_id for g in first.groups] == ["g0"]
+    # g1 ended whole in rollout 1, at version 3: rollout 2 has a complete group already and runs no round.
+    assert [g.group_id for g in second.groups] == ["g1"] and m2["partial_rollout/rounds"] == 0
+    assert {v for x in second.groups[0].samples for v in to_numpy(x.response_token_versions).tolist()} == {3}

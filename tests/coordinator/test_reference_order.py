@@ -12,8 +12,8 @@ import pytest
 from rlfabric.v1 import common_pb2
 from services.common.config import load_config
 from services.common.tensors import to_proto
-from services.coordinator.generation import LogProbStream
 from services.coordinator.iteration_metrics import PhaseClock
+from services.coordinator.log_prob_stream import LogProbStream
 from services.coordinator.settings import settings_from_config
 
 GRPO = Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny_cpu.yaml"

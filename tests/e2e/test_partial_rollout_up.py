@@ -67,6 +67,32 @@ def test_partial_rollout_continues_responses_across_versions(partial_run: tuple)
     assert metrics[0]["partial_rollout/groups_in_pool"] <= 8
 
 
+def test_the_asynchronous_engine_interrupts_rounds_and_continues_the_responses(repo_root: Path, tiny_model_dir: Path,
+                                                                               tmp_path_factory) -> None:
+    """`rl_config.async_engine: true`: each request asks for the whole budget, and a round is interrupted through
+    the rollout's Generate stream once the global batch's groups have ended (the long prompts' groups: 22 tokens);
+    the short prompts' responses come back with what they have and continue in the next iteration, at the newer
+    weights. Pipelined: while the update runs, the round is not interrupted."""
+    run_dir = tmp_path_factory.mktemp("partial_async")
+    prompts = _two_length_prompts(repo_root, tiny_model_dir, tmp_path_factory.mktemp("partial_async_data"))
+    proc = run_up(repo_root, tiny_model_dir, prompts, run_dir, "-o", "generate_config.max_model_len=80",
+                  "-o", "megatron_training.seq_length=80", "-o", "megatron_training.train_iters=4",
+                  "-o", "megatron_training.save_interval=1000", "-o", "rlfabric.max_staleness=1",
+                  "-o", f"rl_config.partial_rollout_max_split={SPLIT}", "-o", "rl_config.async_engine=true")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    assert [m["iteration"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        assert 0 <= m["staleness/token_mean"] <= m["staleness/max"] <= SPLIT
+        assert m["partial_rollout/stale_groups_dropped"] == 0 and 0 < m["response_length/mean"] <= 64
+        assert math.isfinite(m["actor/pg_loss"])
+    # Interrupted responses (not chunk ends: the rounds run the whole budget) were continued and trained with
+    # tokens of more than one version.
+    assert sum(m["partial_rollout/cut_responses"] for m in metrics) > 0
+    assert sum(m["partial_rollout/continued_responses"] for m in metrics[1:]) > 0
+    assert max(m["partial_rollout/older_token_fraction"] for m in metrics) > 0
+
+
 def test_a_resume_trains_each_prompt_once_across_the_checkpoint(repo_root: Path, tiny_model_dir: Path,
                                                                 tmp_path_factory) -> None:
     """One iteration and a checkpoint with cut responses in the pool, then a resume to three: the checkpoint's data

@@ -17,7 +17,7 @@ from rollout_helpers import (
     tokens,
 )
 
-from rlfabric.v1 import common_pb2
+from rlfabric.v1 import common_pb2, rollout_pb2
 
 MAX_NEW = 16
 
@@ -196,3 +196,32 @@ def test_seeded_groups_draw_distinct_streams_and_redraw_the_same_group_identical
     assert len(set(first)) == 8
     # Same prompt, next iteration: no sample repeats its counterpart's stream.
     assert sum(a == b for a, b in zip(first, second, strict=True)) == 0
+
+
+def test_an_interrupt_ends_the_streams_samples_with_what_they_have(rollout_stub, hf_model) -> None:
+    """GenerateRequest.interrupt (partial rollout's asynchronous engine): the samples still generating come back
+    at once, FINISH_REASON_INTERRUPTED, with the greedy tokens generated so far and their log-probs; a group sent
+    after the interrupt generates as usual."""
+    first, after = prompts(2, seed=11)
+    long_tokens = 200
+
+    def requests():
+        yield group_request("cut", first, n=2, temperature=0.0, max_tokens=long_tokens)
+        time.sleep(0.5)  # some steps of "cut" run, not 200
+        yield rollout_pb2.GenerateRequest(interrupt=True)
+        yield group_request("after", after, n=1, temperature=0.0, max_tokens=4)
+
+    samples = [r.sample for r in rollout_stub.Generate(requests(), timeout=120)]
+    cut = [s for s in samples if s.group_id == "cut"]
+    assert sorted(s.sample_id for s in cut) == ["cut/0", "cut/1"] and any(s.response_length for s in cut)
+    for s in cut:
+        assert s.finish_reason == common_pb2.FINISH_REASON_INTERRUPTED and not s.error
+        assert s.response_length < long_tokens and len(log_probs(s)) == s.response_length
+        # What it has is the greedy response's beginning, log-probbed as usual.
+        expected = hf_greedy(hf_model, first, s.response_length)
+        assert tokens(s) == expected
+        if s.response_length:
+            np.testing.assert_allclose(log_probs(s), hf_token_log_probs(hf_model, first, expected), atol=1e-4)
+    (late,) = [s for s in samples if s.group_id == "after"]
+    assert late.finish_reason in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP)
+    assert tokens(late) == hf_greedy(hf_model, after, 4)

@@ -174,8 +174,13 @@ class RLConfig:
     blocking: bool = setting(True, "Wait for each phase to finish before the next starts.", inert(
         "Ray call scheduling; rlfabric's coordinator overlaps scoring and the reference pass with rollout and "
         "waits for all of them before the update, so the numbers do not depend on it"))
-    async_engine: bool = setting(False, "Asynchronous generation engine.",
-                                 inert("rlfabric's rollout always streams samples as they finish"))
+    async_engine: bool = setting(
+        False, "Asynchronous generation engine. With partial rollout: each round generates every response to its end "
+               "and is interrupted once global_batch_size groups have ended; the interrupted responses continue in a "
+               "later iteration.",
+        read(COORDINATOR_SETTINGS, note="with partial_rollout_max_split > 1 only (services/coordinator/partial_rollout.py); "
+                                        "without it, nothing to change: rlfabric's rollout always streams samples as "
+                                        "they finish"))
     guarantee_order: bool = setting(False, "Hand samples on in prompt order rather than as they finish.", inert(
         "rlfabric orders every iteration's samples by prompt and index before training, whatever order they "
         "finish in"))
@@ -186,10 +191,12 @@ class RLConfig:
                            note="N > 1 needs max_tokens divisible by N and no multi-turn, dynamic sampling or critic; "
                                 "the staleness fence and the default token-level truncated IS allow N - 1 more "
                                 "versions of lag (services/common/weight_version.py staleness_bound)"))
-    require_max_age_all_finished: bool = setting(True, "Partial rollout: samples at max age must finish.", inert(
-        "rlfabric runs every continued response's chunk to its end within the iteration that takes it, so a response "
-        "at its last split always finishes there (upstream's true); false would let upstream's async engine leave it "
-        "unfinished, which rlfabric never does"))
+    require_max_age_all_finished: bool = setting(
+        True, "Partial rollout with async_engine: the interrupt waits for the responses at their last split (true), or "
+              "cuts them too (false; their groups may then pass the staleness fence and be dropped).",
+        read(COORDINATOR_SETTINGS, note="with partial_rollout_max_split > 1 and async_engine only; the synchronous "
+                                        "engine runs every chunk to its end, so a response at its last split always "
+                                        "ends in its iteration"))
     num_cpus_for_local_task: float = setting(1.0, "CPUs per local reward task.", RAY)
     num_cpus_for_placement_group: int = setting(8, "CPUs per worker placement group.", RAY)
     runtime_env_path: str = setting("configs/envs/runtime_env.yaml", "Ray runtime environment (unused by rlfabric).",

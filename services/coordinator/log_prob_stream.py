@@ -1,0 +1,57 @@
+"""The reference's (or any trainer's) log-prob pass streamed beside the rollout: samples go to the trainer's
+`ComputeLogProbs` in micro-batches as they arrive, so that the pass overlaps generation (generation.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from rlfabric.v1 import common_pb2, trainer_pb2
+from services.coordinator.generation import RequestStream
+from services.coordinator.iteration_metrics import PhaseClock
+from services.coordinator.settings import IterationSettings
+from services.coordinator.trainer_requests import collect_log_probs, sequences_of
+
+
+class LogProbStream:
+    """Sends samples to a trainer's `ComputeLogProbs` in micro-batches as they come; log-probs by sample id.
+
+    Under `rlfabric.deterministic` the micro-batches are cut in sample-id order once the last sample is in: which
+    samples share a micro-batch (its padding, its packing) would otherwise follow the arrival order, and with it
+    the last bits of their log-probs."""
+
+    def __init__(self, name: str, stub: Any, settings: IterationSettings, micro_batch_size: int,
+                 clock: PhaseClock, *, adapters_off: bool = False) -> None:
+        # adapters_off: the actor's backbone without its LoRA adapters (share_backbone's reference pass).
+        self._adapters_off = adapters_off
+        self.log_probs: dict[str, np.ndarray] = {}
+        self._lengths: dict[str, int] = {}
+        self._pending: list[tuple[common_pb2.Sample, np.ndarray]] = []
+        self._micro = micro_batch_size
+        self._in_sample_order = settings.deterministic
+        self._temperature = settings.temperature
+        self._stream = RequestStream(name, lambda it: stub.ComputeLogProbs(it, timeout=settings.deadline_s),
+                                     lambda r: collect_log_probs(r, self._lengths, self.log_probs), clock)
+
+    def add(self, sample: common_pb2.Sample, prompt: np.ndarray, weights_version: int) -> None:
+        self._lengths[sample.sample_id] = sample.response_length
+        self._pending.append((sample, prompt))
+        if len(self._pending) >= self._micro and not self._in_sample_order:
+            self.flush(weights_version)
+
+    def flush(self, weights_version: int) -> None:
+        pending = sorted(self._pending, key=lambda p: p[0].sample_id) if self._in_sample_order else self._pending
+        for start in range(0, len(pending), self._micro):
+            samples, prompts = zip(*pending[start:start + self._micro], strict=True)
+            seqs = sequences_of(samples, prompts, weights_version)
+            self._stream.put(trainer_pb2.LogProbRequest(batch=seqs.to_proto(), temperature=self._temperature,
+                                                        adapters_off=self._adapters_off))
+        self._pending = []
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def join(self) -> dict[str, np.ndarray]:
+        self._stream.join()
+        return self.log_probs
