@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -198,20 +199,27 @@ def test_seeded_groups_draw_distinct_streams_and_redraw_the_same_group_identical
     assert sum(a == b for a, b in zip(first, second, strict=True)) == 0
 
 
-def test_an_interrupt_ends_the_streams_samples_with_what_they_have(rollout_stub, hf_model) -> None:
+def test_an_interrupt_ends_the_streams_samples_with_what_they_have(rollout_stub, rollout_engine, hf_model) -> None:
     """GenerateRequest.interrupt (partial rollout's asynchronous engine): the samples still generating come back
     at once, FINISH_REASON_INTERRUPTED, with the greedy tokens generated so far and their log-probs; a group sent
-    after the interrupt generates as usual."""
-    first, after = prompts(2, seed=11)
-    long_tokens = 200
+    after the interrupt generates as usual. The interrupt goes out once a 4-token group beside them has come back,
+    so they have a few tokens of their long budget."""
+    short, first, after = prompts(3, seed=11)
+    long_tokens = rollout_engine.max_model_len - len(first)
+    short_back = threading.Event()
 
     def requests():
+        yield group_request("short", short, n=1, temperature=0.0, max_tokens=4)
         yield group_request("cut", first, n=2, temperature=0.0, max_tokens=long_tokens)
-        time.sleep(0.5)  # some steps of "cut" run, not 200
+        assert short_back.wait(60)
         yield rollout_pb2.GenerateRequest(interrupt=True)
         yield group_request("after", after, n=1, temperature=0.0, max_tokens=4)
 
-    samples = [r.sample for r in rollout_stub.Generate(requests(), timeout=120)]
+    samples = []
+    for reply in rollout_stub.Generate(requests(), timeout=120):
+        samples.append(reply.sample)
+        if reply.sample.group_id == "short":
+            short_back.set()
     cut = [s for s in samples if s.group_id == "cut"]
     assert sorted(s.sample_id for s in cut) == ["cut/0", "cut/1"] and any(s.response_length for s in cut)
     for s in cut:
