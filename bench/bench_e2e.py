@@ -249,7 +249,8 @@ def run_rlfabric(w: Workload, work: Path, label: str, iterations: int, extra: li
         tokens = (m["prompt_length/mean"] + m["response_length/mean"]) * m["global_batch_size"] * \
             m["n_samples_per_prompt"]
         steps.append({"seconds": end - start, "tokens": tokens, **{k: v for k, v in m.items()
-                                                                   if k.startswith(("timing/", "timeline/", "staleness/", "rollout_mismatch/"))},
+                                                                   if k.startswith(("timing/", "timeline/", "staleness/", "rollout_mismatch/",
+                                                                                  "partial_rollout/"))},
                       **{k: v for k, v in m.items() if k.startswith("response_length/")},
                       "reward": m["grpo/score/mean"], "grad_norm": m.get("grad_norm", float("nan"))})
     return {"label": label, "steps": steps, "first_step_s": iteration_ends[0], "milestones": milestones,
@@ -429,8 +430,9 @@ def bench_vs_trl(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
 
 def bench_rlfabric_only(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
     """rlfabric's runs of the TRL comparison, printed with each phase's median start/end in the iteration."""
-    modes = {"sync": [], "pipelined": ["-o", "rlfabric.max_staleness=1"], "partial": [
-        "-o", "rlfabric.max_staleness=1", "-o", f"rl_config.partial_rollout_max_split={PARTIAL_SPLIT}"]}
+    partial = ["-o", "rlfabric.max_staleness=1", "-o", f"rl_config.partial_rollout_max_split={PARTIAL_SPLIT}"]
+    modes = {"sync": [], "pipelined": ["-o", "rlfabric.max_staleness=1"], "partial": partial,
+             "async": [*partial, "-o", "rl_config.async_engine=true"]}
     for name in args.workloads:
         for mode in args.modes:
             load = os.getloadavg()[0]
@@ -498,25 +500,40 @@ def _gain(r: dict) -> tuple[float, float]:
     return statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
 
 
+# rl_config.partial_rollout_max_split of the learning comparison: the demo's 8-token responses in 4-token chunks.
+LEARNING_SPLIT = 2
+
+
 def bench_learning(args: argparse.Namespace) -> None:
-    """Pipelined vs synchronous on the demo's learning workload (the demo's warm-up, configs/grpo_demo_cpu.yaml)."""
+    """Synchronous, pipelined and partial rollout on the demo's learning workload (its warm-up,
+    configs/grpo_demo_cpu.yaml)."""
     w = _demo_workload(args)
     lines = [f"Machine: {machine_info(*PACKAGES)}; the demo's config from its warm-up "
              f"(greedy held-out {_warmup_accuracy(w):.2f}), "
              f"{args.learning_iterations} iterations, sampling seed 1; gain = mean reward of the last 10 iterations "
              "minus the first 10 (tests/e2e/test_learning.py's figure: 10 synchronous runs gave 0.066-0.172, "
-             "mean 0.110, sd 0.032).", "", "| mode | first 10 | last 10 | gain | s/iteration (mean wall) | load before |",
-             "|---|---|---|---|---|---|"]
+             f"mean 0.110, sd 0.032). Partial rollout: rl_config.partial_rollout_max_split {LEARNING_SPLIT} (the demo's "
+             "8-token responses in 4-token chunks); older tokens: the mean fraction of trained tokens generated in an "
+             "earlier iteration.", "",
+             "| mode | first 10 | last 10 | gain | older tokens | s/iteration (mean wall) | load before |",
+             "|---|---|---|---|---|---|---|"]
     gains = {}
-    for mode, extra in (("synchronous", []), ("pipelined", ["-o", "rlfabric.max_staleness=1"])):
+    split = ["-o", f"rl_config.partial_rollout_max_split={LEARNING_SPLIT}"]
+    for mode, extra in (("synchronous", []), ("pipelined", ["-o", "rlfabric.max_staleness=1"]),
+                        ("partial rollout, synchronous", split),
+                        ("partial rollout, pipelined", ["-o", "rlfabric.max_staleness=1", *split])):
         load = os.getloadavg()[0]
-        r = run_rlfabric(w, args.work, f"learning-{mode}", args.learning_iterations, extra)
+        r = run_rlfabric(w, args.work, "learning-" + mode.replace(",", "").replace(" ", "-"),
+                         args.learning_iterations, extra)
         first, last = _gain(r)
         gains[mode] = last - first
-        lines.append(f"| {mode} | {first:.3f} | {last:.3f} | {last - first:+.3f} | {wall_per_step(r):.3f} | {load:.1f} |")
+        older = statistics.mean(s.get("partial_rollout/older_token_fraction", 0.0) for s in r["steps"])
+        lines.append(f"| {mode} | {first:.3f} | {last:.3f} | {last - first:+.3f} | {older:.3f} | "
+                     f"{wall_per_step(r):.3f} | {load:.1f} |")
         print(lines[-1], flush=True)
-    lines += ["", f"- pipelined reward gain vs synchronous: {gains['pipelined']:+.3f} vs {gains['synchronous']:+.3f}"]
-    write_section("Pipelined vs synchronous learning (demo workload)", lines,
+    lines += ["", *(f"- {mode} reward gain vs synchronous: {gains[mode]:+.3f} vs {gains['synchronous']:+.3f}"
+                    for mode in list(gains)[1:])]
+    write_section("Pipelined, partial rollout and synchronous learning (demo workload)", lines,
                   REPO / "bench" / "results" / "e2e_learning.md")
 
 
@@ -647,9 +664,11 @@ def main() -> int:
                         "written): for before/after comparisons of one change")
     p.add_argument("--trainer-threads", type=int, default=1,
                    help="`rlfabric up --trainer-threads` of the TRL comparison's runs (default 1)")
-    p.add_argument("--modes", nargs="+", default=["sync", "pipelined"], choices=("sync", "pipelined", "partial"),
+    p.add_argument("--modes", nargs="+", default=["sync", "pipelined"],
+                   choices=("sync", "pipelined", "partial", "async"),
                    help="with --only rlfabric: which modes to run (partial: pipelined with partial rollout, "
-                        f"rl_config.partial_rollout_max_split {PARTIAL_SPLIT})")
+                        f"rl_config.partial_rollout_max_split {PARTIAL_SPLIT}; async: the same with "
+                        "rl_config.async_engine, rounds interrupted once a global batch of groups ended)")
     p.add_argument("--trl-python", default=None,
                    help="an interpreter with TRL (default: this one; without TRL the comparison is skipped)")
     p.add_argument("--workloads", nargs="+", default=["W1", "W2"], choices=("W1", "W2", "W3"),
