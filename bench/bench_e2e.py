@@ -65,6 +65,9 @@ class Workload:
     trl_args: list[str] = field(default_factory=list)
     verifier: str = VERIFIER  # `rlfabric up --verifier-command` of the workload's reward rule
     note: str = ""  # how the workload's assets were made, written under its table
+    # rl_config.partial_rollout_max_split of the asynchronous run the TRL comparison adds (0: none): pipelined,
+    # partial rollout with the asynchronous engine (rl_config.async_engine).
+    async_split: int = 0
 
 
 def _sh(*args: str) -> None:
@@ -116,6 +119,8 @@ def prepare(work: Path, names: Iterable[str] = ("W1", "W2")) -> dict[str, Worklo
 W3_WARMUP = {"steps": 300, "batch_size": 16, "lr": 3e-3, "lr_warmup_iters": 10}
 W3_WARM_UP_ROWS, W3_PROMPTS = 4000, 256  # count_rows with seed 0 (warm-up) and seed 1 (GRPO prompts)
 W3_MAX_TOKENS = 512
+# rl_config.partial_rollout_max_split of W3's partial-rollout runs: 512-token responses over at most 4 iterations.
+PARTIAL_SPLIT = 4
 # W1's config with room for 512 response tokens (prompts are 14-16 tokens, under max_prompt_length 64), W2's
 # 512-entry digit vocabulary, the counting rule, and the prompts in the file's order (TRL: --no-shuffle); the
 # trainer passes packed (`use_remove_padding`, as MindSpeed-RL's own 32B GRPO config sets it: the same log-probs and
@@ -171,7 +176,8 @@ def prepare_w3(work: Path) -> Workload:
             f"{sft['held_out_greedy_accuracy']:.2f} on the {sft['held_out_rows']} GRPO prompts; prompts in the file's "
             "order on both sides; reward: the count's longest right prefix over the longer of answer and response.")
     return Workload("W3", "configs/grpo_tiny_cpu.yaml", model, prompts, work / "data" / "prompts", W3_MAX_TOKENS,
-                    1e-5, W3_OVERRIDES, ["--reward", "count_sequence", "--no-shuffle"], COUNT_VERIFIER, note)
+                    1e-5, W3_OVERRIDES, ["--reward", "count_sequence", "--no-shuffle"], COUNT_VERIFIER, note,
+                    async_split=PARTIAL_SPLIT)
 
 
 class RssSampler:
@@ -348,9 +354,10 @@ def describe(w: str, runs: list[dict]) -> list[str]:
     return out + [""]
 
 
-def ratio_lines(w: str, trl: dict, sync: dict, pipe: dict | None) -> list[str]:
+def ratio_lines(w: str, trl: dict, sync: dict, pipe: dict | None, asyn: dict | None = None) -> list[str]:
     lines = []
-    for r, mode in ((sync, "synchronous, max_staleness 0"), (pipe, "pipelined, max_staleness 1")):
+    for r, mode in ((sync, "synchronous, max_staleness 0"), (pipe, "pipelined, max_staleness 1"),
+                    (asyn, "asynchronous: pipelined, partial rollout with the asynchronous engine")):
         if r is None:
             continue
         lines.append(f"- {w} end to end vs TRL: {tps(r) / tps(trl):.2f}x ({mode}; tokens/s {tps(r):,.0f} vs "
@@ -359,6 +366,10 @@ def ratio_lines(w: str, trl: dict, sync: dict, pipe: dict | None) -> list[str]:
                      f"{wall_per_step(r):.3f} vs {wall_per_step(trl):.3f})")
         lines.append(f"- {w} time to first step vs TRL: {trl['first_step_s'] / r['first_step_s']:.2f}x ({mode}; "
                      f"{r['first_step_s']:.1f} s vs {trl['first_step_s']:.1f} s after launch)")
+    if asyn is not None and pipe is not None:
+        lines.append(f"- {w} asynchronous vs pipelined, per step: {wall_per_step(pipe) / wall_per_step(asyn):.2f}x "
+                     f"(s/step {wall_per_step(asyn):.3f} vs {wall_per_step(pipe):.3f}; tokens/s "
+                     f"{tps(asyn) / tps(pipe):.2f}x)")
     return lines
 
 
@@ -385,9 +396,6 @@ def write_section(title: str, lines: list[str], detail: Path, summary: list[str]
     results.write_text(text)
 
 
-# rl_config.partial_rollout_max_split of the bench's partial-rollout mode: W3's 512-token responses in 128-token chunks.
-PARTIAL_SPLIT = 4
-
 # Where each workload's comparison goes: (bench/results file stem, which is also the RESULTS.md block, and title).
 # W1 and W2 share the section they always had; W3 has its own, so that running one never replaces the other.
 SECTIONS = {"W1": ("e2e", "rlfabric vs TRL GRPOTrainer, W1 and W2 (one run)"),
@@ -403,15 +411,18 @@ def compare_with_trl(args: argparse.Namespace, w: Workload) -> tuple[list[str], 
     sync = run_rlfabric(w, args.work, f"{w.name}-sync", args.iterations, threads)
     pipe = run_rlfabric(w, args.work, f"{w.name}-pipelined", args.iterations,
                         ["-o", "rlfabric.max_staleness=1", *threads])
+    asyn = run_rlfabric(w, args.work, f"{w.name}-async", args.iterations,
+                        ["-o", "rlfabric.max_staleness=1", "-o", f"rl_config.partial_rollout_max_split={w.async_split}",
+                         "-o", "rl_config.async_engine=true", *threads]) if w.async_split else None
     # On a busy machine TRL's default (one thread per core) can lose more to contention than one thread
     # does; the comparison is with whichever TRL was faster.
     trls.append(run_trl(args.trl_python, w, args.work, args.iterations, threads=1))
     trl = max(trls, key=tps)
-    runs = [*trls, sync, pipe]
+    runs = [*trls, sync, pipe, *([asyn] if asyn else [])]
     body = [*describe(w.name, runs), *([w.note, ""] if w.note else []),
             "Wall time of each run (s, launch to exit): " + ", ".join(f"{r['label']} {r['wall_s']:.0f}" for r in runs),
             "", f"(1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after {w.name})", ""]
-    ratios = ratio_lines(w.name, trl, sync, pipe)
+    ratios = ratio_lines(w.name, trl, sync, pipe, asyn)
     print("\n".join(body + ratios), flush=True)
     return body, ratios
 
