@@ -57,7 +57,7 @@ from services.coordinator.iteration_metrics import (
     timeline_metrics,
     timing_metrics,
 )
-from services.coordinator.log_prob_stream import LogProbStream
+from services.coordinator.log_prob_stream import KnownLogProbs, LogProbStream
 from services.coordinator.multi_turn import MultiTurn
 from services.coordinator.off_policy import behavior_log_probs, fence, rollout_mismatch
 from services.coordinator.partial_rollout import PartialRollouts, partial_rollout
@@ -90,6 +90,7 @@ class _Generated:
     num_groups_kept: int  # groups with a spread in filter_groups_metric, before the cut to the target
     metrics: dict[str, float] = field(default_factory=dict)  # partial rollout's (partial_rollout.py)
     trained_batches: list[Any] | None = None  # partial rollout: the prompt batches of `trained`
+    ref_log_probs: dict[str, np.ndarray] | None = None  # partial rollout: the reference's, streamed in earlier rollouts
 
 
 @dataclass
@@ -100,7 +101,7 @@ class Rollout:
     clock: PhaseClock
     start: float
     weights_version: int
-    ref_stream: LogProbStream | None
+    ref_stream: LogProbStream | KnownLogProbs | None
 
 
 @dataclass
@@ -223,7 +224,8 @@ class GrpoIteration:
             if ref_stream is not None:
                 ref_stream.close()
         self.placement.exit_infer(clock)
-        return Rollout(gen, clock, t0, weights_version, ref_stream)
+        known = KnownLogProbs(gen.ref_log_probs) if gen.ref_log_probs is not None else None
+        return Rollout(gen, clock, t0, weights_version, known or ref_stream)
 
     def _train(self, rollout: Rollout, iteration: int, actor_version: int) -> _Trained:
         """Phases 2-5 on a rollout: score, advantages, log-prob passes, the actor's update (at `actor_version`)."""
@@ -281,10 +283,10 @@ class GrpoIteration:
                 self.partial.admit(self._group_prompts(batches[-1], iteration), batches[-1])
 
             taken, metrics = partial_rollout(self.generator, self.partial, admit_batch, version, clock,
-                                             version + s.max_staleness, s.staleness_bound, self.update_running.is_set)
-            if on_generated is not None:
-                on_generated()
-            return _Generated(taken.groups, taken.groups, batches, len(taken.groups), metrics, taken.batches)
+                                             version + s.max_staleness, s.staleness_bound, self.update_running.is_set,
+                                             ref_stream, on_generated)
+            return _Generated(taken.groups, taken.groups, batches, len(taken.groups), metrics, taken.batches,
+                              taken.ref_log_probs)
         if not s.filter_groups_enable:
             batch = next_batch()
             groups = self.generator.generate(self._group_prompts(batch, iteration), version, clock, ref_stream,
@@ -316,9 +318,7 @@ class GrpoIteration:
                 for pid, p, lab in zip(batch.prompt_indices, batch.prompts, labels, strict=True)]
 
     def _reference_stream(self, clock: PhaseClock) -> LogProbStream | None:
-        # Partial rollout: a group trains in a later iteration than some of its samples end; its reference
-        # log-probs are computed over the trained batch instead.
-        if not (self.settings.use_reference and self.placement.streams_reference) or self.partial is not None:
+        if not (self.settings.use_reference and self.placement.streams_reference):
             return None
         return LogProbStream("reference_model", self.reference, self.settings,
                              self.settings.ref_forward_micro_batch_size, clock,
@@ -330,7 +330,7 @@ class GrpoIteration:
         clock.record("adv", start, time.perf_counter())
         return adv_of
 
-    def _log_prob_passes(self, seqs: Sequences, ref_stream: LogProbStream | None,
+    def _log_prob_passes(self, seqs: Sequences, ref_stream: LogProbStream | KnownLogProbs | None,
                          clock: PhaseClock) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """(old log-probs, reference log-probs) of the trainable samples, by sample id.
 

@@ -1,5 +1,6 @@
 """The reference's (or any trainer's) log-prob pass streamed beside the rollout: samples go to the trainer's
-`ComputeLogProbs` in micro-batches as they arrive, so that the pass overlaps generation (generation.py)."""
+`ComputeLogProbs` in micro-batches as they arrive, so that the pass overlaps generation (generation.py).
+`KnownLogProbs` stands in for a stream whose log-probs were computed in earlier rollouts (partial rollout's)."""
 
 from __future__ import annotations
 
@@ -54,4 +55,18 @@ class LogProbStream:
 
     def join(self) -> dict[str, np.ndarray]:
         self._stream.join()
+        return self.log_probs
+
+
+class KnownLogProbs:
+    """Log-probs already computed, with a stream's `close` and `join`: partial rollout's reference log-probs of a
+    trained batch, streamed in the rollouts where each of its responses ended (partial_rollout.py)."""
+
+    def __init__(self, log_probs: dict[str, np.ndarray]) -> None:
+        self.log_probs = log_probs
+
+    def close(self) -> None:
+        pass
+
+    def join(self) -> dict[str, np.ndarray]:
         return self.log_probs

@@ -131,6 +131,8 @@ class TakenGroups:
 
     groups: list[Group]
     batches: list[Any]  # the prompt batches of `groups`, each once
+    # The reference's log-probs of their trainable responses, by sample id, when the rollouts streamed them.
+    ref_log_probs: dict[str, np.ndarray] | None
     stale_dropped: int  # complete groups past the version fence, dropped (their samples are lost, the run goes on)
 
 
@@ -151,6 +153,8 @@ class PartialRollouts:
         # Prompts (prompt_key) a resumed run trained before its checkpoint, in batches its data cursor gives again:
         # admitting them would train them twice.
         self.trained_before_resume: set[str] = set()
+        # The reference's log-probs of ended responses still in the pool (streamed in the rollout they ended in).
+        self.ref_log_probs: dict[str, np.ndarray] = {}
 
     # -- what is in flight ------------------------------------------------------------------------------------
 
@@ -213,25 +217,28 @@ class PartialRollouts:
         """Up to `k` complete groups, oldest first, leaving the pool. A complete group with a sample more than
         `bound` versions behind `actor_version` (it waited too long in the pool) is dropped, never trained."""
         complete = sorted((s for s in self._slots.values() if len(s.done) == self.n), key=lambda s: s.order)
-        groups, batches, dropped = [], {}, 0
+        groups, batches, dropped, ref = [], {}, 0, {}
         for slot in complete:
             if len(groups) == k:
                 break
             del self._slots[slot.prompt.group_id]
             samples = [slot.done[i][0] for i in range(self.n)]
+            own_ref = {x.sample_id: self.ref_log_probs.pop(x.sample_id) for x in samples
+                       if x.sample_id in self.ref_log_probs}
             if any(actor_version - int(x.weights_version) > bound for x in samples if x.response_length and not x.error):
                 dropped += 1
                 continue
             groups.append(Group(slot.prompt, samples, [slot.done[i][1] for i in range(self.n)]))
             batches.setdefault(id(slot.batch), slot.batch)
-        return TakenGroups(groups, list(batches.values()), dropped)
+            ref.update(own_ref)
+        return TakenGroups(groups, list(batches.values()), ref or None, dropped)
 
 
 def generate_round(generator: Any, pool: PartialRollouts, version: int, clock: PhaseClock,
-                   keep_generating: Callable[[], bool] | None = None) -> dict[str, int]:
+                   keep_generating: Callable[[], bool] | None = None, reference: Any = None) -> dict[str, int]:
     """One round at `version`: the next chunk of every response in flight (asynchronous engine: the rest of it,
     until interrupted); ended ones are scored and finish, cut ones stay in the pool. Returns how many responses were
-    continued and how many were cut."""
+    continued and how many were cut. `reference` (a LogProbStream) gets every trainable response that ended."""
     s = generator.settings
     chunk, sampling = chunk_tokens(s), generator.sampling_params()
     fresh, cuts = pool.fresh(), pool.cuts()
@@ -263,6 +270,8 @@ def generate_round(generator: Any, pool: PartialRollouts, version: int, clock: P
             else:
                 ended.append(whole)
                 reward.put(generator.score_request(whole, prompt.answer))
+                if reference is not None and whole.response_length and not whole.error:
+                    reference.add(whole, prompt.prompt, version)
     finally:
         reward.close()
     reward.join()
@@ -294,22 +303,30 @@ def _interrupt_rule(pool: PartialRollouts, cuts: list[Cut], ended: list[common_p
 
 def partial_rollout(generator: Any, pool: PartialRollouts, admit_batch: Callable[[], None], version: int,
                     clock: PhaseClock, actor_version: int, bound: int,
-                    keep_generating: Callable[[], bool] | None = None) -> tuple[TakenGroups, dict[str, float]]:
+                    keep_generating: Callable[[], bool] | None = None, reference: Any = None,
+                    on_generated: Callable[[], None] | None = None) -> tuple[TakenGroups, dict[str, float]]:
     """One iteration's rollout: tops the pool up with whole prompt batches (`admit_batch` takes the loader's next
     one into it), runs rounds at `version` until `global_batch_size` groups are complete, and takes them for an
     update at `actor_version` (fence `bound`). With the asynchronous engine, a round is interrupted once its stop
-    signal holds (`keep_generating`: while true, it goes on). Returns the groups and the `partial_rollout/*`
-    metrics."""
+    signal holds (`keep_generating`: while true, it goes on). `reference` (a LogProbStream) computes the reference's
+    log-probs of the responses as they end; they wait in the pool with their groups. `on_generated` is called once
+    the last round ended, before the reference's last log-probs are in. Returns the groups and the
+    `partial_rollout/*` metrics."""
     while pool.has_room_for_batch():
         admit_batch()
     rounds = continued = cut = 0
     while pool.num_complete() < pool.global_batch_size:
         if not pool.has_pending():  # every group in the pool complete, and still too few
             admit_batch()
-        counts = generate_round(generator, pool, version, clock, keep_generating)
+        counts = generate_round(generator, pool, version, clock, keep_generating, reference)
         rounds += 1
         continued += counts["continued"]
         cut += counts["cut"]
+    if on_generated is not None:
+        on_generated()
+    if reference is not None:
+        reference.flush(version)
+        pool.ref_log_probs.update(reference.join())
     taken = pool.take(pool.global_batch_size, actor_version, bound)
     trained = [x for g in taken.groups for x in g.trainable()]
     stitched_tokens = sum(int((to_numpy(x.response_token_versions) != version).sum()) for x in trained)

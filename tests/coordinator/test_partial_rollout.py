@@ -615,3 +615,23 @@ def test_the_asynchronous_engine_keeps_generating_while_asked_to() -> None:
     # g1 ended whole in rollout 1, at version 3: rollout 2 has a complete group already and runs no round.
     assert [g.group_id for g in second.groups] == ["g1"] and m2["partial_rollout/rounds"] == 0
     assert {v for x in second.groups[0].samples for v in to_numpy(x.response_token_versions).tolist()} == {3}
+
+
+def test_take_hands_over_the_reference_log_probs_of_the_taken_groups_only() -> None:
+    """Streamed in the rollout where each response ended, they wait in the pool with their group."""
+    pool = PartialRollouts(n=1, global_batch_size=1)
+    a = _Batch("a")
+    pool.admit([_prompt("g0"), _prompt("g1")], a)
+    pool.mark_sent(pool.fresh())
+    for gid in ("g0", "g1"):
+        x = common_pb2.Sample(sample_id=f"{gid}/0", group_id=gid, index=0, weights_version=3, response_length=2)
+        pool.finish(x, _score(x.sample_id))
+    pool.ref_log_probs.update({"g0/0": np.array([-1.0, -2.0]), "g1/0": np.array([-3.0, -4.0])})
+    taken = pool.take(1, actor_version=3, bound=0)
+    assert [g.group_id for g in taken.groups] == ["g0"]
+    assert {k: v.tolist() for k, v in taken.ref_log_probs.items()} == {"g0/0": [-1.0, -2.0]}
+    assert list(pool.ref_log_probs) == ["g1/0"]
+    pool.ref_log_probs.clear()
+    # Without a streamed reference nothing is handed over (the iteration computes it over the trained batch).
+    last = pool.take(1, actor_version=3, bound=0)
+    assert [g.group_id for g in last.groups] == ["g1"] and last.ref_log_probs is None

@@ -57,6 +57,9 @@ def test_partial_rollout_continues_responses_across_versions(partial_run: tuple)
         assert 0 < m["response_length/mean"] <= 64
         assert 0 < m["actor/is_weight_mean"] <= CAP and 0 <= m["actor/is_clipfrac"] <= 1
         assert math.isfinite(m["actor/pg_loss"])
+        # The reference's log-probs, streamed in the rollout where each response ended, belong to the trained
+        # responses: the tiny learning rate keeps the actor within ~0 KL of the reference.
+        assert 0 <= m["actor/kl_loss"] < 1e-4
     # The untrained model's responses run long: responses were cut, continued in a later iteration with newer
     # weights, and trained with tokens of more than one version.
     assert sum(m["partial_rollout/cut_responses"] for m in metrics) > 0
@@ -85,7 +88,7 @@ def test_the_asynchronous_engine_interrupts_rounds_and_continues_the_responses(r
     for m in metrics:
         assert 0 <= m["staleness/token_mean"] <= m["staleness/max"] <= SPLIT
         assert m["partial_rollout/stale_groups_dropped"] == 0 and 0 < m["response_length/mean"] <= 64
-        assert math.isfinite(m["actor/pg_loss"])
+        assert math.isfinite(m["actor/pg_loss"]) and 0 <= m["actor/kl_loss"] < 1e-4
     # Interrupted responses (not chunk ends: the rounds run the whole budget) were continued and trained with
     # tokens of more than one version.
     assert sum(m["partial_rollout/cut_responses"] for m in metrics) > 0
