@@ -532,9 +532,11 @@ def bench_learning(args: argparse.Namespace) -> None:
     split = ["-o", f"rl_config.partial_rollout_max_split={LEARNING_SPLIT}"]
     for mode, extra in (("synchronous", []), ("pipelined", ["-o", "rlfabric.max_staleness=1"]),
                         ("partial rollout, synchronous", split),
-                        ("partial rollout, pipelined", ["-o", "rlfabric.max_staleness=1", *split])):
+                        ("partial rollout, pipelined", ["-o", "rlfabric.max_staleness=1", *split]),
+                        ("asynchronous (partial rollout, asynchronous engine, pipelined)",
+                         ["-o", "rlfabric.max_staleness=1", *split, "-o", "rl_config.async_engine=true"])):
         load = os.getloadavg()[0]
-        r = run_rlfabric(w, args.work, "learning-" + mode.replace(",", "").replace(" ", "-"),
+        r = run_rlfabric(w, args.work, "learning-" + "-".join(mode.replace(",", "").split(" (")[0].split()),
                          args.learning_iterations, extra)
         first, last = _gain(r)
         gains[mode] = last - first
