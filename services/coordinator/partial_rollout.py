@@ -9,12 +9,17 @@ weights, so a long response no longer holds its whole batch back and the engine'
 ends at its stop token, its error, or its full length (max_tokens, or what max_model_len leaves), hence within N
 chunks: at most N - 1 versions older than the iteration that takes it (the fence: weight_version.staleness_bound).
 
-The pool holds up to twice `global_batch_size` groups, as upstream's TransferDock does: each rollout first tops it up
-with whole prompt batches. A checkpoint's data cursor is the first batch with a group still in the pool (or taken
-and not trained yet), and it journals the prompts of later batches that did train: a resumed run generates those
-batches again without them (`trained_before_resume`), so no prompt trains twice and none is skipped. Each finished response is one stitched `Sample`: its tokens and log-probs in order,
-`response_token_versions` naming the version of each token, `weights_version` the oldest; the log-probs are each
-token's behaviour policy, which the trainer's truncated importance ratio corrects per token.
+The asynchronous engine (`rl_config.async_engine`, upstream's other scheme) asks for each response's whole budget
+and interrupts the round (`GenerateRequest.interrupt`) once `global_batch_size` groups have ended and, with
+`require_max_age_all_finished`, every response at its last split: the interrupted ones are cut where they stand.
+
+The pool holds up to twice `global_batch_size` groups, as upstream's TransferDock does: each rollout first tops it
+up with whole prompt batches. A checkpoint's data cursor is the first batch with a group still in the pool (or
+taken and not trained yet), and it journals the prompts of later batches that did train: a resumed run generates
+those batches again without them (`trained_before_resume`), so no prompt trains twice and none is skipped.
+Each finished response is one stitched `Sample`: its tokens and log-probs in order, `response_token_versions`
+naming the version of each token, `weights_version` the oldest; the log-probs are each token's behaviour policy,
+which the trainer's truncated importance ratio corrects per token.
 """
 
 from __future__ import annotations
@@ -48,14 +53,14 @@ def batch_of(key: str) -> int:
 
 @dataclass
 class Cut:
-    """A response cut at a chunk's end: what it holds so far, and the prompt it continues."""
+    """A response cut at a chunk's end (or interrupted): what it holds so far, and the prompt it continues."""
 
     prompt: GroupPrompt
     index: int  # its sample index in its group
     tokens: np.ndarray  # int32 [length]
     log_probs: np.ndarray  # float32 [length]
     versions: np.ndarray  # int64 [length]
-    splits: int  # chunks generated so far
+    splits: int  # rounds it was generated in so far (its age)
     first: common_pb2.Sample  # its first chunk (sample id, prompt length)
 
     @property
