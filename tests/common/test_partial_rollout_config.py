@@ -143,3 +143,13 @@ def test_an_explicit_rollout_is_wins_over_the_partial_rollout_default(repo_root:
                       overrides=[f"{SPLIT}=2", "rlfabric.rollout_is=sequence", "rlfabric.rollout_is_threshold=1.5"])
     correction = loss_variant_from_config(cfg).correction
     assert (correction.is_level, correction.is_threshold) == ("sequence", 1.5)
+
+
+def test_deterministic_refuses_the_asynchronous_engine_and_not_the_chunked_scheme(repo_root: Path) -> None:
+    """Where an interrupt lands depends on timing; the chunked rounds do not."""
+    config = repo_root / "configs" / "grpo_tiny_cpu.yaml"
+    common = [f"{SPLIT}=2", "rlfabric.deterministic=true", "generate_config.sampling_config.seed=1"]
+    issues = _issues(config, [*common, "rl_config.async_engine=true"])
+    assert [key for key, _ in issues] == ["rlfabric.deterministic"]
+    assert "asynchronous engine" in issues[0][1] and "async_engine: false" in issues[0][1]
+    load_config(config, overrides=common)

@@ -396,6 +396,11 @@ def determinism(cfg: RLFabricConfig) -> Iterable[Problem]:
         yield Problem(("rlfabric.deterministic", "rlfabric.max_staleness"),
                       "rlfabric.deterministic: true with max_staleness 1: in pipelined mode which samples a "
                       "version trains on depends on timing; set max_staleness: 0")
+    if cfg.rl_config.partial_rollout_max_split > 1 and cfg.rl_config.async_engine:
+        yield Problem(("rlfabric.deterministic", "rl_config.async_engine"),
+                      "rlfabric.deterministic: true with partial rollout's asynchronous engine: where a round is "
+                      "interrupted, and so which tokens each response has, depends on timing; set "
+                      "async_engine: false (the chunked scheme is deterministic)")
 
 
 def precision_warnings(cfg: RLFabricConfig) -> Iterable[Problem]:
