@@ -188,7 +188,8 @@ class RLConfig:
         1, "Partial rollout: a response is generated in chunks of max_tokens // N over at most N iterations (N > 1); "
            "cut responses continue with newer weights, their tokens tagged with the version that produced them. "
            "1: off.", read(VALIDATION, COORDINATOR_SETTINGS, TRAINER_OPTIONS,
-                           note="N > 1 needs max_tokens divisible by N and no multi-turn, dynamic sampling or critic; "
+                           note="N > 1 needs max_tokens divisible by N and no multi-turn, dynamic sampling, critic "
+                                "or routing replay; "
                                 "the staleness fence and the default token-level truncated IS allow N - 1 more "
                                 "versions of lag (services/common/weight_version.py staleness_bound)"))
     require_max_age_all_finished: bool = setting(

@@ -349,8 +349,8 @@ def partial_rollout(cfg: RLFabricConfig) -> Iterable[Problem]:
     """MindSpeed-RL's partial rollout (`rl_config.partial_rollout_max_split` N > 1): each iteration generates at most
     max_tokens // N tokens of a response and continues a cut one in a later iteration, with newer weights. Upstream
     asserts max_tokens divisible by N; rlfabric continues only single-turn responses of a run without dynamic
-    sampling or a critic. `rlfabric.deterministic` allows it in synchronous mode: which responses are cut depends on
-    their lengths, not on timing."""
+    sampling, a critic or routing replay. `rlfabric.deterministic` allows the chunked scheme in synchronous mode
+    (which responses are cut depends on their lengths, not on timing), not the asynchronous engine (`determinism`)."""
     rl = cfg.rl_config
     split = rl.partial_rollout_max_split
     if split < 1:
