@@ -75,6 +75,14 @@ class _InFlight:
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
 
+    def result(self, finish_reason: str, finished_at: float) -> SampleResult:
+        """The sample as it stands: every token generated so far, with its log-prob."""
+        return SampleResult(request_id=self.request.request_id,
+                            response_token_ids=np.asarray(self.token_ids, dtype=np.int32),
+                            response_log_probs=np.asarray(self.log_probs, dtype=np.float32),
+                            finish_reason=finish_reason, prompt_length=len(self.request.prompt_token_ids),
+                            weights_version=self.version, finished_at=finished_at)
+
 
 class RolloutEngine(EngineThread):
     """One vLLM engine driven by a private thread (see module docstring)."""
@@ -271,15 +279,7 @@ class RolloutEngine(EngineThread):
                 del self._active[out.request_id]
                 reason = {"stop": FINISH_STOP, "length": FINISH_LENGTH}.get(completion.finish_reason or "",
                                                                              FINISH_ABORT)
-                result = SampleResult(
-                    request_id=out.request_id,
-                    response_token_ids=np.asarray(entry.token_ids, dtype=np.int32),
-                    response_log_probs=np.asarray(entry.log_probs, dtype=np.float32),
-                    finish_reason=reason,
-                    prompt_length=len(entry.request.prompt_token_ids),
-                    weights_version=entry.version,
-                    finished_at=now,
-                )
+                result = entry.result(reason, now)
                 metrics.SAMPLES_FINISHED.labels(reason).inc()
                 finished.append((entry, result))
         if finished and self.routed_expert_layers:
@@ -327,10 +327,7 @@ class RolloutEngine(EngineThread):
         for rid in known:
             entry = self._active.pop(rid)
             metrics.SAMPLES_FINISHED.labels(FINISH_INTERRUPTED).inc()
-            self._deliver(entry.on_finish, SampleResult(
-                request_id=rid, response_token_ids=np.asarray(entry.token_ids, dtype=np.int32),
-                response_log_probs=np.asarray(entry.log_probs, dtype=np.float32), finish_reason=FINISH_INTERRUPTED,
-                prompt_length=len(entry.request.prompt_token_ids), weights_version=entry.version, finished_at=now))
+            self._deliver(entry.on_finish, entry.result(FINISH_INTERRUPTED, now))
         self._update_queue_gauges()
 
     @staticmethod
