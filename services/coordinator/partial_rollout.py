@@ -24,7 +24,6 @@ which the trainer's truncated importance ratio corrects per token.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -294,13 +293,19 @@ def _interrupt_rule(pool: PartialRollouts, cuts: list[Cut], ended: list[common_p
     counting the responses `ended` so far in this round; with `require_max_age_all_finished`, every response at its
     last split ended too; and no update running that the rollout should keep generating beside (pipelined)."""
     n, done = settings.n_samples_per_prompt, pool.done_counts()
-    last_split = {c.sample_id for c in cuts if c.splits >= settings.partial_rollout_max_split - 1} \
+    waiting = {c.sample_id for c in cuts if c.splits >= settings.partial_rollout_max_split - 1} \
         if settings.require_max_age_all_finished else set()
+    complete = sum(1 for k in done.values() if k == n)
+    counted = 0  # `ended` grows as the round goes; each response is counted once
 
     def stop() -> bool:
-        ended_now = Counter(x.group_id for x in ended)
-        complete = sum(1 for g, k in done.items() if k + ended_now[g] == n)
-        return (complete >= pool.global_batch_size and last_split <= {x.sample_id for x in ended}
+        nonlocal complete, counted
+        for x in ended[counted:]:
+            done[x.group_id] += 1
+            complete += done[x.group_id] == n
+            waiting.discard(x.sample_id)
+        counted = len(ended)
+        return (complete >= pool.global_batch_size and not waiting
                 and not (keep_generating is not None and keep_generating()))
 
     return stop
