@@ -22,6 +22,7 @@ from services.common.config.statuses import (
     LORA_RULES,
     MULTI_TURN_RULES,
     MULTIMODAL,
+    PARTIAL_ROLLOUT_RULES,
     PPO_RULES,
     RAY,
     REWARD_MODEL,
@@ -187,7 +188,7 @@ class RLConfig:
     partial_rollout_max_split: int = setting(
         1, "Partial rollout: a response is generated in chunks of max_tokens // N over at most N iterations (N > 1); "
            "cut responses continue with newer weights, their tokens tagged with the version that produced them. "
-           "1: off.", read(VALIDATION, COORDINATOR_SETTINGS, TRAINER_OPTIONS,
+           "1: off.", read(PARTIAL_ROLLOUT_RULES, VALIDATION, COORDINATOR_SETTINGS, TRAINER_OPTIONS,
                            note="N > 1 needs max_tokens divisible by N and no multi-turn, dynamic sampling, critic "
                                 "or routing replay; "
                                 "the staleness fence and the default token-level truncated IS allow N - 1 more "

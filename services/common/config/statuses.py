@@ -34,6 +34,7 @@ MULTI_TURN_RULES = "services/common/config/multi_turn.py"
 LORA_RULES = "services/common/config/lora.py"
 PPO_RULES = "services/common/config/ppo.py"
 ROUTING_REPLAY = "services/common/config/routing_replay.py"
+PARTIAL_ROLLOUT_RULES = "services/common/config/partial_rollout.py"
 
 # Features rlfabric does not have: a config using one is refused with one message naming it.
 DPO = "DPO (pairwise preference training)"
