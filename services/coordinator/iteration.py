@@ -164,14 +164,15 @@ class GrpoIteration:
         return self._finish(rollout, parts, weights_version, rollout.start, time.perf_counter())
 
     def run_overlapped(self, rollout: Rollout, iteration: int, actor_version: int,
-                       prefetch: Callable[[Callable[[], None]], Rollout] | None) -> tuple[IterationResult, Rollout | None]:
+                       prefetch: Callable[[Callable[[], None]], list[Rollout]] | None
+                       ) -> tuple[IterationResult, list[Rollout]]:
         """Pipelined mode: trains on `rollout` (sampled at most max_staleness versions behind the actor, which
-        holds `actor_version`) while `prefetch` generates the next iteration on the replicas' current weights.
+        holds `actor_version`) while `prefetch` generates the next iterations on the replicas' current weights.
 
-        `prefetch(on_generated)` calls `on_generated` once its last sample is in, before its scores and
-        reference log-probs are: the new version is pushed as soon as both the update and the generation are
-        done, so no generation ever sees weights change under it, and the scoring and the reference pass of
-        the next iteration overlap the push. Returns this iteration's result and the prefetched rollout."""
+        `prefetch(on_generated)` calls `on_generated` once its last sample is in and it starts no more, before
+        its scores and reference log-probs are: the new version is pushed as soon as both the update and the
+        generation are done, so no generation ever sees weights change under it, and the scoring and the
+        reference pass overlap the push. Returns this iteration's result and the prefetched rollouts."""
         start = time.perf_counter()
         # released: the last sample is in (generated), or the prefetch ended without it
         generated, released = threading.Event(), threading.Event()
@@ -202,9 +203,9 @@ class GrpoIteration:
                 if not generated.is_set():
                     ahead.result()  # the prefetch failed before its last sample: the step fails before any push
             self.placement.after_update(rollout.clock, after_update(actor_version))
-            following = ahead.result() if ahead is not None else None
+            following = ahead.result() if ahead is not None else []
         result = self._finish(rollout, parts, actor_version, start, time.perf_counter(),
-                              also_busy=following.clock if following is not None else None)
+                              also_busy=[r.clock for r in following])
         return result, following
 
     def rollout(self, next_batch: Callable[[], Any], iteration: int, weights_version: int,
@@ -251,13 +252,13 @@ class GrpoIteration:
         return _Trained(trained, {**actor_metrics, **critic_metrics, **staleness, **mismatch})
 
     def _finish(self, rollout: Rollout, parts: _Trained, actor_version: int, t0: float, t_end: float,
-                also_busy: PhaseClock | None = None) -> IterationResult:
+                also_busy: Sequence[PhaseClock] = ()) -> IterationResult:
         """Phase 7: the iteration's metrics; `t0`..`t_end` is its wall span (what `timing/all` reports)."""
         clock, gen, trained = rollout.clock, rollout.gen, parts.batch
         timings = timing_metrics(clock, t0, t_end)
         # The coordinator's own time: the span during which no service call of this iteration (or of the
         # rollout generated beside it) was in flight.
-        timings["timing/coordinator"] = coordinator_time(t0, t_end, clock, *([also_busy] if also_busy else []))
+        timings["timing/coordinator"] = coordinator_time(t0, t_end, clock, *also_busy)
         # The actor's reply carries its own timing/update; the coordinator's span (which update_tps and the
         # timeline use) is the one logged, so that the table stays consistent.
         metrics = {**parts.metrics, **gen.metrics, **timings, **timeline_metrics(clock, t0), **self._metrics(gen, trained, timings),

@@ -51,11 +51,14 @@ class Endpoints:
 
 
 class _Stepper:
-    """One iteration of the run loop: synchronous (`max_staleness` 0, `GrpoIteration.run`) or pipelined (1): the
-    rollout of the next iteration is generated while this one trains, and held until its turn.
+    """One iteration of the run loop: synchronous (`max_staleness` 0, `GrpoIteration.run`) or pipelined (N >= 1):
+    while this iteration trains, the rollouts of the next ones are generated, up to N iterations ahead, and held
+    until their turn. The first is always generated; each further one starts only while the update still runs (so
+    the rollout does not idle beside it), and all of one step's share the replicas' weights: the rollout of
+    iteration k + j trains j versions later, within the fence.
 
     Called as step(iteration, version) -> (result, consumed batches); in pipelined mode the consumed count
-    leaves out the batches of the rollout generated ahead, and with partial rollout every batch from the first one
+    leaves out the batches of the rollouts generated ahead, and with partial rollout every batch from the first one
     with a group still in the pool, so a checkpoint's data cursor names only trained batches and a resumed run
     generates the discarded ones again.
     """
@@ -63,32 +66,50 @@ class _Stepper:
     def __init__(self, loop: GrpoIteration, loader: Any, journaled: Callable[[Any, int], Callable[[], Any]],
                  train_iters: int, stop_event: threading.Event, max_staleness: int) -> None:
         self.loop, self.loader, self.journaled = loop, loader, journaled
-        self.train_iters, self.stop_event, self.pipelined = train_iters, stop_event, max_staleness > 0
-        self.ahead: Rollout | None = None
+        self.train_iters, self.stop_event, self.depth = train_iters, stop_event, max_staleness
+        self.ahead: list[Rollout] = []
 
     def __call__(self, iteration: int, version: int) -> tuple[Any, int]:
         loader = self.loader
-        if not self.pipelined:
+        if not self.depth:
             result = self.loop.run(self.journaled(loader, iteration), iteration, version, loader.batches_per_epoch)
             return result, self._cursor(loader.consumed_batches)
-        rollout = self.ahead or self.loop.rollout(self.journaled(loader, iteration), iteration, version,
-                                                  loader.batches_per_epoch)
+        rollout = self.ahead.pop(0) if self.ahead else self.loop.rollout(
+            self.journaled(loader, iteration), iteration, version, loader.batches_per_epoch)
+        first, last = iteration + 1 + len(self.ahead), min(self.train_iters, iteration + self.depth)
         prefetch = None
-        if iteration < self.train_iters and not self.stop_event.is_set():
-            next_batch = self.journaled(loader, iteration + 1)
-
-            def prefetch(on_generated: Callable[[], None]) -> Rollout:
-                return self.loop.rollout(next_batch, iteration + 1, version, loader.batches_per_epoch, on_generated)
-        result, self.ahead = self.loop.run_overlapped(rollout, iteration, version, prefetch)
+        if first <= last and not self.stop_event.is_set():
+            def prefetch(on_generated: Callable[[], None]) -> list[Rollout]:
+                return self._generate_ahead(first, last, version, on_generated)
+        result, following = self.loop.run_overlapped(rollout, iteration, version, prefetch)
+        self.ahead.extend(following)
         return result, self._cursor(loader.consumed_batches)
+
+    def _generate_ahead(self, first: int, last: int, version: int, on_generated: Callable[[], None]) -> list[Rollout]:
+        """The rollouts of iterations `first`.. at `version`: the next one only while the update runs and up to
+        `last`; `on_generated` once the last one's samples are in."""
+        out: list[Rollout] = []
+        for m in range(first, last + 1):
+            ended = threading.Event()
+
+            def generated(final: bool = m == last, ended: threading.Event = ended) -> None:
+                if final or not self.loop.update_running.is_set() or self.stop_event.is_set():
+                    ended.set()
+                    on_generated()
+
+            out.append(self.loop.rollout(self.journaled(self.loader, m), m, version, self.loader.batches_per_epoch,
+                                         generated))
+            if ended.is_set():
+                break
+        return out
 
     def _cursor(self, consumed: int) -> int:
         """The data cursor a checkpoint names: the batches before the first one that has a group not trained yet
         (generated ahead, or in partial rollout's pool), which a resumed run generates again."""
-        pool, ahead = self.loop.partial, self.ahead
+        pool = self.loop.partial
         if pool is None:
-            return consumed - (len(ahead.gen.batches) if ahead else 0)
-        untrained = pool.batches_in_flight() + ((ahead.gen.trained_batches or []) if ahead else [])
+            return consumed - sum(len(r.gen.batches) for r in self.ahead)
+        untrained = pool.batches_in_flight() + [b for r in self.ahead for b in (r.gen.trained_batches or [])]
         return min((b.batch_index for b in untrained), default=consumed)
 
 

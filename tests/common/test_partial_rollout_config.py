@@ -63,12 +63,16 @@ def test_partial_rollout_is_allowed_deterministic_in_synchronous_mode(repo_root:
     assert (cfg.rl_config.partial_rollout_max_split, cfg.rlfabric.deterministic) == (4, True)
 
 
-def test_partial_rollout_in_pipelined_mode_loads_and_max_staleness_stays_0_or_1(repo_root: Path) -> None:
+def test_partial_rollout_in_pipelined_mode_loads_and_max_staleness_goes_to_4(repo_root: Path) -> None:
     cfg = load_config(repo_root / "configs/grpo_tiny_cpu.yaml", overrides=[f"{SPLIT}=2", "rlfabric.max_staleness=1"])
     assert (cfg.rlfabric.max_staleness, cfg.rl_config.partial_rollout_max_split) == (1, 2)
-    issues = _issues(repo_root / "configs/grpo_tiny_cpu.yaml", [f"{SPLIT}=2", "rlfabric.max_staleness=2"])
-    assert [key for key, _ in issues] == ["rlfabric.max_staleness"]
-    assert "must be 0 (synchronous) or 1" in issues[0][1]
+    cfg = load_config(repo_root / "configs/grpo_tiny_cpu.yaml", overrides=[f"{SPLIT}=2", "rlfabric.max_staleness=4"])
+    assert staleness_bound(cfg.rlfabric.max_staleness, cfg.rl_config.partial_rollout_max_split) == 5
+    for depth in (5, -1):
+        issues = _issues(repo_root / "configs/grpo_tiny_cpu.yaml", [f"{SPLIT}=2", f"rlfabric.max_staleness={depth}"])
+        assert [key for key, _ in issues] == ["rlfabric.max_staleness"]
+        assert f"must be 0 (synchronous) to 4 (pipelined: the rollout runs up to that many iterations ahead), " \
+               f"got {depth}" in issues[0][1]
 
 
 def test_max_tokens_not_divisible_by_the_split_is_refused(repo_root: Path) -> None:

@@ -98,10 +98,10 @@ def test_pipelined_step_pushes_once_generated_while_the_next_scoring_goes_on() -
         # Scoring and the reference pass of the next iteration: the push must not wait for them.
         assert order.pushed.wait(10), "the push waited for the next iteration's scores"
         order.events.append("scored")
-        return _rollout("next")
+        return [_rollout("next")]
 
     result, following = order.loop.run_overlapped(_rollout("this"), 3, 5, prefetch)
-    assert result == ("result", "parts") and following.gen == "next"
+    assert result == ("result", "parts") and [r.gen for r in following] == ["next"]
     assert order.events.index("push 6") < order.events.index("scored")
     assert {"update", "generated"} <= set(order.events[:order.events.index("push 6")])
 
@@ -138,3 +138,78 @@ def test_rollout_mismatch_compares_the_samples_made_at_the_trainers_weights() ->
     assert rollout_mismatch(groups, same, 7) == {"rollout_mismatch/mean_abs_logp_diff": 0.0,
                                                  "rollout_mismatch/max_ratio": 1.0, "rollout_mismatch/kl": 0.0}
     assert rollout_mismatch(groups, {}, 7) == {}  # no old-log-prob pass: nothing to compare
+
+
+
+class _SlowUpdateLoop:
+    """A GrpoIteration for _Stepper: its rollouts record (iteration, version) and take `rollout_s`, its update
+    `update_s`."""
+
+    def __init__(self, update_s: float, rollout_s: float) -> None:
+        import threading
+        import time
+
+        from services.coordinator.iteration import GrpoIteration, Rollout
+
+        self.generated: list[tuple[int, int]] = []
+        loop = GrpoIteration.__new__(GrpoIteration)
+        loop.partial = None
+        loop.update_running = threading.Event()
+        loop._train = lambda rollout, iteration, version: time.sleep(update_s) or "parts"
+        loop._finish = lambda rollout, parts, version, t0, t1, also_busy=(): ("result", rollout.gen)
+        loop.placement = self
+
+        def rollout(next_batch, iteration, version, data_batches=0, on_generated=None):
+            batch = next_batch()
+            time.sleep(rollout_s)
+            self.generated.append((iteration, version))
+            if on_generated is not None:
+                on_generated()
+            return Rollout(gen=_Gen([batch]), clock=None, start=0.0, weights_version=version, ref_stream=None)
+
+        loop.rollout = rollout
+        self.loop = loop
+
+    def after_update(self, clock, version: int) -> None:
+        pass
+
+
+class _Gen:
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+
+
+class _Loader:
+    batches_per_epoch = 100
+
+    def __init__(self) -> None:
+        self.consumed_batches = 0
+
+    def next_batch(self) -> int:
+        self.consumed_batches += 1
+        return self.consumed_batches - 1
+
+
+@pytest.mark.parametrize(("update_s", "rollout_s", "depth", "ahead_after"),
+                         [(0.0, 0.2, 2, [2]), (0.6, 0.0, 2, [2, 3]), (0.6, 0.0, 1, [2])],
+                         ids=["fast-update", "slow-update", "depth-1"])
+def test_a_pipeline_of_depth_n_generates_ahead_only_beside_the_update(update_s: float, rollout_s: float, depth: int,
+                                                                      ahead_after: list[int]) -> None:
+    """max_staleness N: the next iteration's rollout is always generated; each further one (up to N ahead) only
+    while the update still runs; all of one step at the replicas' weights; the cursor leaves out what is ahead."""
+    import threading
+
+    from services.coordinator.run import _Stepper
+
+    fake, loader = _SlowUpdateLoop(update_s, rollout_s), _Loader()
+    step = _Stepper(fake.loop, loader, lambda loader, m: loader.next_batch, 10, threading.Event(), depth)
+    result, cursor = step(1, 5)
+    assert result[0] == "result"
+    assert [m for m, _ in fake.generated] == [1, *ahead_after]
+    assert {v for _, v in fake.generated} == {5}
+    assert [r.weights_version for r in step.ahead] == [5] * len(ahead_after)
+    assert cursor == 1  # batch 0 trained; the batches of the rollouts ahead are not consumed yet
+    # The next step trains iteration 2's rollout (one version old) and tops the pipeline up at version 6.
+    step(2, 6)
+    assert fake.generated[0] == (1, 5) and fake.generated[len(ahead_after) + 1][1] == 6
+    assert max(m for m, _ in fake.generated) <= 2 + depth

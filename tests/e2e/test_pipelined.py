@@ -56,3 +56,21 @@ def test_the_next_rollout_runs_before_its_own_step_starts(pipelined_run: tuple) 
     for m in read_metrics(run_dir)[1:]:
         assert m["timeline/rollout/start"] < m["timeline/rollout/end"] <= 0
         assert m["timeline/update/start"] >= 0
+
+
+def test_a_deeper_pipeline_trains_every_batch_once_within_its_staleness(repo_root: Path, tiny_model_dir: Path,
+                                                                        arith_prefix: Path, tmp_path_factory) -> None:
+    """`max_staleness: 2`: a further rollout is generated only while the update runs, so how deep the pipeline gets
+    depends on timing; whatever it does, every batch trains once and in order, no sample more than two versions
+    behind (the coordinator's and the trainer's fence), and the data cursor leaves out every rollout ahead."""
+    run_dir = tmp_path_factory.mktemp("pipelined2")
+    proc = run_up(repo_root, tiny_model_dir, arith_prefix, run_dir,
+                  "-o", "megatron_training.train_iters=4", "-o", "megatron_training.save_interval=1000",
+                  "-o", "rlfabric.max_staleness=2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    assert [m["iteration"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["data/consumed_batches"] for m in metrics] == [1, 2, 3, 4]
+    assert metrics[0]["staleness/max"] == 0 and all(1 <= m["staleness/max"] <= 2 for m in metrics[1:])
+    for m in metrics:
+        assert 0 < m["actor/is_weight_mean"] <= CAP and math.isfinite(m["actor/pg_loss"])

@@ -11,7 +11,7 @@ with the KL penalty in the reward when `use_kl_in_reward` (the PPO actor loss ha
 - the critic's section needs what a training role needs (`micro_batch_size`, `lr`), and `gamma`, `lam` lie in
   [0, 1], `cliprange_value` is positive;
 - what rlfabric's PPO path does not run yet is refused by name: LoRA, multi-turn rollouts and pipelined mode
-  (`rlfabric.max_staleness` 1) with a critic.
+  (`rlfabric.max_staleness` >= 1) with a critic.
 The DAPO-only keys are refused under `ray_ppo` as under `ray_grpo` (algorithm.py).
 """
 

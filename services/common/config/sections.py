@@ -196,7 +196,8 @@ class FabricConfig:
         0, "Weight versions a trained sample may lag the actor. 0: synchronous (each iteration generates with the "
            "weights the previous update made). 1: pipelined, the rollout generates iteration k+1 with the weights "
            "of k-1 while the actor updates on k; the loss weights off-policy tokens by a truncated importance "
-           "ratio. Disaggregated mode only. Partial rollout (rl_config.partial_rollout_max_split N > 1) lets a "
+           "ratio. N (up to 4): the rollout runs up to N iterations ahead, starting each further one only while "
+           "the update still runs. Disaggregated mode only. Partial rollout (rl_config.partial_rollout_max_split N > 1) lets a "
            "continued response's tokens lag N - 1 versions more.", read(COORDINATOR_SETTINGS, TRAINER_OPTIONS))
     fp32_master_weights: bool = setting(
         True, "With bf16: true, fp32 master weights and optimizer state as Megatron keeps them. false steps the bf16 "

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 DISTRIBUTED_BACKENDS = ("nccl", "hccl", "gloo")
 ROLLOUT_DTYPES = ("bfloat16", "float16", "float32", "auto")
-
+# The deepest pipeline rlfabric.max_staleness may ask for: each step keeps that many rollouts ahead of the update.
+MAX_PIPELINE_DEPTH = 4
 
 
 def _q(cfg: RLFabricConfig, key: str) -> str:
@@ -329,14 +330,14 @@ def placement(cfg: RLFabricConfig) -> Iterable[Problem]:
 
 def pipelining(cfg: RLFabricConfig) -> Iterable[Problem]:
     fab = cfg.rlfabric
-    if fab.max_staleness not in (0, 1):
+    if not 0 <= fab.max_staleness <= MAX_PIPELINE_DEPTH:
         yield Problem(("rlfabric.max_staleness",),
-                      f"rlfabric.max_staleness must be 0 (synchronous) or 1 (pipelined: the rollout runs one "
-                      f"iteration ahead), got {fab.max_staleness}; deeper pipelines are not implemented")
+                      f"rlfabric.max_staleness must be 0 (synchronous) to {MAX_PIPELINE_DEPTH} (pipelined: the rollout "
+                      f"runs up to that many iterations ahead), got {fab.max_staleness}")
     elif fab.max_staleness and cfg.rl_config.use_integrated_worker:
         yield Problem(("rlfabric.max_staleness", "rl_config.use_integrated_worker"),
-                      "rlfabric.max_staleness: 1 overlaps generation with the update, which needs the rollout on "
-                      "devices of its own; set use_integrated_worker: false or max_staleness: 0")
+                      f"rlfabric.max_staleness: {fab.max_staleness} overlaps generation with the update, which needs "
+                      "the rollout on devices of its own; set use_integrated_worker: false or max_staleness: 0")
     if fab.weight_transport not in WEIGHT_TRANSPORTS:
         yield Problem(("rlfabric.weight_transport",),
                       f"rlfabric.weight_transport must be {', '.join(WEIGHT_TRANSPORTS[:-1])} or "
@@ -355,8 +356,8 @@ def determinism(cfg: RLFabricConfig) -> Iterable[Problem]:
                       "set generate_config.sampling_config.seed")
     if cfg.rlfabric.max_staleness:
         yield Problem(("rlfabric.deterministic", "rlfabric.max_staleness"),
-                      "rlfabric.deterministic: true with max_staleness 1: in pipelined mode which samples a "
-                      "version trains on depends on timing; set max_staleness: 0")
+                      f"rlfabric.deterministic: true with max_staleness {cfg.rlfabric.max_staleness}: in pipelined "
+                      "mode which samples a version trains on depends on timing; set max_staleness: 0")
     if cfg.rl_config.partial_rollout_max_split > 1 and cfg.rl_config.async_engine:
         yield Problem(("rlfabric.deterministic", "rl_config.async_engine"),
                       "rlfabric.deterministic: true with partial rollout's asynchronous engine: where a round is "
