@@ -17,10 +17,10 @@
 7. metrics: the seed's table, the iteration timeline, DAPO's counts.
 In integrated mode (`use_integrated_worker`) `placement.py` moves the services' memory between the phases.
 Partial rollout (`partial_rollout_max_split` > 1): phase 1 runs rounds over a pool that outlives it. Pipelined
-(`rlfabric.max_staleness: 1`, `run_overlapped`): phase 1 of iteration k+1 runs on the replicas' current weights
-while phases 2-5 of k run; phase 6 waits for the update of k and the last sample of k+1 (not its scores or
-reference log-probs, which go on beside the push): k trains on samples one version behind the actor (fenced, and
-importance-weighted in the loss: `off_policy.py`).
+(`rlfabric.max_staleness` N >= 1, `run_overlapped`): phase 1 of k+1 (..k+N) runs on the replicas' current weights
+while phases 2-5 of k run; phase 6 waits for the update of k and the last sample generated (not its scores or
+reference log-probs, which go on beside the push): k trains on samples up to N versions behind the actor (fenced,
+and importance-weighted in the loss: `off_policy.py`).
 
 A failing sample (say, a prompt over `max_model_len`) costs that sample: it scores 0, keeps its place in its
 group for the normalisation, and trains no tokens.
