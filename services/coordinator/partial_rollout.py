@@ -32,6 +32,7 @@ import numpy as np
 
 from rlfabric.v1 import common_pb2, reward_pb2, rollout_pb2
 from services.common.tensors import to_numpy, to_proto
+from services.common.weight_version import outside_fence
 from services.coordinator.continuations import with_max_tokens
 from services.coordinator.errors import IterationError
 from services.coordinator.generation import Group, GroupPrompt, RequestStream
@@ -226,13 +227,13 @@ class PartialRollouts:
             if len(groups) == k:
                 break
             del self._slots[slot.prompt.group_id]
-            samples = [slot.done[i][0] for i in range(self.n)]
-            own_ref = {x.sample_id: self.ref_log_probs.pop(x.sample_id) for x in samples
+            group = Group(slot.prompt, [slot.done[i][0] for i in range(self.n)], [slot.done[i][1] for i in range(self.n)])
+            own_ref = {x.sample_id: self.ref_log_probs.pop(x.sample_id) for x in group.samples
                        if x.sample_id in self.ref_log_probs}
-            if any(actor_version - int(x.weights_version) > bound for x in samples if x.response_length and not x.error):
+            if outside_fence((x.weights_version for x in group.trainable()), actor_version, bound):
                 dropped += 1
                 continue
-            groups.append(Group(slot.prompt, samples, [slot.done[i][1] for i in range(self.n)]))
+            groups.append(group)
             batches.setdefault(id(slot.batch), slot.batch)
             ref.update(own_ref)
         return TakenGroups(groups, list(batches.values()), ref or None, dropped)
