@@ -273,23 +273,11 @@ class Generator:
             self._deal(requests, list(self.replicas), clock, samples_q)
             expected = sum(q.group.n for q in requests)
             seen: set[str] = set()
-            deadline = time.monotonic() + self.settings.deadline_s
+            arrivals = self._arrivals(samples_q, clock, lambda: f"{expected - len(seen)} of {expected} samples",
+                                      control, interrupt_when)
             while len(seen) < expected:
-                if control is not None and not control.interrupt and interrupt_when():
-                    control.end(interrupt=True)
-                try:
-                    item = samples_q.get(timeout=0.05 if control is not None else self.settings.deadline_s)
-                except queue.Empty:
-                    if time.monotonic() < deadline:
-                        continue
-                    raise IterationError(f"rollout: {expected - len(seen)} of {expected} samples missing after "
-                                         f"{self.settings.deadline_s:.0f}s") from None
-                deadline = time.monotonic() + self.settings.deadline_s
-                if isinstance(item, _Lost):
-                    self._fail_over(item, clock, samples_q)
-                elif isinstance(item, Exception):
-                    raise item
-                elif item.sample_id in seen:
+                item = next(arrivals)
+                if item.sample_id in seen:
                     self._count_duplicate()
                 else:
                     seen.add(item.sample_id)
@@ -357,18 +345,9 @@ class Generator:
         by_group = {p.group_id: p for p in prompts}
         samples: dict[str, common_pb2.Sample] = {}
         expected = len(prompts) * self.settings.n_samples_per_prompt
-        deadline_s = self.settings.deadline_s
+        arrivals = self._arrivals(samples_q, clock, lambda: f"{expected - len(samples)} of {expected} samples")
         while len(samples) < expected:
-            try:
-                item = samples_q.get(timeout=deadline_s)
-            except queue.Empty:
-                raise IterationError(f"rollout: {expected - len(samples)} of {expected} samples missing after "
-                                     f"{deadline_s:.0f}s") from None
-            if isinstance(item, _Lost):
-                self._fail_over(item, clock, samples_q)
-                continue
-            if isinstance(item, Exception):
-                raise item
+            item = next(arrivals)
             if isinstance(item, Finished):
                 item = self.multi_turn.finish(item.trajectory)
             elif self._continuations is not None:  # one turn of a trajectory: it continues or comes back Finished
@@ -385,6 +364,32 @@ class Generator:
         if reference is not None:
             reference.flush(version)
         return samples
+
+    def _arrivals(self, samples_q: queue.Queue, clock: PhaseClock, missing: Callable[[], str],
+                  control: _StreamControl | None = None,
+                  interrupt_when: Callable[[], bool] | None = None) -> Iterator[Any]:
+        """What the rollout streams put on `samples_q`, as it comes (samples; multi-turn `Finished`s): a lost
+        replica's groups fail over to the others, a replica's refusal is raised, and nothing for deadline_s raises
+        IterationError naming `missing()`. With `control` and `interrupt_when` (samples_of's), the rule is asked before
+        each wait of at most 50 ms. The caller takes items until it has what it expects."""
+        deadline_s = self.settings.deadline_s
+        deadline = time.monotonic() + deadline_s
+        while True:
+            if control is not None and not control.interrupt and interrupt_when():
+                control.end(interrupt=True)
+            try:
+                item = samples_q.get(timeout=0.05 if control is not None else deadline_s)
+            except queue.Empty:
+                if control is not None and time.monotonic() < deadline:
+                    continue
+                raise IterationError(f"rollout: {missing()} missing after {deadline_s:.0f}s") from None
+            deadline = time.monotonic() + deadline_s
+            if isinstance(item, _Lost):
+                self._fail_over(item, clock, samples_q)
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
 
     def _count_duplicate(self) -> None:
         self.failover["rollout/duplicate_samples_dropped"] += 1
