@@ -61,7 +61,9 @@ class Cut:
     log_probs: np.ndarray  # float32 [length]
     versions: np.ndarray  # int64 [length]
     splits: int  # rounds it was generated in so far (its age)
-    first: common_pb2.Sample  # its first chunk (sample id, prompt length)
+    # The response so far as one Sample: its ids, prompt length and latency, which the next part keeps (its
+    # tensors hold what the arrays above hold, decoded once here for the continuation and the stitching).
+    first: common_pb2.Sample
 
     @property
     def sample_id(self) -> str:
