@@ -121,6 +121,12 @@ W3_WARM_UP_ROWS, W3_PROMPTS = 4000, 256  # count_rows with seed 0 (warm-up) and 
 W3_MAX_TOKENS = 512
 # rl_config.partial_rollout_max_split of W3's partial-rollout runs: 512-token responses over at most 4 iterations.
 PARTIAL_SPLIT = 4
+
+
+def pipelined_partial(split: int, *, async_engine: bool) -> list[str]:
+    """The overrides of a pipelined run with partial rollout (`split`), chunked or with the asynchronous engine."""
+    return ["-o", "rlfabric.max_staleness=1", "-o", f"rl_config.partial_rollout_max_split={split}",
+            *(["-o", "rl_config.async_engine=true"] if async_engine else [])]
 # W1's config with room for 512 response tokens (prompts are 14-16 tokens, under max_prompt_length 64), W2's
 # 512-entry digit vocabulary, the counting rule, and the prompts in the file's order (TRL: --no-shuffle); the
 # trainer passes packed (`use_remove_padding`, as MindSpeed-RL's own 32B GRPO config sets it: the same log-probs and
@@ -412,8 +418,7 @@ def compare_with_trl(args: argparse.Namespace, w: Workload) -> tuple[list[str], 
     pipe = run_rlfabric(w, args.work, f"{w.name}-pipelined", args.iterations,
                         ["-o", "rlfabric.max_staleness=1", *threads])
     asyn = run_rlfabric(w, args.work, f"{w.name}-async", args.iterations,
-                        ["-o", "rlfabric.max_staleness=1", "-o", f"rl_config.partial_rollout_max_split={w.async_split}",
-                         "-o", "rl_config.async_engine=true", *threads]) if w.async_split else None
+                        [*pipelined_partial(w.async_split, async_engine=True), *threads]) if w.async_split else None
     # On a busy machine TRL's default (one thread per core) can lose more to contention than one thread
     # does; the comparison is with whichever TRL was faster.
     trls.append(run_trl(args.trl_python, w, args.work, args.iterations, threads=1))
@@ -441,9 +446,9 @@ def bench_vs_trl(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
 
 def bench_rlfabric_only(args: argparse.Namespace, loads: dict[str, Workload]) -> None:
     """rlfabric's runs of the TRL comparison, printed with each phase's median start/end in the iteration."""
-    partial = ["-o", "rlfabric.max_staleness=1", "-o", f"rl_config.partial_rollout_max_split={PARTIAL_SPLIT}"]
-    modes = {"sync": [], "pipelined": ["-o", "rlfabric.max_staleness=1"], "partial": partial,
-             "async": [*partial, "-o", "rl_config.async_engine=true"]}
+    modes = {"sync": [], "pipelined": ["-o", "rlfabric.max_staleness=1"],
+             "partial": pipelined_partial(PARTIAL_SPLIT, async_engine=False),
+             "async": pipelined_partial(PARTIAL_SPLIT, async_engine=True)}
     for name in args.workloads:
         for mode in args.modes:
             load = os.getloadavg()[0]
@@ -532,9 +537,9 @@ def bench_learning(args: argparse.Namespace) -> None:
     split = ["-o", f"rl_config.partial_rollout_max_split={LEARNING_SPLIT}"]
     for mode, extra in (("synchronous", []), ("pipelined", ["-o", "rlfabric.max_staleness=1"]),
                         ("partial rollout, synchronous", split),
-                        ("partial rollout, pipelined", ["-o", "rlfabric.max_staleness=1", *split]),
+                        ("partial rollout, pipelined", pipelined_partial(LEARNING_SPLIT, async_engine=False)),
                         ("asynchronous (partial rollout, asynchronous engine, pipelined)",
-                         ["-o", "rlfabric.max_staleness=1", *split, "-o", "rl_config.async_engine=true"])):
+                         pipelined_partial(LEARNING_SPLIT, async_engine=True))):
         load = os.getloadavg()[0]
         r = run_rlfabric(w, args.work, "learning-" + "-".join(mode.replace(",", "").split(" (")[0].split()),
                          args.learning_iterations, extra)
