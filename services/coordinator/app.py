@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,13 @@ def warm_imports() -> None:
     """Imports the heavy module `build_driver` needs (transformers' tokenizer classes: ~2 s of CPU, more on a busy
     2-core machine), so that a coordinator started beside the other services pays it while those start, not between
     StartRun and the first iteration. Run it in a background thread at serve time; an import error surfaces later,
-    at StartRun. (The prompts' indexed datasets no longer need megatron-core: services/data/indexed_reader.py.)"""
+    at StartRun. (The prompts' indexed datasets no longer need megatron-core: services/data/indexed_reader.py.)
+
+    The thread runs at the lowest CPU priority: beside the other services' start-up it takes only the CPU they
+    leave idle (the rollout's engine build, the last service ready, is the start-up's critical path), and it is
+    done long before a run comes on an idle machine."""
+    with contextlib.suppress(AttributeError, OSError):  # Linux: a thread is a task with its own nice value
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     try:
         with _IMPORTING:
             from transformers import AutoTokenizer  # noqa: F401 (transformers is lazy: this is the costly part)

@@ -30,6 +30,9 @@ __all__ = ["LocalStack", "ServiceStartError"]
 
 # With nothing new ready for this long, the progress display says what it still waits for.
 QUIET_PROGRESS_S = 10.0
+# How often start-up polls Redis for new registrations: the last service's readiness reaches the console (and the
+# run's start) at most this late.
+READY_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -152,10 +155,12 @@ class LocalStack:
             self._verifier_procs.append((located, proc))
 
     def wait_ready(self) -> None:
-        """Waits, printing progress, until every expected child is registered; then registers the verifiers."""
+        """Waits, printing progress, until every expected child is registered; registers the verifiers as soon as
+        the reward workers are (beside the slower services' start-up, not after it)."""
         registry = Registry(connect(str(self.redis_url)))
         pending = list(self.expected)
         last_news = time.monotonic()
+        registered = False
         while pending:
             for p in self.processes:
                 p.check()
@@ -170,8 +175,13 @@ class LocalStack:
             if pending and time.monotonic() - self._started > self.startup_timeout_s:
                 raise ServiceStartError(f"{', '.join(e.label for e in pending)} not ready after "
                                         f"{self.startup_timeout_s:.0f}s; logs in {self.logs_dir}")
-            time.sleep(0.25)
-        self.register_verifiers(self.auth_token)
+            if not registered and not any(e.service == ServiceKind.REWARD for e in pending):
+                self.register_verifiers(self.auth_token)
+                registered = True
+                continue
+            time.sleep(READY_POLL_S)
+        if not registered:
+            self.register_verifiers(self.auth_token)
 
     def register_verifiers(self, token: str | None) -> None:
         """Waits until the custom verifiers serve, then registers them with every reward worker in Redis."""

@@ -63,7 +63,8 @@ def apply_cpu_patches() -> bool:
     # CUDA the first asserts, and the second would queue a callback in torch.cuda's lazy-init list on
     # every recompute, never run, never freed. A CPU process has no CUDA generator to save; the CPU
     # generator, the one that counts here, is saved and restored by the same functions.
-    from megatron.core.tensor_parallel import random as tp_random
+    with compile_on_first_call():
+        from megatron.core.tensor_parallel import random as tp_random
 
     tp_random._get_cuda_rng_state = _no_cuda_rng_state
     tp_random._set_cuda_rng_state = _set_no_cuda_rng_state
@@ -113,6 +114,40 @@ def _cpu_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor 
             if torch.is_tensor(value):
                 setattr(self, name, value.numpy())
     return tokens_per_expert
+
+
+@contextlib.contextmanager
+def compile_on_first_call() -> Iterator[None]:
+    """While Megatron-core is first imported, `torch.compile(fn)` returns a wrapper that compiles `fn` when first
+    called, not at once.
+
+    Upstream: megatron/core/jit.py sets `jit_fuser = torch.compile` (torch >= 2.2), and its fusion modules
+    (fused_bias_geglu, fused_bias_swiglu, ...) decorate functions with it at import time; `torch.compile` imports
+    torch._dynamo and torch._inductor before it returns, ~1.4 s of CPU per trainer rank (2.3 s -> 0.9 s for the
+    whole `import megatron.core` here), paid at every start-up, while a CPU step calls none of those functions.
+    The wrapper keeps the compile, its options and its first-call timing unchanged; it only moves the imports to
+    a first call that may never come. A process where Megatron is already imported is unchanged.
+    """
+    real = torch.compile
+
+    def deferred(model=None, **kwargs):
+        if model is None:  # used as @torch.compile(...): the decorator
+            return lambda fn: deferred(fn, **kwargs)
+        compiled: list = []
+
+        @functools.wraps(model)
+        def call(*args, **kw):
+            if not compiled:
+                compiled.append(real(model, **kwargs))
+            return compiled[0](*args, **kw)
+
+        return call
+
+    torch.compile = deferred
+    try:
+        yield
+    finally:
+        torch.compile = real
 
 
 def patches_applied() -> bool:

@@ -112,3 +112,37 @@ def test_torch_norm_runs_under_sequence_parallelism_and_tags_its_weight():
     assert isinstance(plain, torch.nn.LayerNorm) and all(p.sequence_parallel is False for p in plain.parameters())
     with pytest.raises(ValueError, match="L2Norm"):
         megatron_compat.TorchNorm(config(normalization="L2Norm"), 8)
+
+
+def test_megatron_import_under_the_patches_leaves_torch_compile_for_a_first_call():
+    # A fresh process: the patches import Megatron-core; its fusion decorators must not import torch._dynamo.
+    import subprocess
+    import sys
+
+    code = ("import sys; from services.trainer import megatron_compat as m; assert m.apply_cpu_patches(); "
+            "import megatron.core.jit as j, torch; print('torch._dynamo' in sys.modules, torch.compile.__module__, "
+            "j.jit_fuser.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    # not imported; torch.compile itself back once the import ended; Megatron's jit_fuser the deferred compile
+    assert out == ["False", "torch", "deferred"]
+
+
+def test_deferred_compile_compiles_once_on_the_first_call_with_the_callers_options(monkeypatch):
+    calls = []
+
+    def fake_compile(fn, **kwargs):
+        calls.append(kwargs)
+        return lambda *a: fn(*a) * 10
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    with megatron_compat.compile_on_first_call():
+        plain = torch.compile(lambda x: x + 1)
+
+        @torch.compile(dynamic=False)
+        def decorated(x):
+            return x + 2
+
+    assert torch.compile is fake_compile and calls == []  # nothing compiled at definition
+    assert plain(1) == 20 and plain(2) == 30 and decorated(1) == 30
+    assert calls == [{}, {"dynamic": False}]  # once per function, with its options
+    assert decorated.__name__ == "decorated"
