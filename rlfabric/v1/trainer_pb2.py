@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from rlfabric.v1 import common_pb2 as rlfabric_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rlfabric/v1/trainer.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"\x99\x02\n\rSequenceBatch\x12\x12\n\nsample_ids\x18\x01 \x03(\t\x12&\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12+\n\x0eprompt_lengths\x18\x03 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12-\n\x10response_lengths\x18\x04 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12\x17\n\x0fweights_version\x18\x05 \x01(\x04\x12+\n\x0erouted_experts\x18\x06 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12*\n\rresponse_mask\x18\x07 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\"|\n\x0eLogProbRequest\x12)\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1a.rlfabric.v1.SequenceBatch\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x14\n\x0cwith_entropy\x18\x03 \x01(\x08\x12\x14\n\x0c\x61\x64\x61pters_off\x18\x04 \x01(\x08\"9\n\x0cValueRequest\x12)\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1a.rlfabric.v1.SequenceBatch\"a\n\rValueResponse\x12\x12\n\nsample_ids\x18\x01 \x03(\t\x12#\n\x06values\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12\x17\n\x0fweights_version\x18\x03 \x01(\x04\"\x8c\x01\n\x0fLogProbResponse\x12\x12\n\nsample_ids\x18\x01 \x03(\t\x12&\n\tlog_probs\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12$\n\x07\x65ntropy\x18\x03 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12\x17\n\x0fweights_version\x18\x04 \x01(\x04\"\xab\x03\n\rUpdateRequest\x12)\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1a.rlfabric.v1.SequenceBatch\x12\'\n\nadvantages\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12*\n\rold_log_probs\x18\x03 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12*\n\rref_log_probs\x18\x04 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x14\n\x07kl_coef\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12/\n\x12\x62\x65havior_log_probs\x18\x08 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12-\n\x10token_advantages\x18\t \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12$\n\x07returns\x18\n \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12#\n\x06values\x18\x0b \x01(\x0b\x32\x13.rlfabric.v1.TensorB\n\n\x08_kl_coef\"d\n\x0eUpdateResponse\x12%\n\x07metrics\x18\x01 \x01(\x0b\x32\x14.rlfabric.v1.Metrics\x12\x17\n\x0fweights_version\x18\x02 \x01(\x04\x12\x12\n\nnum_tokens\x18\x03 \x01(\x04\"Q\n\x15SaveCheckpointRequest\x12\x0b\n\x03\x64ir\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x18\n\x10\x63onsumed_samples\x18\x03 \x01(\x04\"u\n\x15LoadCheckpointRequest\x12\x0b\n\x03\x64ir\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x10\n\x08\x66inetune\x18\x03 \x01(\x08\x12\x15\n\rno_load_optim\x18\x04 \x01(\x08\x12\x13\n\x0bno_load_rng\x18\x05 \x01(\x08\"c\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x18\n\x10\x63onsumed_samples\x18\x03 \x01(\x04\x12\x12\n\nduration_s\x18\x04 \x01(\x01\"\xb1\x01\n\x12PushWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07targets\x18\x02 \x03(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x04 \x01(\x04\x12/\n\ttransport\x18\x06 \x01(\x0e\x32\x1c.rlfabric.v1.WeightTransport\x12&\n\x04plan\x18\x07 \x01(\x0b\x32\x18.rlfabric.v1.ReshardPlanJ\x04\x08\x03\x10\x04J\x04\x08\x05\x10\x06\"\xd1\x01\n\x0bReshardPlan\x12$\n\x1ctrainer_tensor_parallel_size\x18\x01 \x01(\r\x12&\n\x1etrainer_pipeline_parallel_size\x18\x02 \x01(\r\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.rlfabric.v1.DType\x12+\n\x07tensors\x18\x04 \x03(\x0b\x32\x1a.rlfabric.v1.PlannedTensor\x12$\n\x1ctrainer_expert_parallel_size\x18\x05 \x01(\r\"\x8d\x01\n\rPlannedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x12\n\nconcat_dim\x18\x03 \x01(\r\x12(\n\x07sources\x18\x04 \x03(\x0b\x32\x17.rlfabric.v1.ShardSlice\x12!\n\x05\x64type\x18\x05 \x01(\x0e\x32\x12.rlfabric.v1.DType\"\x9d\x01\n\nShardSlice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x13\n\x0bshard_shape\x18\x04 \x03(\x03\x12\x0e\n\x06groups\x18\x05 \x01(\r\x12\r\n\x05start\x18\x06 \x01(\x04\x12\x11\n\x04stop\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x0f\n\x07\x65p_rank\x18\x08 \x01(\rB\x07\n\x05_stop\"\x81\x01\n\x13PushWeightsProgress\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x12\n\nbytes_sent\x18\x02 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x03 \x01(\x04\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\r\x12\x11\n\telapsed_s\x18\x06 \x01(\x01\"B\n\x0eOffloadRequest\x12\x0e\n\x06params\x18\x01 \x01(\x08\x12\r\n\x05grads\x18\x02 \x01(\x08\x12\x11\n\toptimizer\x18\x03 \x01(\x08\"L\n\x0fOffloadResponse\x12\x12\n\nduration_s\x18\x01 \x01(\x01\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x03 \x01(\x04\"A\n\rOnloadRequest\x12\x0e\n\x06params\x18\x01 \x01(\x08\x12\r\n\x05grads\x18\x02 \x01(\x08\x12\x11\n\toptimizer\x18\x03 \x01(\x08\"0\n\x12TrainerInfoRequest\x12\x1a\n\x12include_parameters\x18\x01 \x01(\x08\"r\n\tShardInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07pp_rank\x18\x04 \x01(\r\x12\x15\n\rpartition_dim\x18\x05 \x01(\x05\x12\x0f\n\x07\x65p_rank\x18\x06 \x01(\r\"\xf2\x01\n\x0bTrainerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x03 \x01(\r\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x04 \x01(\r\x12\x17\n\x0fweights_version\x18\x05 \x01(\x04\x12\x11\n\titeration\x18\x06 \x01(\x04\x12&\n\x06shards\x18\x07 \x03(\x0b\x32\x16.rlfabric.v1.ShardInfo\x12!\n\x05\x64type\x18\t \x01(\x0e\x32\x12.rlfabric.v1.DTypeJ\x04\x08\x08\x10\t*\x90\x01\n\x0fWeightTransport\x12 \n\x1cWEIGHT_TRANSPORT_UNSPECIFIED\x10\x00\x12 \n\x1cWEIGHT_TRANSPORT_GRPC_STREAM\x10\x01\x12\x18\n\x14WEIGHT_TRANSPORT_SHM\x10\x02\x12\x1f\n\x1bWEIGHT_TRANSPORT_COLLECTIVE\x10\x03\x32\xbb\x05\n\x07Trainer\x12P\n\x0f\x43omputeLogProbs\x12\x1b.rlfabric.v1.LogProbRequest\x1a\x1c.rlfabric.v1.LogProbResponse(\x01\x30\x01\x12J\n\rComputeValues\x12\x19.rlfabric.v1.ValueRequest\x1a\x1a.rlfabric.v1.ValueResponse(\x01\x30\x01\x12\x43\n\x06Update\x12\x1a.rlfabric.v1.UpdateRequest\x1a\x1b.rlfabric.v1.UpdateResponse(\x01\x12U\n\x0eSaveCheckpoint\x12\".rlfabric.v1.SaveCheckpointRequest\x1a\x1f.rlfabric.v1.CheckpointResponse\x12U\n\x0eLoadCheckpoint\x12\".rlfabric.v1.LoadCheckpointRequest\x1a\x1f.rlfabric.v1.CheckpointResponse\x12R\n\x0bPushWeights\x12\x1f.rlfabric.v1.PushWeightsRequest\x1a .rlfabric.v1.PushWeightsProgress0\x01\x12\x44\n\x07Offload\x12\x1b.rlfabric.v1.OffloadRequest\x1a\x1c.rlfabric.v1.OffloadResponse\x12\x42\n\x06Onload\x12\x1a.rlfabric.v1.OnloadRequest\x1a\x1c.rlfabric.v1.OffloadResponse\x12\x41\n\x04Info\x12\x1f.rlfabric.v1.TrainerInfoRequest\x1a\x18.rlfabric.v1.TrainerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rlfabric/v1/trainer.proto\x12\x0brlfabric.v1\x1a\x18rlfabric/v1/common.proto\"\x99\x02\n\rSequenceBatch\x12\x12\n\nsample_ids\x18\x01 \x03(\t\x12&\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12+\n\x0eprompt_lengths\x18\x03 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12-\n\x10response_lengths\x18\x04 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12\x17\n\x0fweights_version\x18\x05 \x01(\x04\x12+\n\x0erouted_experts\x18\x06 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12*\n\rresponse_mask\x18\x07 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\"|\n\x0eLogProbRequest\x12)\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1a.rlfabric.v1.SequenceBatch\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x14\n\x0cwith_entropy\x18\x03 \x01(\x08\x12\x14\n\x0c\x61\x64\x61pters_off\x18\x04 \x01(\x08\"9\n\x0cValueRequest\x12)\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1a.rlfabric.v1.SequenceBatch\"a\n\rValueResponse\x12\x12\n\nsample_ids\x18\x01 \x03(\t\x12#\n\x06values\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12\x17\n\x0fweights_version\x18\x03 \x01(\x04\"\x8c\x01\n\x0fLogProbResponse\x12\x12\n\nsample_ids\x18\x01 \x03(\t\x12&\n\tlog_probs\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12$\n\x07\x65ntropy\x18\x03 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12\x17\n\x0fweights_version\x18\x04 \x01(\x04\"\xbf\x03\n\rUpdateRequest\x12)\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1a.rlfabric.v1.SequenceBatch\x12\'\n\nadvantages\x18\x02 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12*\n\rold_log_probs\x18\x03 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12*\n\rref_log_probs\x18\x04 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x14\n\x07kl_coef\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12/\n\x12\x62\x65havior_log_probs\x18\x08 \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12-\n\x10token_advantages\x18\t \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12$\n\x07returns\x18\n \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12#\n\x06values\x18\x0b \x01(\x0b\x32\x13.rlfabric.v1.Tensor\x12\x12\n\nbatch_rows\x18\x0c \x01(\rB\n\n\x08_kl_coef\"d\n\x0eUpdateResponse\x12%\n\x07metrics\x18\x01 \x01(\x0b\x32\x14.rlfabric.v1.Metrics\x12\x17\n\x0fweights_version\x18\x02 \x01(\x04\x12\x12\n\nnum_tokens\x18\x03 \x01(\x04\"Q\n\x15SaveCheckpointRequest\x12\x0b\n\x03\x64ir\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x18\n\x10\x63onsumed_samples\x18\x03 \x01(\x04\"u\n\x15LoadCheckpointRequest\x12\x0b\n\x03\x64ir\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x10\n\x08\x66inetune\x18\x03 \x01(\x08\x12\x15\n\rno_load_optim\x18\x04 \x01(\x08\x12\x13\n\x0bno_load_rng\x18\x05 \x01(\x08\"c\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x18\n\x10\x63onsumed_samples\x18\x03 \x01(\x04\x12\x12\n\nduration_s\x18\x04 \x01(\x01\"\xb1\x01\n\x12PushWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07targets\x18\x02 \x03(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x04 \x01(\x04\x12/\n\ttransport\x18\x06 \x01(\x0e\x32\x1c.rlfabric.v1.WeightTransport\x12&\n\x04plan\x18\x07 \x01(\x0b\x32\x18.rlfabric.v1.ReshardPlanJ\x04\x08\x03\x10\x04J\x04\x08\x05\x10\x06\"\xd1\x01\n\x0bReshardPlan\x12$\n\x1ctrainer_tensor_parallel_size\x18\x01 \x01(\r\x12&\n\x1etrainer_pipeline_parallel_size\x18\x02 \x01(\r\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.rlfabric.v1.DType\x12+\n\x07tensors\x18\x04 \x03(\x0b\x32\x1a.rlfabric.v1.PlannedTensor\x12$\n\x1ctrainer_expert_parallel_size\x18\x05 \x01(\r\"\x8d\x01\n\rPlannedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x12\n\nconcat_dim\x18\x03 \x01(\r\x12(\n\x07sources\x18\x04 \x03(\x0b\x32\x17.rlfabric.v1.ShardSlice\x12!\n\x05\x64type\x18\x05 \x01(\x0e\x32\x12.rlfabric.v1.DType\"\x9d\x01\n\nShardSlice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x13\n\x0bshard_shape\x18\x04 \x03(\x03\x12\x0e\n\x06groups\x18\x05 \x01(\r\x12\r\n\x05start\x18\x06 \x01(\x04\x12\x11\n\x04stop\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x0f\n\x07\x65p_rank\x18\x08 \x01(\rB\x07\n\x05_stop\"\x81\x01\n\x13PushWeightsProgress\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x12\n\nbytes_sent\x18\x02 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x03 \x01(\x04\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\r\x12\x11\n\telapsed_s\x18\x06 \x01(\x01\"B\n\x0eOffloadRequest\x12\x0e\n\x06params\x18\x01 \x01(\x08\x12\r\n\x05grads\x18\x02 \x01(\x08\x12\x11\n\toptimizer\x18\x03 \x01(\x08\"L\n\x0fOffloadResponse\x12\x12\n\nduration_s\x18\x01 \x01(\x01\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x03 \x01(\x04\"A\n\rOnloadRequest\x12\x0e\n\x06params\x18\x01 \x01(\x08\x12\r\n\x05grads\x18\x02 \x01(\x08\x12\x11\n\toptimizer\x18\x03 \x01(\x08\"0\n\x12TrainerInfoRequest\x12\x1a\n\x12include_parameters\x18\x01 \x01(\x08\"r\n\tShardInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07pp_rank\x18\x04 \x01(\r\x12\x15\n\rpartition_dim\x18\x05 \x01(\x05\x12\x0f\n\x07\x65p_rank\x18\x06 \x01(\r\"\xf2\x01\n\x0bTrainerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x03 \x01(\r\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x04 \x01(\r\x12\x17\n\x0fweights_version\x18\x05 \x01(\x04\x12\x11\n\titeration\x18\x06 \x01(\x04\x12&\n\x06shards\x18\x07 \x03(\x0b\x32\x16.rlfabric.v1.ShardInfo\x12!\n\x05\x64type\x18\t \x01(\x0e\x32\x12.rlfabric.v1.DTypeJ\x04\x08\x08\x10\t*\x90\x01\n\x0fWeightTransport\x12 \n\x1cWEIGHT_TRANSPORT_UNSPECIFIED\x10\x00\x12 \n\x1cWEIGHT_TRANSPORT_GRPC_STREAM\x10\x01\x12\x18\n\x14WEIGHT_TRANSPORT_SHM\x10\x02\x12\x1f\n\x1bWEIGHT_TRANSPORT_COLLECTIVE\x10\x03\x32\xbb\x05\n\x07Trainer\x12P\n\x0f\x43omputeLogProbs\x12\x1b.rlfabric.v1.LogProbRequest\x1a\x1c.rlfabric.v1.LogProbResponse(\x01\x30\x01\x12J\n\rComputeValues\x12\x19.rlfabric.v1.ValueRequest\x1a\x1a.rlfabric.v1.ValueResponse(\x01\x30\x01\x12\x43\n\x06Update\x12\x1a.rlfabric.v1.UpdateRequest\x1a\x1b.rlfabric.v1.UpdateResponse(\x01\x12U\n\x0eSaveCheckpoint\x12\".rlfabric.v1.SaveCheckpointRequest\x1a\x1f.rlfabric.v1.CheckpointResponse\x12U\n\x0eLoadCheckpoint\x12\".rlfabric.v1.LoadCheckpointRequest\x1a\x1f.rlfabric.v1.CheckpointResponse\x12R\n\x0bPushWeights\x12\x1f.rlfabric.v1.PushWeightsRequest\x1a .rlfabric.v1.PushWeightsProgress0\x01\x12\x44\n\x07Offload\x12\x1b.rlfabric.v1.OffloadRequest\x1a\x1c.rlfabric.v1.OffloadResponse\x12\x42\n\x06Onload\x12\x1a.rlfabric.v1.OnloadRequest\x1a\x1c.rlfabric.v1.OffloadResponse\x12\x41\n\x04Info\x12\x1f.rlfabric.v1.TrainerInfoRequest\x1a\x18.rlfabric.v1.TrainerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfabric.v1.trainer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WEIGHTTRANSPORT']._serialized_start=3067
-  _globals['_WEIGHTTRANSPORT']._serialized_end=3211
+  _globals['_WEIGHTTRANSPORT']._serialized_start=3087
+  _globals['_WEIGHTTRANSPORT']._serialized_end=3231
   _globals['_SEQUENCEBATCH']._serialized_start=69
   _globals['_SEQUENCEBATCH']._serialized_end=350
   _globals['_LOGPROBREQUEST']._serialized_start=352
@@ -45,37 +45,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOGPROBRESPONSE']._serialized_start=637
   _globals['_LOGPROBRESPONSE']._serialized_end=777
   _globals['_UPDATEREQUEST']._serialized_start=780
-  _globals['_UPDATEREQUEST']._serialized_end=1207
-  _globals['_UPDATERESPONSE']._serialized_start=1209
-  _globals['_UPDATERESPONSE']._serialized_end=1309
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1311
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1392
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=1394
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=1511
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=1513
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=1612
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=1615
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1792
-  _globals['_RESHARDPLAN']._serialized_start=1795
-  _globals['_RESHARDPLAN']._serialized_end=2004
-  _globals['_PLANNEDTENSOR']._serialized_start=2007
-  _globals['_PLANNEDTENSOR']._serialized_end=2148
-  _globals['_SHARDSLICE']._serialized_start=2151
-  _globals['_SHARDSLICE']._serialized_end=2308
-  _globals['_PUSHWEIGHTSPROGRESS']._serialized_start=2311
-  _globals['_PUSHWEIGHTSPROGRESS']._serialized_end=2440
-  _globals['_OFFLOADREQUEST']._serialized_start=2442
-  _globals['_OFFLOADREQUEST']._serialized_end=2508
-  _globals['_OFFLOADRESPONSE']._serialized_start=2510
-  _globals['_OFFLOADRESPONSE']._serialized_end=2586
-  _globals['_ONLOADREQUEST']._serialized_start=2588
-  _globals['_ONLOADREQUEST']._serialized_end=2653
-  _globals['_TRAINERINFOREQUEST']._serialized_start=2655
-  _globals['_TRAINERINFOREQUEST']._serialized_end=2703
-  _globals['_SHARDINFO']._serialized_start=2705
-  _globals['_SHARDINFO']._serialized_end=2819
-  _globals['_TRAINERINFO']._serialized_start=2822
-  _globals['_TRAINERINFO']._serialized_end=3064
-  _globals['_TRAINER']._serialized_start=3214
-  _globals['_TRAINER']._serialized_end=3913
+  _globals['_UPDATEREQUEST']._serialized_end=1227
+  _globals['_UPDATERESPONSE']._serialized_start=1229
+  _globals['_UPDATERESPONSE']._serialized_end=1329
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1331
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1412
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=1414
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=1531
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=1533
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=1632
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=1635
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1812
+  _globals['_RESHARDPLAN']._serialized_start=1815
+  _globals['_RESHARDPLAN']._serialized_end=2024
+  _globals['_PLANNEDTENSOR']._serialized_start=2027
+  _globals['_PLANNEDTENSOR']._serialized_end=2168
+  _globals['_SHARDSLICE']._serialized_start=2171
+  _globals['_SHARDSLICE']._serialized_end=2328
+  _globals['_PUSHWEIGHTSPROGRESS']._serialized_start=2331
+  _globals['_PUSHWEIGHTSPROGRESS']._serialized_end=2460
+  _globals['_OFFLOADREQUEST']._serialized_start=2462
+  _globals['_OFFLOADREQUEST']._serialized_end=2528
+  _globals['_OFFLOADRESPONSE']._serialized_start=2530
+  _globals['_OFFLOADRESPONSE']._serialized_end=2606
+  _globals['_ONLOADREQUEST']._serialized_start=2608
+  _globals['_ONLOADREQUEST']._serialized_end=2673
+  _globals['_TRAINERINFOREQUEST']._serialized_start=2675
+  _globals['_TRAINERINFOREQUEST']._serialized_end=2723
+  _globals['_SHARDINFO']._serialized_start=2725
+  _globals['_SHARDINFO']._serialized_end=2839
+  _globals['_TRAINERINFO']._serialized_start=2842
+  _globals['_TRAINERINFO']._serialized_end=3084
+  _globals['_TRAINER']._serialized_start=3234
+  _globals['_TRAINER']._serialized_end=3933
 # @@protoc_insertion_point(module_scope)

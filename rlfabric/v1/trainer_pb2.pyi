@@ -78,7 +78,7 @@ class LogProbResponse(_message.Message):
     def __init__(self, sample_ids: _Optional[_Iterable[str]] = ..., log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class UpdateRequest(_message.Message):
-    __slots__ = ("batch", "advantages", "old_log_probs", "ref_log_probs", "temperature", "step", "kl_coef", "behavior_log_probs", "token_advantages", "returns", "values")
+    __slots__ = ("batch", "advantages", "old_log_probs", "ref_log_probs", "temperature", "step", "kl_coef", "behavior_log_probs", "token_advantages", "returns", "values", "batch_rows")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     OLD_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class UpdateRequest(_message.Message):
     TOKEN_ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     RETURNS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     batch: SequenceBatch
     advantages: _common_pb2.Tensor
     old_log_probs: _common_pb2.Tensor
@@ -101,7 +102,8 @@ class UpdateRequest(_message.Message):
     token_advantages: _common_pb2.Tensor
     returns: _common_pb2.Tensor
     values: _common_pb2.Tensor
-    def __init__(self, batch: _Optional[_Union[SequenceBatch, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ref_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., step: _Optional[int] = ..., kl_coef: _Optional[float] = ..., behavior_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., token_advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., returns: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    batch_rows: int
+    def __init__(self, batch: _Optional[_Union[SequenceBatch, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ref_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., step: _Optional[int] = ..., kl_coef: _Optional[float] = ..., behavior_log_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., token_advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., returns: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., batch_rows: _Optional[int] = ...) -> None: ...
 
 class UpdateResponse(_message.Message):
     __slots__ = ("metrics", "weights_version", "num_tokens")

@@ -86,6 +86,18 @@ class Sequences:
         return Sequences(self.sample_ids[start:stop], self.token_ids[begin:end], self.prompt_lengths[start:stop],
                          self.response_lengths[start:stop], self.weights_version, routed, mask)
 
+    def select(self, order: Sequence[int]) -> Sequences:
+        """The sequences at indices `order`, in that order, as a batch of their own."""
+        parts = [self.take(i, i + 1) for i in order]
+        if not parts:
+            return self.take(0, 0)
+        cat = np.concatenate
+        return Sequences([p.sample_ids[0] for p in parts], cat([p.token_ids for p in parts]),
+                         cat([p.prompt_lengths for p in parts]), cat([p.response_lengths for p in parts]),
+                         self.weights_version,
+                         None if self.routed_experts is None else cat([p.routed_experts for p in parts]),
+                         None if self.response_mask is None else cat([p.response_mask for p in parts]))
+
     def split(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """(prompt, response) token arrays of each sequence."""
         out = []

@@ -129,6 +129,11 @@ class RequestStream:
             self._closed = True
             self._requests.put(_DONE)
 
+    @property
+    def ended(self) -> bool:
+        """Whether the stream has taken its last reply (or failed)."""
+        return not self._thread.is_alive()
+
     def join(self) -> None:
         """Waits for the last reply; raises the stream's error, if it had one."""
         self.close()

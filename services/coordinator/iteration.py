@@ -52,17 +52,22 @@ from services.coordinator.errors import IterationError
 from services.coordinator.generation import Generator, Group, GroupPrompt
 from services.coordinator.iteration_metrics import (
     PhaseClock,
-    batch_metrics,
     coordinator_time,
     timeline_metrics,
     timing_metrics,
 )
-from services.coordinator.log_prob_stream import KnownLogProbs, LogProbStream
+from services.coordinator.log_prob_stream import KnownLogProbs, LogProbStream, requests_as_log_probs_arrive
 from services.coordinator.multi_turn import MultiTurn
 from services.coordinator.off_policy import behavior_log_probs, fence, rollout_mismatch
 from services.coordinator.partial_rollout import PartialRollouts, partial_rollout
 from services.coordinator.placement import Placement
-from services.coordinator.rewards import TrainBatch, advantages_by_sample, score_groups, verifier_scores
+from services.coordinator.rewards import (
+    TrainBatch,
+    advantages_by_sample,
+    score_groups,
+    trained_batch_metrics,
+    verifier_scores,
+)
 from services.coordinator.settings import IterationSettings
 from services.coordinator.trainer_requests import compute_log_probs, update_request
 from services.coordinator.weight_sync import Replica
@@ -234,7 +239,9 @@ class GrpoIteration:
         trained = score_groups(rollout.gen.trained, rollout.weights_version, self.settings)
         staleness = fence(trained.groups, actor_version, self.settings.staleness_bound)
         adv_of = {} if self.settings.use_critic else self._advantages(trained, clock)
-        old_lp, ref_lp = self._log_prob_passes(trained.seqs, rollout.ref_stream, clock)
+        # A streaming update: each Update request leaves as the reference's log-probs of its samples come back.
+        streamed = rollout.ref_stream if self._streams_update(rollout.ref_stream) else None
+        old_lp, ref_lp = self._log_prob_passes(trained.seqs, rollout.ref_stream, clock, join=streamed is None)
         critic_metrics: dict[str, float] = {}
         if self.settings.use_critic:
             # Imported with the first critic phase: GAE computes in torch (upstream's rounding), and a run without
@@ -248,7 +255,7 @@ class GrpoIteration:
         else:  # measured by the trainer's update when no old-log-prob pass measures it here
             behavior = behavior_log_probs(trained.groups, required=False) if not old_lp else {}
         mismatch = rollout_mismatch(trained.groups, old_lp, actor_version)
-        actor_metrics = self._update(trained.seqs, adv_of, old_lp, ref_lp, iteration, clock, behavior)
+        actor_metrics = self._update(trained.seqs, adv_of, old_lp, ref_lp, iteration, clock, behavior, streamed)
         return _Trained(trained, {**actor_metrics, **critic_metrics, **staleness, **mismatch})
 
     def _finish(self, rollout: Rollout, parts: _Trained, actor_version: int, t0: float, t_end: float,
@@ -261,7 +268,8 @@ class GrpoIteration:
         timings["timing/coordinator"] = coordinator_time(t0, t_end, clock, *also_busy)
         # The actor's reply carries its own timing/update; the coordinator's span (which update_tps and the
         # timeline use) is the one logged, so that the table stays consistent.
-        metrics = {**parts.metrics, **gen.metrics, **timings, **timeline_metrics(clock, t0), **self._metrics(gen, trained, timings),
+        metrics = {**parts.metrics, **gen.metrics, **timings, **timeline_metrics(clock, t0),
+                   **trained_batch_metrics(gen, trained, timings, self.settings),
                    **self.placement.take_memory_metrics(), **self.generator.take_failover_metrics()}
         trained_ids = [g.group_id for g in gen.trained]
         logger.info("iteration trained %d groups (%d kept of %d generated in %d batches)",
@@ -331,9 +339,18 @@ class GrpoIteration:
         clock.record("adv", start, time.perf_counter())
         return adv_of
 
+    def _streams_update(self, ref_stream: LogProbStream | KnownLogProbs | None) -> bool:
+        """Whether the update may start before the reference's last log-probs: they are all it waits for (no
+        old-log-prob pass, no critic); not in a deterministic run (arrival order) nor a multi-turn one (tool-only
+        requests)."""
+        s = self.settings
+        return (isinstance(ref_stream, LogProbStream) and s.skip_old_log_probs and not s.use_critic
+                and not s.deterministic and self.generator.multi_turn is None)
+
     def _log_prob_passes(self, seqs: Sequences, ref_stream: LogProbStream | KnownLogProbs | None,
-                         clock: PhaseClock) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """(old log-probs, reference log-probs) of the trainable samples, by sample id.
+                         clock: PhaseClock, join: bool = True) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(old log-probs, reference log-probs) of the trainable samples, by sample id; with `join` False the
+        streamed reference's so far (a streaming update waits for the rest).
 
         A streamed reference finishes while the actor's old-log-prob pass runs (the overlap the non-overlap
         timings measure); a reference sharing the actor's devices runs first, onloaded around its pass.
@@ -349,51 +366,42 @@ class GrpoIteration:
             self.placement.enter_forward()
             old_lp = compute_log_probs("old_log_p", self.actor, seqs, s.actor_forward_micro_batch_size, s, clock)
         if ref_stream is not None:
-            ref_lp = ref_stream.join()
+            ref_lp = ref_stream.join() if join else ref_stream.log_probs
         return old_lp, ref_lp
 
     def _update(self, seqs: Sequences, adv_of: dict[str, float] | dict[str, np.ndarray], old_lp: dict[str, np.ndarray],
                 ref_lp: dict[str, np.ndarray], iteration: int, clock: PhaseClock,
-                behavior: dict[str, np.ndarray]) -> dict[str, float]:
+                behavior: dict[str, np.ndarray], streamed: LogProbStream | None = None) -> dict[str, float]:
         if not len(seqs):
             return {}
         s = self.settings
         kl_coef = self.kl_controller.value if s.kl_in_loss else 0.0
-        requests = [update_request(seqs.take(i, i + s.update_chunk_size), adv_of, old_lp, ref_lp, behavior,
-                                   step=iteration, kl_coef=kl_coef, settings=s)
-                    for i in range(0, len(seqs), s.update_chunk_size)]
+
+        def request(part: Sequences):
+            return update_request(part, adv_of, old_lp, ref_lp, behavior, step=iteration, kl_coef=kl_coef,
+                                  settings=s, batch_rows=len(seqs))
+
+        failed: list[IterationError] = []
+        requests = (requests_as_log_probs_arrive(streamed, seqs, s.ref_forward_micro_batch_size, request, failed)
+                    if streamed is not None else
+                    iter([request(seqs.take(i, i + s.update_chunk_size)) for i in range(0, len(seqs),
+                                                                                    s.update_chunk_size)]))
         self.placement.enter_train(clock)
         start = time.perf_counter()
         try:
-            reply = self.actor.Update(iter(requests), timeout=s.deadline_s)
+            reply = self.actor.Update(requests, timeout=s.deadline_s)
         except grpc.RpcError as e:
+            if streamed is not None:
+                streamed.join()  # the reference's own error, where it failed first
+            if failed:
+                raise failed[0] from e
             raise IterationError(f"actor Update: {e.code().name}: {e.details()}") from e
+        if streamed is not None:
+            streamed.join()
         clock.record("update", start, time.perf_counter())
         self.placement.exit_train(clock)
         metrics = dict(reply.metrics.values)
         if s.kl_in_loss:
             metrics["actor/kl_coef"] = kl_coef
             self.kl_controller.update(metrics.get("actor/kl_loss", 0.0), len(seqs))
-        return metrics
-
-    def _metrics(self, gen: _Generated, trained: TrainBatch, timings: dict[str, float]) -> dict[str, float]:
-        """As MindSpeed-RL's DAPO trainer: scores and lengths over the trained samples, the verifiers' means
-        and the generation throughputs over everything generated."""
-        s = self.settings
-        samples = trained.samples
-        metrics = batch_metrics(
-            rewards=trained.rewards, verifier_scores=verifier_scores(gen.generated, s.verifiers),
-            prompt_lengths=[x.prompt_length for x in samples], response_lengths=[x.response_length for x in samples],
-            global_batch_size=len(trained.groups), generated_prompts=len(gen.generated),
-            n_samples_per_prompt=s.n_samples_per_prompt, world_size=s.world_size, timings=timings,
-            log_max_throughput=s.log_max_throughput)
-        # A sample fails in rollout (`Sample.error`) or in reward (an error on a verifier score: a timeout,
-        # a crash, or no worker left to score it); either way its reward is not a verdict.
-        metrics["failed_samples"] = float(sum(1 for g in gen.generated for x, r in zip(g.samples, g.scores, strict=True)
-                                              if x.error or any(v.error for v in r.scores)))
-        if s.filter_groups_enable:
-            metrics.update({"train/num_gen_batches": float(len(gen.batches)),
-                            "dapo/num_groups_generated": float(len(gen.generated)),
-                            "dapo/num_groups_kept": float(gen.num_groups_kept),
-                            "dapo/num_groups_trained": float(len(gen.trained))})
         return metrics

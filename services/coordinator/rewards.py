@@ -3,7 +3,7 @@
 A sample's final reward is the verifiers' weighted sum the reward stream returned (0 for a sample that failed in
 rollout), then DAPO's overlong shaping (`overlong_buffer_enable`); its advantage is `rl_config.adv_estimator`'s
 over those rewards (advantages.py, its one home). A failed sample keeps its place in its group for the
-normalisation and trains no tokens.
+normalisation and trains no tokens. `trained_batch_metrics`: the seed's score and length metrics of what trained.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 from services.common.sequences import Sequences
 from services.coordinator.advantages import apply_overlong_penalty, compute_advantages
 from services.coordinator.generation import Group
+from services.coordinator.iteration_metrics import batch_metrics
 from services.coordinator.settings import IterationSettings
 from services.coordinator.trainer_requests import sequences_of
 
@@ -65,3 +66,26 @@ def verifier_scores(groups: list[Group], verifiers: Sequence[tuple[str, float]])
     return {name: [0.0 if x.error else r.scores[i].score for g in groups
                    for x, r in zip(g.samples, g.scores, strict=True)]
             for i, (name, _w) in enumerate(verifiers)}
+
+
+def trained_batch_metrics(gen: Any, trained: TrainBatch, timings: dict[str, float], s: IterationSettings
+                      ) -> dict[str, float]:
+    """As MindSpeed-RL's DAPO trainer: scores and lengths over the trained samples, the verifiers' means
+    and the generation throughputs over everything generated."""
+    samples = trained.samples
+    metrics = batch_metrics(
+        rewards=trained.rewards, verifier_scores=verifier_scores(gen.generated, s.verifiers),
+        prompt_lengths=[x.prompt_length for x in samples], response_lengths=[x.response_length for x in samples],
+        global_batch_size=len(trained.groups), generated_prompts=len(gen.generated),
+        n_samples_per_prompt=s.n_samples_per_prompt, world_size=s.world_size, timings=timings,
+        log_max_throughput=s.log_max_throughput)
+    # A sample fails in rollout (`Sample.error`) or in reward (an error on a verifier score: a timeout,
+    # a crash, or no worker left to score it); either way its reward is not a verdict.
+    metrics["failed_samples"] = float(sum(1 for g in gen.generated for x, r in zip(g.samples, g.scores, strict=True)
+                                          if x.error or any(v.error for v in r.scores)))
+    if s.filter_groups_enable:
+        metrics.update({"train/num_gen_batches": float(len(gen.batches)),
+                        "dapo/num_groups_generated": float(len(gen.generated)),
+                        "dapo/num_groups_kept": float(gen.num_groups_kept),
+                        "dapo/num_groups_trained": float(len(gen.trained))})
+    return metrics

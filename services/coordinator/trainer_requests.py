@@ -68,12 +68,12 @@ def compute_log_probs(phase: str, stub: Any, seqs: Sequences, micro: int, settin
 
 def update_request(chunk: Sequences, adv_of: dict[str, float] | dict[str, np.ndarray], old_lp: dict[str, np.ndarray],
                    ref_lp: dict[str, np.ndarray], behavior: dict[str, np.ndarray], *, step: int, kl_coef: float,
-                   settings: IterationSettings) -> trainer_pb2.UpdateRequest:
+                   settings: IterationSettings, batch_rows: int = 0) -> trainer_pb2.UpdateRequest:
     """One `Update` request over `chunk`: its advantages (one per sample, or PPO's per token) and the log-probs the
-    loss needs, by sample id."""
+    loss needs, by sample id; `batch_rows` the call's rows in all."""
     ids = chunk.sample_ids
     req = trainer_pb2.UpdateRequest(batch=chunk.to_proto(), temperature=settings.temperature, step=step,
-                                    kl_coef=kl_coef)
+                                    kl_coef=kl_coef, batch_rows=batch_rows)
     if settings.use_critic:
         req.token_advantages.CopyFrom(to_proto(np.concatenate([adv_of[x] for x in ids]).astype(np.float32)))
     else:

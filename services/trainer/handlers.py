@@ -16,6 +16,7 @@ def worker_handlers(worker) -> dict:
 
     from services.trainer.critic import CriticExperience
     from services.trainer.step import SequenceRows
+    from services.trainer.streamed_update import ExperienceStream
     from services.trainer.update import Experience
 
     def rows(token_ids, prompt_lengths, response_lengths, routed_experts=None) -> SequenceRows:
@@ -33,9 +34,9 @@ def worker_handlers(worker) -> dict:
     def values(token_ids, prompt_lengths, response_lengths, routed_experts=None):
         return worker.compute_values(rows(token_ids, prompt_lengths, response_lengths, routed_experts))
 
-    def update(step, token_ids, prompt_lengths, response_lengths, temperature=1.0, kl_coef=0.0, advantages=None,
-               old_log_probs=None, ref_log_probs=None, behavior_log_probs=None, routed_experts=None,
-               response_mask=None, token_advantages=None, returns=None, values=None):
+    def experience(token_ids, prompt_lengths, response_lengths, advantages=None, old_log_probs=None,
+                   ref_log_probs=None, behavior_log_probs=None, routed_experts=None, response_mask=None,
+                   token_advantages=None, returns=None, values=None):
         def t(x):
             return None if x is None else torch.from_numpy(np.asarray(x, dtype=np.float32))
 
@@ -43,11 +44,17 @@ def worker_handlers(worker) -> dict:
         if response_mask is not None:
             sequences.response_mask = torch.from_numpy(np.asarray(response_mask, dtype=np.bool_))
         if worker.opts.role == "critic":  # returns and values (server.py checked the fields of the role)
-            exp = CriticExperience(sequences, t(returns), t(values))
-        else:
-            exp = Experience(sequences, t(advantages), t(old_log_probs), t(ref_log_probs), t(behavior_log_probs),
-                             token_advantages=t(token_advantages))
-        return worker.update(exp, temperature=temperature, kl_coef=kl_coef, step=step)
+            return CriticExperience(sequences, t(returns), t(values))
+        return Experience(sequences, t(advantages), t(old_log_probs), t(ref_log_probs), t(behavior_log_probs),
+                          token_advantages=t(token_advantages))
+
+    def update(step, temperature=1.0, kl_coef=0.0, **arrays):
+        return worker.update(experience(**arrays), temperature=temperature, kl_coef=kl_coef, step=step)
+
+    def update_streamed(step, temperature, kl_coef, batch_rows, parts):
+        # `parts`: the call's requests as experience_arrays, as they come (a single-rank group: nothing broadcast)
+        stream = ExperienceStream((experience(**arrays) for arrays in parts), batch_rows)
+        return worker.update(stream, temperature=temperature, kl_coef=kl_coef, step=step)
 
     def push_weights(**kwargs):
         from services.trainer.weight_sync import push_weights as push
@@ -69,6 +76,7 @@ def worker_handlers(worker) -> dict:
         "log_probs": log_probs,
         "values": values,
         "update": update,
+        "update_streamed": update_streamed,
         "save": lambda root, iteration, consumed_samples: worker.save(root, iteration, consumed_samples),
         "load": lambda root, iteration, finetune, no_load_optim, no_load_rng: worker.load(
             root, iteration=iteration, finetune=finetune, no_load_optim=no_load_optim, no_load_rng=no_load_rng),

@@ -12,6 +12,7 @@ client values quoted through services/common/status.py.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -40,6 +41,10 @@ from services.trainer.roles import update_timing_key
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "rlfabric.v1.Trainer"
+
+
+class StaleBatchError(Exception):
+    """A streaming Update's later request outside the actor's version fence (FAILED_PRECONDITION)."""
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
@@ -72,7 +77,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {e}")
             if e.kinds <= {"FileNotFoundError"}:
                 abort(context, grpc.StatusCode.NOT_FOUND, f"{what}: {e}")
-            if e.kinds <= {"OffloadedError"}:  # services/trainer/offload.py: state moved out, Onload first
+            # OffloadedError (services/trainer/offload.py): state moved out, Onload first; StaleBatchError: a later
+            # request of a streaming Update outside the version fence.
+            if e.kinds <= {"OffloadedError", "StaleBatchError"}:
                 abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"{what}: {e}")
             abort(context, grpc.StatusCode.INTERNAL, f"{what} failed: {e}")
         except ValueError as e:
@@ -134,28 +141,70 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         role = self.worker.opts.role
         self._require_role(context, "Update", roles.TRAINING_ROLES, "the reference does not train")
         with self._errors(context, "Update"):
-            parts = list(request_iterator)
-            if not parts:
+            first = next(request_iterator, None)
+            if first is None:
                 raise ValueError("Update needs at least one UpdateRequest")
-            step = parts[0].step
-            _counters(step=step)  # the step becomes the trainer's iteration
-            if any(p.step != step for p in parts):
-                raise ValueError("all UpdateRequests of one call must carry the same step")
-            # The critic reads neither the temperature nor the KL coefficient (rlfabric/v1/trainer.proto).
-            loss_args = {} if role == roles.CRITIC else self._policy_loss_args(parts)
-            seqs = [self._rows(p.batch) for p in parts]
-            arrays = inputs.experience_arrays(parts, seqs, role)
-            with self._update_lock:
-                self._check_step_and_versions(context, step, seqs)
-                t0 = time.monotonic()
-                metrics = self._run(context, "update", step=int(step), **loss_args, **arrays)
-                metrics[update_timing_key(role)] = time.monotonic() - t0
-                trainer_metrics.observe_update(metrics)
+            _counters(step=first.step)  # the step becomes the trainer's iteration
+            if (role != roles.CRITIC and first.batch_rows > len(first.batch.sample_ids)
+                    and self.worker.can_stream_update(first.batch_rows)):
+                metrics, tokens = self._update_streamed(context, first, request_iterator)
+            else:
+                metrics, tokens = self._update_collected(context, [first, *request_iterator])
+            trainer_metrics.observe_update(metrics)
         return trainer_pb2.UpdateResponse(
             metrics=common_pb2.Metrics(values=metrics),
             weights_version=self.worker.weights_version,
-            num_tokens=int(arrays["response_lengths"].sum()),
+            num_tokens=tokens,
         )
+
+    def _update_collected(self, context, parts: list[trainer_pb2.UpdateRequest]) -> tuple[dict[str, float], int]:
+        """The whole call's requests first, then the pass on every rank: (metrics, response tokens)."""
+        role, step = self.worker.opts.role, parts[0].step
+        if any(p.step != step or p.batch_rows != parts[0].batch_rows for p in parts):
+            raise ValueError("all UpdateRequests of one call must carry the same step and batch_rows")
+        # The critic reads neither the temperature nor the KL coefficient (rlfabric/v1/trainer.proto).
+        loss_args = {} if role == roles.CRITIC else self._policy_loss_args(parts)
+        seqs = [self._rows(p.batch) for p in parts]
+        rows = sum(len(x) for x in seqs)
+        if parts[0].batch_rows and rows != parts[0].batch_rows:
+            raise ValueError(f"the Update stream sent {rows} rows; its batch_rows said {parts[0].batch_rows}")
+        arrays = inputs.experience_arrays(parts, seqs, role)
+        with self._update_lock:
+            self._check_step_and_versions(context, step, seqs)
+            t0 = time.monotonic()
+            metrics = self._run(context, "update", step=int(step), **loss_args, **arrays)
+            metrics[update_timing_key(role)] = time.monotonic() - t0
+        return metrics, int(arrays["response_lengths"].sum())
+
+    def _update_streamed(self, context, first: trainer_pb2.UpdateRequest,
+                         rest: Iterator[trainer_pb2.UpdateRequest]) -> tuple[dict[str, float], int]:
+        """The actor's pass started on the first request, each later one checked and handed over as it comes
+        (services/trainer/streamed_update.py; a single-rank group, so nothing is broadcast): (metrics, tokens)."""
+        role, step = self.worker.opts.role, first.step
+        loss_args = self._policy_loss_args([first])
+        tokens = 0
+
+        def parts() -> Iterator[dict]:
+            nonlocal tokens
+            for p in itertools.chain([first], rest):
+                if p.step != step or p.batch_rows != first.batch_rows:
+                    raise ValueError("all UpdateRequests of one call must carry the same step and batch_rows")
+                self._policy_loss_args([first, p])
+                seqs = self._rows(p.batch)
+                stale = self._outside_fence([seqs])
+                if stale:
+                    raise StaleBatchError(stale)
+                arrays = inputs.experience_arrays([p], [seqs], role)
+                tokens += int(arrays["response_lengths"].sum())
+                yield arrays
+
+        with self._update_lock:
+            self._check_step_and_versions(context, step, [self._rows(first.batch)])
+            t0 = time.monotonic()
+            metrics = self._run(context, "update_streamed", step=int(step), batch_rows=int(first.batch_rows),
+                                parts=parts(), **loss_args)
+            metrics[update_timing_key(role)] = time.monotonic() - t0
+        return metrics, tokens
 
     def _policy_loss_args(self, parts: list[trainer_pb2.UpdateRequest]) -> dict[str, float]:
         """The actor's temperature and KL coefficient, the same on every request of the call."""
@@ -178,14 +227,20 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             abort(context, grpc.StatusCode.ALREADY_EXISTS, f"step {step} already applied (last step {last})")
         if self.worker.opts.role == roles.CRITIC:
             return
+        stale = self._outside_fence(seqs)
+        if stale:
+            abort(context, grpc.StatusCode.FAILED_PRECONDITION, stale)
+
+    def _outside_fence(self, seqs: list[Sequences]) -> str | None:
+        """Why the actor refuses `seqs` by the version fence (a sample is at most the bound's versions behind,
+        never ahead), or None."""
         version = self.worker.weights_version
-        # Version fence: a sample is at most max_staleness versions behind (pipelined mode), never ahead.
         bound = self.worker.opts.update.max_staleness
         stale = outside_fence((s.weights_version for s in seqs), version, bound)
-        if stale:
-            abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-                  f"batch generated with weights version(s) {echo(stale)}, trainer holds version "
-                  f"{version} and accepts samples at most {bound} version(s) old (rlfabric.max_staleness)")
+        if not stale:
+            return None
+        return (f"batch generated with weights version(s) {echo(stale)}, trainer holds version "
+                f"{version} and accepts samples at most {bound} version(s) old (rlfabric.max_staleness)")
 
     def SaveCheckpoint(self, request, context) -> trainer_pb2.CheckpointResponse:
         with self._errors(context, "SaveCheckpoint"):

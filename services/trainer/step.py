@@ -214,12 +214,17 @@ def _to_device(mb: dict, device: torch.device) -> dict:
 
 def run_micro_batches(
     model,
-    micro_batches: list[dict],
+    micro_batches: list[dict] | Iterator[dict],
     loss_fn: Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, Any]]],
     *,
     forward_only: bool,
+    count: int | None = None,
 ) -> list[dict[str, Any]]:
     """Megatron's forward(/backward) over `micro_batches`; returns loss_fn's dicts (last PP stage).
+
+    `count`: `micro_batches` is an iterator of that many micro-batches, each built when the schedule asks for it
+    (a streaming update: update.grpo_update_streamed; pipeline parallel size 1 only, where the schedule needs no
+    shapes up front).
 
     `loss_fn(logits, micro_batch) -> (loss, info)`, logits [b, R, V] at the response positions (or [b, S, V]
     where `micro_batch["logits_at_response"]` is False; `gather_response_logits` handles both); Megatron divides the loss by the number
@@ -228,12 +233,17 @@ def run_micro_batches(
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    if not micro_batches:
+    if count is not None:
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            raise ValueError("micro-batches built on demand need pipeline parallel size 1")
+        seq_len = mbs = 0  # unused by the no-pipelining schedule
+    elif not micro_batches:
         return []
+    else:
+        seq_len = max(mb["input_ids"].shape[1] for mb in micro_batches)
+        mbs = max(mb["input_ids"].shape[0] for mb in micro_batches)
     device = next(model.parameters()).device
-    seq_len = max(mb["input_ids"].shape[1] for mb in micro_batches)
-    mbs = max(mb["input_ids"].shape[0] for mb in micro_batches)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
+    if count is None and ps.get_pipeline_model_parallel_world_size() > 1:
         # 1F1B exchanges fixed-shape activations between stages.
         for mb in micro_batches:
             if tuple(mb["input_ids"].shape) != (mbs, seq_len):
@@ -258,7 +268,7 @@ def run_micro_batches(
                 forward_step_func=forward_step,
                 data_iterator=iter(micro_batches),
                 model=[model],
-                num_microbatches=len(micro_batches),
+                num_microbatches=len(micro_batches) if count is None else count,
                 seq_length=seq_len,
                 micro_batch_size=mbs,
                 forward_only=forward_only,

@@ -191,8 +191,13 @@ def grpo_update(
         # A KL run (init_kl_coef != 0) that trained without its KL term would diverge silently from the config.
         raise ValueError("ref_log_probs is required: this trainer's loss has a KL term (rl_config.init_kl_coef != 0), "
                          "so every UpdateRequest must carry the reference model's log-probs")
-    trained = optimize(model, optimizer, scheduler, exp.rows, opts, _micro_batch_loss(exp, opts, temperature, kl_coef),
+    trained = optimize(model, optimizer, scheduler, exp.rows, opts, micro_batch_loss(exp, opts, temperature, kl_coef),
                        clip_grad, step)
+    return actor_metrics(model, exp, opts, trained)
+
+
+def actor_metrics(model, exp: Experience, opts: UpdateOptions, trained: Trained) -> dict[str, float]:
+    """The actor's update metrics over the whole batch `exp` (collectives: every rank calls it)."""
     corrected = exp.behavior_log_probs is not None
     keys = ACTOR_LOSS_KEYS + (("actor/is_weight_mean", "actor/is_clipfrac")
                               if corrected and opts.variant.weights_tokens else ())
@@ -269,6 +274,13 @@ def _step_mini_batch(model, optimizer, scheduler, rows: SequenceRows, groups: li
     optimizer.zero_grad()
     with moe.inert_padding(model, mbs):
         out = run_micro_batches(model, mbs, loss_fn, forward_only=False)
+    finish_mini_batch(model, optimizer, scheduler, out, clip_grad, trained)
+
+
+def finish_mini_batch(model, optimizer, scheduler, out: list[dict], clip_grad: float, trained: Trained) -> None:
+    """After a mini-batch's forward and backward (`out`: its micro-batches' loss metrics): the optimizer step."""
+    from megatron.core import parallel_state as ps
+
     update_expert_bias(model)  # DeepSeek-V3's aux-loss-free balancing, where Megatron's finalize_model_grads does it
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
         trained.mb_metrics.extend(m for m in out if m)  # a padding micro-batch reports nothing
@@ -291,12 +303,15 @@ def _mean_over_dp(count: int) -> float:
     return float(t.item()) / dp
 
 
-def _micro_batch_loss(exp: Experience, opts: UpdateOptions, temperature: float, kl_coef: float):
-    """The loss function Megatron's schedule calls per micro-batch: (logits, micro-batch) -> (loss, metrics)."""
+def micro_batch_loss(whole: Experience | None, opts: UpdateOptions, temperature: float, kl_coef: float):
+    """The loss function Megatron's schedule calls per micro-batch: (logits, micro-batch) -> (loss, metrics); the
+    rows' inputs come from `whole`, or from the micro-batch's own `experience`."""
 
     def loss_fn(logits: torch.Tensor, mb: dict):
         if mb.get("padding"):  # zero, but through the graph: its backward is a collective of the expert group
             return logits.sum() * 0.0, {}
+        # A streaming update's micro-batch carries the rows that had arrived when it was built (streamed_update.py).
+        exp = mb.get("experience", whole)
         logits = gather_response_logits(logits, mb)
         dev = logits.device
         tokens = mb["resp_tokens"].to(dev)

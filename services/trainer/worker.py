@@ -36,6 +36,7 @@ from services.trainer.update import Experience, UpdateOptions, grpo_update
 
 if TYPE_CHECKING:
     from services.trainer.critic import CriticExperience
+    from services.trainer.streamed_update import ExperienceStream
 
 logger = logging.getLogger(__name__)
 
@@ -193,21 +194,27 @@ class TrainerWorker:
         self.offloader.require("params", what="ComputeValues")
         return compute_values_rows(self.model, rows, self.opts.forward_micro_batch_size, self.opts.forward_packing)
 
-    def update(self, exp: Experience | CriticExperience, *, temperature: float = 1.0, kl_coef: float = 0.0,
-               step: int) -> dict[str, float]:
-        """One optimizer pass over `exp`: the policy loss on the actor (an Experience), the clipped value loss on the
-        critic (a CriticExperience; temperature and kl_coef unused)."""
+    def update(self, exp: Experience | CriticExperience | ExperienceStream, *, temperature: float = 1.0,
+               kl_coef: float = 0.0, step: int) -> dict[str, float]:
+        """One optimizer pass over `exp`: the policy loss on the actor (an Experience, or an ExperienceStream still
+        arriving), the clipped value loss on the critic (a CriticExperience; temperature and kl_coef unused)."""
         from services.trainer.critic import CriticExperience, critic_update
+        from services.trainer.streamed_update import ExperienceStream, grpo_update_streamed
 
         critic = self.opts.role == roles.CRITIC
+        streamed = isinstance(exp, ExperienceStream)
         if self.optimizer is None:
             raise ValueError(f"the {self.opts.role} trainer has no optimizer; Update is for the actor and the critic")
-        if critic != isinstance(exp, CriticExperience):
+        if critic != isinstance(exp, CriticExperience) and not (streamed and not critic):
             raise ValueError(f"the {self.opts.role} trainer trains on {'returns and values' if critic else 'advantages'}")
         self.offloader.require("params", "grads", "optimizer", what="Update")
         t0 = time.monotonic()
         with UpdateMemory(self.model, self.optimizer) as mem:
-            if critic:
+            if streamed:
+                metrics = grpo_update_streamed(self.model, self.optimizer, self.scheduler, exp, self.opts.update,
+                                               temperature=temperature, kl_coef=kl_coef,
+                                               clip_grad=self.opts.optimizer.clip_grad)
+            elif critic:
                 metrics = critic_update(self.model, self.optimizer, self.scheduler, exp, self.opts.update,
                                         self.opts.optimizer.clip_grad, step)
             else:
@@ -218,9 +225,17 @@ class TrainerWorker:
         self.iteration = step
         self.last_update_step = step
         self.weights_version = after_update(self.weights_version)
-        self.consumed_samples += len(exp.rows)
+        self.consumed_samples += exp.total_rows if streamed else len(exp.rows)
         metrics[roles.update_timing_key(self.opts.role)] = time.monotonic() - t0
         return metrics
+
+    def can_stream_update(self, batch_rows: int) -> bool:
+        """Whether an actor Update of `batch_rows` rows may start before its last row (streamed_update.py)."""
+        from services.trainer.streamed_update import can_stream
+
+        return (self.opts.role != roles.CRITIC and self.optimizer is not None
+                and can_stream(self.opts.update, self.model, dist.get_world_size() if dist.is_initialized() else 1,
+                               batch_rows))
 
     def save(self, root: str | Path, iteration: int | None = None,
              consumed_samples: int | None = None) -> tuple[Path, int, int]:

@@ -40,9 +40,9 @@ def _loop(*overrides: str, old_lp: dict | None = None) -> tuple[GrpoIteration, d
     sent: dict = {}
     group = _group([1.0, 0.0], [3, 1])
     loop._score = lambda groups, version: TrainBatch([group], np.array([1.0, 0.0]), None)
-    loop._log_prob_passes = lambda seqs, ref_stream, clock: (old_lp or {}, {})
+    loop._log_prob_passes = lambda seqs, ref_stream, clock, join=True: (old_lp or {}, {})
 
-    def update(seqs, adv_of, old_lp, ref_lp, iteration, clock, behavior):
+    def update(seqs, adv_of, old_lp, ref_lp, iteration, clock, behavior, streamed=None):
         sent.update(advantages=adv_of, behavior=behavior)
         return {}
 

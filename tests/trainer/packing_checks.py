@@ -101,9 +101,9 @@ def hand_weighted_grads(model, exp, opts, groups, *, by_rows: bool = True) -> li
     by_rows=False weighs the micro-batches equally instead (what fixed micro-batches do).
     """
     from services.trainer.step import make_micro_batch, run_micro_batches
-    from services.trainer.update import _micro_batch_loss
+    from services.trainer.update import micro_batch_loss
 
-    loss_fn = _micro_batch_loss(exp, opts, 0.7, 0.05)
+    loss_fn = micro_batch_loss(exp, opts, 0.7, 0.05)
     params = [p for p in model.parameters() if p.requires_grad]
     total = [torch.zeros_like(p) for p in params]
     rows = sum(len(g) for g in groups)

@@ -27,7 +27,7 @@ import torch
 from services.trainer.grpo_loss import grpo_loss
 from services.trainer.packing import make_packed_micro_batch
 from services.trainer.step import SequenceRows, make_micro_batch, response_slices
-from services.trainer.update import Experience, UpdateOptions, _micro_batch_loss
+from services.trainer.update import Experience, UpdateOptions, micro_batch_loss
 from tests.mindspeed_expected import MINDSPEED_COMMIT, ppo_case
 from tests.verl_expected import hexes, unhex
 
@@ -169,7 +169,7 @@ def _rows() -> SequenceRows:
 
 def _update_loss(exp: Experience, opts: UpdateOptions, mb: dict, logits: torch.Tensor):
     logits = logits.detach().clone().requires_grad_(True)
-    loss, metrics = _micro_batch_loss(exp, opts, temperature=0.8, kl_coef=0.0)(logits, mb)
+    loss, metrics = micro_batch_loss(exp, opts, temperature=0.8, kl_coef=0.0)(logits, mb)
     loss.backward()
     return loss.detach(), metrics, logits.grad
 

@@ -14,7 +14,7 @@ from services.common.sequences import Sequences
 from services.trainer import inputs
 from services.trainer.packing import make_packed_micro_batch
 from services.trainer.step import SequenceRows, make_micro_batch
-from services.trainer.update import Experience, UpdateOptions, _micro_batch_loss
+from services.trainer.update import Experience, UpdateOptions, micro_batch_loss
 
 VOCAB = 11
 # Two rows: prompt 3 + response 6 (tokens 2-3 of the response a tool's answer), prompt 2 + response 4 (all generated).
@@ -41,7 +41,7 @@ def loss_and_grad(r: SequenceRows, opts: UpdateOptions) -> tuple[torch.Tensor, t
     mb = make_micro_batch(r, [0, 1])
     logits = torch.randn((2, mb["input_ids"].shape[1], VOCAB), generator=torch.Generator().manual_seed(2),
                          requires_grad=True)
-    loss, metrics = _micro_batch_loss(experience(r), opts, temperature=1.0, kl_coef=0.05)(logits, mb)
+    loss, metrics = micro_batch_loss(experience(r), opts, temperature=1.0, kl_coef=0.05)(logits, mb)
     loss.backward()
     return loss.detach(), logits.grad, metrics
 
@@ -70,7 +70,7 @@ def test_tool_tokens_get_zero_gradient_and_leave_the_token_mean(token_level_loss
     logits = torch.randn((2, mb["input_ids"].shape[1], VOCAB), generator=torch.Generator().manual_seed(2))
     moved = logits.clone()
     moved[0, 4:6] += 5.0
-    fn = _micro_batch_loss(exp, opts, temperature=1.0, kl_coef=0.05)
+    fn = micro_batch_loss(exp, opts, temperature=1.0, kl_coef=0.05)
     assert torch.equal(fn(moved, make_micro_batch(r, [0, 1]))[0], loss)
 
 
