@@ -521,8 +521,8 @@ LEARNING_SPLIT = 2
 
 
 def bench_learning(args: argparse.Namespace) -> None:
-    """Synchronous, pipelined and partial rollout on the demo's learning workload (its warm-up,
-    configs/grpo_demo_cpu.yaml)."""
+    """Synchronous (also with a streaming update), pipelined and partial rollout on the demo's learning workload (its
+    warm-up, configs/grpo_demo_cpu.yaml)."""
     w = _demo_workload(args)
     lines = [f"Machine: {machine_info(*PACKAGES)}; the demo's config from its warm-up "
              f"(greedy held-out {_warmup_accuracy(w):.2f}), "
@@ -535,7 +535,11 @@ def bench_learning(args: argparse.Namespace) -> None:
              "|---|---|---|---|---|---|---|"]
     gains = {}
     split = ["-o", f"rl_config.partial_rollout_max_split={LEARNING_SPLIT}"]
-    for mode, extra in (("synchronous", []), ("pipelined", ["-o", "rlfabric.max_staleness=1"]),
+    # The demo's micro-batches hold its whole batch (64 rows), so its Update is one request; at 16 rows a synchronous
+    # run sends 4 as the reference answers, and the actor starts on the first (streamed_update.py).
+    streamed = ["-o", "actor_config.micro_batch_size=16", "-o", "rl_config.ref_forward_micro_batch_size=16"]
+    for mode, extra in (("synchronous", []), ("synchronous, streaming update (micro-batches of 16 rows)", streamed),
+                        ("pipelined", ["-o", "rlfabric.max_staleness=1"]),
                         ("partial rollout, synchronous", split),
                         ("partial rollout, pipelined", pipelined_partial(LEARNING_SPLIT, async_engine=False)),
                         ("asynchronous (partial rollout, asynchronous engine, pipelined)",
