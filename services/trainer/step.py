@@ -223,7 +223,7 @@ def run_micro_batches(
     """Megatron's forward(/backward) over `micro_batches`; returns loss_fn's dicts (last PP stage).
 
     `count`: `micro_batches` is an iterator of that many micro-batches, each built when the schedule asks for it
-    (a streaming update: update.grpo_update_streamed; pipeline parallel size 1 only, where the schedule needs no
+    (a streaming update: streamed_update.grpo_update_streamed; pipeline parallel size 1 only, where the schedule needs no
     shapes up front).
 
     `loss_fn(logits, micro_batch) -> (loss, info)`, logits [b, R, V] at the response positions (or [b, S, V]
