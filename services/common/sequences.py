@@ -88,15 +88,21 @@ class Sequences:
 
     def select(self, order: Sequence[int]) -> Sequences:
         """The sequences at indices `order`, in that order, as a batch of their own."""
-        parts = [self.take(i, i + 1) for i in order]
-        if not parts:
-            return self.take(0, 0)
-        cat = np.concatenate
-        return Sequences([p.sample_ids[0] for p in parts], cat([p.token_ids for p in parts]),
-                         cat([p.prompt_lengths for p in parts]), cat([p.response_lengths for p in parts]),
-                         self.weights_version,
-                         None if self.routed_experts is None else cat([p.routed_experts for p in parts]),
-                         None if self.response_mask is None else cat([p.response_mask for p in parts]))
+        order = list(order)
+        seq_ends = np.cumsum(self.prompt_lengths.astype(np.int64) + self.response_lengths)
+        resp_ends = np.cumsum(self.response_lengths.astype(np.int64))
+
+        def pieces(values: np.ndarray | None, ends: np.ndarray) -> np.ndarray | None:
+            if values is None:
+                return None
+            starts = ends - np.diff(ends, prepend=0)
+            taken = [values[starts[i]:ends[i]] for i in order]
+            return np.concatenate(taken) if taken else values[:0]
+
+        return Sequences([self.sample_ids[i] for i in order], pieces(self.token_ids, seq_ends),
+                         self.prompt_lengths[order], self.response_lengths[order], self.weights_version,
+                         pieces(self.routed_experts, seq_ends),
+                         pieces(self.response_mask, resp_ends))
 
     def split(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """(prompt, response) token arrays of each sequence."""

@@ -14,6 +14,7 @@ def worker_handlers(worker) -> dict:
     """Operation name -> callable on this rank's worker (same table on every rank)."""
     import torch
 
+    from services.trainer import inputs
     from services.trainer.critic import CriticExperience
     from services.trainer.step import SequenceRows
     from services.trainer.streamed_update import ExperienceStream
@@ -52,8 +53,12 @@ def worker_handlers(worker) -> dict:
         return worker.update(experience(**arrays), temperature=temperature, kl_coef=kl_coef, step=step)
 
     def update_streamed(step, temperature, kl_coef, batch_rows, parts):
-        # `parts`: the call's requests as experience_arrays, as they come (a single-rank group: nothing broadcast)
-        stream = ExperienceStream((experience(**arrays) for arrays in parts), batch_rows)
+        # `parts`: the call's (request, its Sequences) as they come (a single-rank group: nothing broadcast)
+        def build(items):
+            requests, seqs = zip(*items, strict=True)
+            return experience(**inputs.experience_arrays(requests, seqs, worker.opts.role))
+
+        stream = ExperienceStream(parts, batch_rows, rows_of=lambda item: len(item[1]), build=build)
         return worker.update(stream, temperature=temperature, kl_coef=kl_coef, step=step)
 
     def push_weights(**kwargs):

@@ -182,9 +182,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         (services/trainer/streamed_update.py; a single-rank group, so nothing is broadcast): (metrics, tokens)."""
         role, step = self.worker.opts.role, first.step
         loss_args = self._policy_loss_args([first])
+        # Each request is checked as it comes; the actor's schedule builds its inputs (inputs.experience_arrays)
+        # over the requests a micro-batch touches (handlers.py, streamed_update.ExperienceStream).
         tokens = 0
 
-        def parts() -> Iterator[dict]:
+        def parts() -> Iterator[tuple[trainer_pb2.UpdateRequest, Sequences]]:
             nonlocal tokens
             for p in itertools.chain([first], rest):
                 if p.step != step or p.batch_rows != first.batch_rows:
@@ -194,12 +196,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 stale = self._outside_fence([seqs])
                 if stale:
                     raise StaleBatchError(stale)
-                arrays = inputs.experience_arrays([p], [seqs], role)
-                tokens += int(arrays["response_lengths"].sum())
-                yield arrays
+                tokens += int(seqs.response_lengths.sum())
+                yield p, seqs
 
         with self._update_lock:
-            self._check_step_and_versions(context, step, [self._rows(first.batch)])
+            self._check_step_and_versions(context, step, [])  # the version fence: per request, in parts()
             t0 = time.monotonic()
             metrics = self._run(context, "update_streamed", step=int(step), batch_rows=int(first.batch_rows),
                                 parts=parts(), **loss_args)

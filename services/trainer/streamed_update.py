@@ -16,12 +16,11 @@ Elsewhere the server collects the call first, as before.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import torch
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from services.trainer import moe, packing
-from services.trainer.step import SequenceRows, run_micro_batches
+from services.trainer.step import run_micro_batches
 from services.trainer.update import (
     Experience,
     Trained,
@@ -31,6 +30,8 @@ from services.trainer.update import (
     micro_batch_loss,
 )
 
+T = TypeVar("T")
+
 
 def can_stream(opts: UpdateOptions, model, world_size: int, batch_rows: int) -> bool:
     """Whether an Update of `batch_rows` rows may start before its last row (module docstring)."""
@@ -39,87 +40,68 @@ def can_stream(opts: UpdateOptions, model, world_size: int, batch_rows: int) -> 
 
 
 class ExperienceStream:
-    """An actor's global batch of `total_rows` rows arriving as Experiences of a few rows each (`parts`)."""
+    """An actor's global batch of `total_rows` rows arriving in parts (an Update call's requests).
 
-    def __init__(self, parts: Iterator[Experience], total_rows: int) -> None:
+    `rows_of(part)` counts a part's rows; `build(parts)` makes one Experience of consecutive parts (the server's own
+    concatenation of requests, services/trainer/inputs.py). A micro-batch builds only the parts it touches, so the
+    batch is joined once in all (`whole`), however many micro-batches it has."""
+
+    def __init__(self, parts: Iterator[T], total_rows: int, rows_of: Callable[[T], int],
+                 build: Callable[[list[T]], Experience]) -> None:
         self.total_rows = total_rows
-        self._parts = parts
-        self._received: list[Experience] = []
+        self._parts, self._rows_of, self._build = parts, rows_of, build
+        self._received: list[tuple[int, T]] = []  # (its first row, part)
         self._rows = 0
-        self._joined: Experience | None = None
 
-    def prefix(self, rows: int) -> Experience:
-        """The batch's first `rows` rows (at least; all received so far), waiting for parts until they are here."""
+    def span(self, lo: int, hi: int) -> tuple[Experience, int]:
+        """Rows `lo`..`hi` - 1 within an Experience of the parts holding them, and the Experience's row of `lo`;
+        waits for parts until those rows are here."""
+        self._receive(hi)
+        touched = [(first, part) for first, part in self._received
+                   if first < hi and first + self._rows_of(part) > lo]
+        return self._build([part for _, part in touched]), lo - touched[0][0]
+
+    def whole(self) -> Experience:
+        """Every row, once the stream has ended (a part past `total_rows` rows is refused)."""
+        self._receive(self.total_rows)
+        if next(self._parts, None) is not None:
+            raise ValueError(f"the Update stream sent more than batch_rows ({self.total_rows}) rows")
+        return self._build([part for _, part in self._received])
+
+    def _receive(self, rows: int) -> None:
         while self._rows < rows:
             part = next(self._parts, None)
             if part is None:
                 raise ValueError(f"the Update stream ended after {self._rows} rows; its batch_rows said "
                                  f"{self.total_rows}")
-            self._rows += len(part.rows)
+            self._received.append((self._rows, part))
+            self._rows += self._rows_of(part)
             if self._rows > self.total_rows:
                 raise ValueError(f"the Update stream sent more than batch_rows ({self.total_rows}) rows")
-            self._received.append(part)
-            self._joined = None
-        if self._joined is None:
-            self._joined = join(self._received)
-        return self._joined
-
-    def whole(self) -> Experience:
-        """Every row, once the stream has ended (a part past `total_rows` rows is refused)."""
-        exp = self.prefix(self.total_rows)
-        if next(self._parts, None) is not None:
-            raise ValueError(f"the Update stream sent more than batch_rows ({self.total_rows}) rows")
-        return exp
-
-
-def join(parts: list[Experience]) -> Experience:
-    """One Experience of `parts`' rows, in order."""
-    if len(parts) == 1:
-        return parts[0]
-
-    def cat(name: str) -> torch.Tensor | None:
-        values = [getattr(p, name) for p in parts]
-        if all(v is None for v in values):
-            return None
-        if any(v is None for v in values):
-            raise ValueError(f"{name} is set on some UpdateRequests of the call but not on others")
-        return torch.cat(values)
-
-    rows = [p.rows for p in parts]
-    routed = [r.routed_experts for r in rows]
-    masks = [r.response_mask for r in rows]
-    joined = SequenceRows(torch.cat([r.token_ids for r in rows]), torch.cat([r.prompt_lengths for r in rows]),
-                          torch.cat([r.response_lengths for r in rows]),
-                          None if routed[0] is None else torch.cat(routed))
-    if any(m is not None for m in masks):
-        joined.response_mask = torch.cat([torch.ones(r.num_response_tokens, dtype=torch.bool) if m is None else m
-                                          for r, m in zip(rows, masks, strict=True)])
-    return Experience(joined, cat("advantages"), cat("old_log_probs"), cat("ref_log_probs"),
-                      cat("behavior_log_probs"), token_advantages=cat("token_advantages"))
 
 
 def grpo_update_streamed(model, optimizer, scheduler, stream: ExperienceStream, opts: UpdateOptions, *,
                          temperature: float, kl_coef: float, clip_grad: float) -> dict[str, float]:
     """`update.grpo_update` over a batch that is still arriving (one mini-batch, one epoch: `can_stream`)."""
     size = opts.micro_batch_size
-    slices = [list(range(lo, min(lo + size, stream.total_rows))) for lo in range(0, stream.total_rows, size)]
+    bounds = [(lo, min(lo + size, stream.total_rows)) for lo in range(0, stream.total_rows, size)]
 
     def micro_batches() -> Iterator[dict]:
-        for rows_idx in slices:
-            exp = stream.prefix(rows_idx[-1] + 1)
+        for lo, hi in bounds:
+            exp, at = stream.span(lo, hi)
             if opts.use_kl and exp.ref_log_probs is None:
                 raise ValueError("ref_log_probs is required: this trainer's loss has a KL term "
                                  "(rl_config.init_kl_coef != 0), so every UpdateRequest must carry the reference "
                                  "model's log-probs")
-            mb = packing.build_micro_batches(exp.rows, [rows_idx], opts.packing, pp=1)[0]
+            mb = packing.build_micro_batches(exp.rows, [list(range(at, at + hi - lo))], opts.packing, pp=1)[0]
             mb.update(loss_scale=1.0, experience=exp)
             yield mb
 
-    trained = Trained([], [], None, len(slices))
+    trained = Trained([], [], None, len(bounds))
     model.train()
     optimizer.zero_grad()
     out = run_micro_batches(model, micro_batches(), micro_batch_loss(None, opts, temperature, kl_coef),
-                            forward_only=False, count=len(slices))
+                            forward_only=False, count=len(bounds))
     exp = stream.whole()  # before the step: a stream that sent too many rows changes no weight
     finish_mini_batch(model, optimizer, scheduler, out, clip_grad, trained)
     return actor_metrics(model, exp, opts, trained)

@@ -205,7 +205,7 @@ class TrainerWorker:
         streamed = isinstance(exp, ExperienceStream)
         if self.optimizer is None:
             raise ValueError(f"the {self.opts.role} trainer has no optimizer; Update is for the actor and the critic")
-        if critic != isinstance(exp, CriticExperience) and not (streamed and not critic):
+        if critic != isinstance(exp, CriticExperience):
             raise ValueError(f"the {self.opts.role} trainer trains on {'returns and values' if critic else 'advantages'}")
         self.offloader.require("params", "grads", "optimizer", what="Update")
         t0 = time.monotonic()

@@ -55,3 +55,20 @@ def test_take_equals_a_batch_of_the_same_sequences(lengths: list[tuple[int, int]
     np.testing.assert_array_equal(part.token_ids, expected.token_ids)
     np.testing.assert_array_equal(part.prompt_lengths, expected.prompt_lengths)
     np.testing.assert_array_equal(part.response_lengths, expected.response_lengths)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6)), min_size=1, max_size=7), st.data())
+def test_select_equals_a_batch_of_the_chosen_sequences_in_that_order(lengths: list[tuple[int, int]], data) -> None:
+    rng = np.random.default_rng(len(lengths))
+    prompts = [rng.integers(0, 100, p, dtype=np.int32) for p, _ in lengths]
+    responses = [rng.integers(0, 100, r, dtype=np.int32) for _, r in lengths]
+    masks = [rng.integers(0, 2, r).astype(np.bool_) for _, r in lengths]
+    ids = [f"s{i}" for i in range(len(lengths))]
+    order = data.draw(st.permutations(range(len(lengths))))[: data.draw(st.integers(0, len(lengths)))]
+    got = Sequences.from_lists(ids, prompts, responses, 7, response_masks=masks).select(order)
+    expected = Sequences.from_lists([ids[i] for i in order], [prompts[i] for i in order],
+                                    [responses[i] for i in order], 7, response_masks=[masks[i] for i in order])
+    assert got.sample_ids == expected.sample_ids and got.weights_version == 7
+    for name in ("token_ids", "prompt_lengths", "response_lengths", "response_mask"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(expected, name))

@@ -92,31 +92,18 @@ def test_a_streamed_update_equals_the_collected_one_and_a_broken_stream_changes_
     assert np.array_equal(_probe(whole), _probe(streamed)) and not np.array_equal(_probe(whole), after)
 
 
-def test_the_stream_takes_parts_only_when_a_micro_batch_needs_their_rows():
+def test_the_stream_takes_parts_only_when_a_micro_batch_needs_their_rows_and_builds_only_those():
     pulled = []
 
     def parts():
         for k in range(3):
             pulled.append(k)
-            yield _Part(2)
+            yield k  # a part of 2 rows
 
-    stream = ExperienceStream(parts(), total_rows=6)
-    assert stream.prefix(1) is not None and pulled == [0]
-    stream.prefix(2)
-    assert pulled == [0]
-    stream.prefix(3)
-    assert pulled == [0, 1]
-    assert len(stream.whole().rows) == 6 and pulled == [0, 1, 2]
-
-
-class _Part:
-    """An Experience of `n` one-token rows."""
-
-    def __new__(cls, n: int):
-        import torch
-
-        from services.trainer.step import SequenceRows
-        from services.trainer.update import Experience
-
-        rows = SequenceRows(torch.arange(2 * n), torch.ones(n, dtype=torch.long), torch.ones(n, dtype=torch.long))
-        return Experience(rows, torch.zeros(n), None, None)
+    # `build` stands for the server's concatenation: here it says which parts it was given
+    stream = ExperienceStream(parts(), total_rows=6, rows_of=lambda part: 2, build=list)
+    assert stream.span(0, 1) == ([0], 0) and pulled == [0]
+    assert stream.span(1, 2) == ([0], 1) and pulled == [0]
+    assert stream.span(1, 3) == ([0, 1], 1) and pulled == [0, 1]  # a micro-batch across two parts
+    assert stream.span(3, 4) == ([1], 1) and pulled == [0, 1]
+    assert stream.whole() == [0, 1, 2] and pulled == [0, 1, 2]
