@@ -40,13 +40,21 @@ def test_split_response_values() -> None:
         split_response_values(np.arange(4, dtype=np.float32), [2, 0, 3])
 
 
-@settings(max_examples=30, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6)), min_size=1, max_size=7), st.data())
-def test_take_equals_a_batch_of_the_same_sequences(lengths: list[tuple[int, int]], data) -> None:
+# Batches of up to 7 sequences (prompt 1-6 tokens, response 0-6), for take and select.
+SMALL_BATCHES = st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6)), min_size=1, max_size=7)
+
+
+def _small_batch(lengths: list[tuple[int, int]]) -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
     rng = np.random.default_rng(len(lengths))
     prompts = [rng.integers(0, 100, p, dtype=np.int32) for p, _ in lengths]
     responses = [rng.integers(0, 100, r, dtype=np.int32) for _, r in lengths]
-    ids = [f"s{i}" for i in range(len(lengths))]
+    return [f"s{i}" for i in range(len(lengths))], prompts, responses
+
+
+@settings(max_examples=30, deadline=None)
+@given(SMALL_BATCHES, st.data())
+def test_take_equals_a_batch_of_the_same_sequences(lengths: list[tuple[int, int]], data) -> None:
+    ids, prompts, responses = _small_batch(lengths)
     start = data.draw(st.integers(0, len(lengths)))
     stop = data.draw(st.integers(start, len(lengths) + 3))  # past the end is cut, as with list slices
     part = Sequences.from_lists(ids, prompts, responses, 7).take(start, stop)
@@ -58,13 +66,10 @@ def test_take_equals_a_batch_of_the_same_sequences(lengths: list[tuple[int, int]
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6)), min_size=1, max_size=7), st.data())
+@given(SMALL_BATCHES, st.data())
 def test_select_equals_a_batch_of_the_chosen_sequences_in_that_order(lengths: list[tuple[int, int]], data) -> None:
-    rng = np.random.default_rng(len(lengths))
-    prompts = [rng.integers(0, 100, p, dtype=np.int32) for p, _ in lengths]
-    responses = [rng.integers(0, 100, r, dtype=np.int32) for _, r in lengths]
-    masks = [rng.integers(0, 2, r).astype(np.bool_) for _, r in lengths]
-    ids = [f"s{i}" for i in range(len(lengths))]
+    ids, prompts, responses = _small_batch(lengths)
+    masks = [np.arange(len(r)) % 2 == 0 for r in responses]
     order = data.draw(st.permutations(range(len(lengths))))[: data.draw(st.integers(0, len(lengths)))]
     got = Sequences.from_lists(ids, prompts, responses, 7, response_masks=masks).select(order)
     expected = Sequences.from_lists([ids[i] for i in order], [prompts[i] for i in order],
